@@ -1,0 +1,24 @@
+"""``python -m benchmarks NAME [ARGS...]``: run one benchmark; with no NAME, list them."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = {
+    "validate": ("benchmarks.validate_speed", "factory validate on every preset vs `import torch`"),
+}
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in BENCHMARKS:
+        print("usage: python -m benchmarks NAME [ARGS...]\n\nbenchmarks:")
+        for name, (_, summary) in BENCHMARKS.items():
+            print(f"  {name:12s} {summary}")
+        return 0 if not argv else 2
+    module = importlib.import_module(BENCHMARKS[argv[0]][0])
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

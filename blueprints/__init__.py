@@ -1,0 +1,1 @@
+"""Shipped blueprint presets (YAML), installed as package data of ``factory.blueprints``."""

@@ -1,0 +1,1 @@
+"""Fragments the presets compose with ``extends:``."""

@@ -1,0 +1,5 @@
+import sys
+
+from factory.cli.app import main
+
+sys.exit(main())

@@ -1,0 +1,239 @@
+"""Rules on the ``model`` section that span more than one sub-section.
+
+Single-field constraints (positive sizes, a parseable pattern) are pydantic
+validators in ``factory.schemas.model``; what lives here needs two or more
+values at once: the pattern against the sections it needs, heads against
+groups, the router against the expert count, and the Mamba in_proj width
+against the precision recipe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from factory.checks.registry import Finding, rule
+from factory.schemas.blueprint import Blueprint
+from factory.schemas.model import ModelConfig
+from factory.schemas.pattern import LAYER_SYMBOLS, MTP_SEPARATOR, PIPE, HybridPattern, PatternError
+
+__all__ = ["LOW_PRECISION", "used_symbols", "uses_low_precision"]
+
+LOW_PRECISION = frozenset({"fp8", "mxfp8", "nvfp4", "mor"})
+"""Recipes that run GEMMs through Transformer Engine's quantised kernels."""
+
+_SECTION_OF = {"*": "attention", "M": "mamba", "-": "mlp", "E": "moe"}
+
+
+def used_symbols(model: ModelConfig) -> set[str]:
+    """Layer symbols the model builds: the main stack plus the MTP inner pattern.
+
+    Characters of a malformed ``model.mtp.pattern`` are ignored here; the
+    ``model.mtp_pattern`` rule reports them.
+    """
+    return (set(model.layout.main) | set(model.mtp_pattern)) & set(LAYER_SYMBOLS)
+
+
+def uses_low_precision(bp: Blueprint) -> bool:
+    """True when the recipe or any override quantises some GEMM."""
+    recipes = {bp.precision.recipe, *bp.precision.overrides.values()}
+    return bool(recipes & LOW_PRECISION)
+
+
+def _count(model: ModelConfig, symbol: str) -> int:
+    """Layers of one type, MTP inner layers counted once per depth."""
+    return model.layout.main.count(symbol) + model.mtp_depth * model.mtp_pattern.count(symbol)
+
+
+@rule("model.layer_sections")
+def layer_sections(bp: Blueprint) -> Iterator[Finding]:
+    """Every layer type in the pattern (main or MTP) has its config section."""
+    model = bp.model
+    for symbol in sorted(used_symbols(model)):
+        section = _SECTION_OF[symbol]
+        if getattr(model, section) is None:
+            yield Finding(
+                f"model.{section}",
+                f"the pattern has {_count(model, symbol)} {symbol!r} ({LAYER_SYMBOLS[symbol]}) "
+                f"layers but model.{section} is not set",
+            )
+
+
+@rule("model.unused_sections")
+def unused_sections(bp: Blueprint) -> Iterator[Finding]:
+    """A layer section that no layer uses is probably a pattern typo."""
+    used = used_symbols(bp.model)
+    for symbol, section in _SECTION_OF.items():
+        if getattr(bp.model, section) is not None and symbol not in used:
+            yield Finding(
+                f"model.{section}",
+                f"model.{section} is set but the pattern has no {symbol!r} layers; it is ignored",
+                "warning",
+            )
+
+
+@rule("model.attention_kv_heads")
+def attention_kv_heads(bp: Blueprint) -> Iterator[Finding]:
+    """Query heads split evenly into key/value groups (GQA)."""
+    att = bp.model.attention
+    if att is not None and att.heads % att.kv_heads:
+        yield Finding(
+            "model.attention.kv_heads",
+            f"kv_heads={att.kv_heads} must divide attention heads ({att.heads})",
+        )
+
+
+@rule("model.mamba_groups")
+def mamba_groups(bp: Blueprint) -> Iterator[Finding]:
+    """Mamba heads split evenly into B/C groups (Megatron asserts nheads % ngroups == 0)."""
+    mamba = bp.model.mamba
+    if mamba is not None and mamba.heads % mamba.groups:
+        yield Finding(
+            "model.mamba.groups",
+            f"mamba groups={mamba.groups} must divide mamba heads ({mamba.heads})",
+        )
+
+
+@rule("model.mamba_in_proj_alignment")
+def mamba_in_proj_alignment(bp: Blueprint) -> Iterator[Finding]:
+    """Quantised GEMMs need the Mamba in_proj width to be a multiple of 16.
+
+    Megatron asserts (2*d_inner + 2*groups*state + heads) % 16 == 0 only
+    under FP8/FP4, where Transformer Engine's kernels need 16-aligned
+    dimensions; in BF16 any width works, so nothing is reported.
+    """
+    mamba = bp.model.mamba
+    if mamba is None or "M" not in used_symbols(bp.model) or not uses_low_precision(bp):
+        return
+    width = mamba.in_proj_dim
+    if width % 16:
+        recipes = sorted({bp.precision.recipe, *bp.precision.overrides.values()} & LOW_PRECISION)
+        yield Finding(
+            "model.mamba.heads",
+            f"mamba in_proj width 2*d_inner + 2*groups*state + heads = 2*{mamba.d_inner} + "
+            f"2*{mamba.groups}*{mamba.state_size} + {mamba.heads} = {width} must be a multiple "
+            f"of 16 for {'/'.join(recipes)} GEMMs ({width} % 16 = {width % 16})",
+        )
+
+
+@rule("model.moe_top_k")
+def moe_top_k(bp: Blueprint) -> Iterator[Finding]:
+    """A token cannot be routed to more experts than exist."""
+    moe = bp.model.moe
+    if moe is not None and moe.top_k > moe.num_experts:
+        yield Finding(
+            "model.moe.top_k",
+            f"top_k={moe.top_k} must be at most num_experts ({moe.num_experts})",
+        )
+
+
+@rule("model.moe_latent_size")
+def moe_latent_size(bp: Blueprint) -> Iterator[Finding]:
+    """LatentMoE only saves anything when the latent is narrower than the model."""
+    moe = bp.model.moe
+    if moe is not None and moe.latent_size is not None and moe.latent_size >= bp.model.hidden_size:
+        yield Finding(
+            "model.moe.latent_size",
+            f"latent_size={moe.latent_size} must be smaller than hidden_size "
+            f"({bp.model.hidden_size})",
+        )
+
+
+@rule("model.moe_router_groups")
+def moe_router_groups(bp: Blueprint) -> Iterator[Finding]:
+    """Group-limited routing: groups tile the experts and keep enough experts for top_k."""
+    moe = bp.model.moe
+    if moe is None:
+        return
+    groups, group_top_k = moe.router.num_groups, moe.router.group_top_k
+    if moe.num_experts % groups:
+        yield Finding(
+            "model.moe.router.num_groups",
+            f"router num_groups={groups} must divide num_experts ({moe.num_experts})",
+        )
+    if group_top_k > groups:
+        yield Finding(
+            "model.moe.router.group_top_k",
+            f"router group_top_k={group_top_k} must be at most num_groups ({groups})",
+        )
+    elif moe.num_experts % groups == 0:
+        reachable = group_top_k * (moe.num_experts // groups)
+        if reachable < moe.top_k:
+            yield Finding(
+                "model.moe.router.group_top_k",
+                f"group_top_k*(num_experts/num_groups) = {group_top_k}*"
+                f"({moe.num_experts}/{groups}) = {reachable} experts are reachable, "
+                f"fewer than top_k ({moe.top_k})",
+            )
+
+
+@rule("model.mtp_segments")
+def mtp_segments(bp: Blueprint) -> Iterator[Finding]:
+    """All '/' MTP segments of the pattern are identical (Megatron requires it)."""
+    mtp = bp.model.layout.mtp
+    different = sorted(set(mtp) - {mtp[0]}) if mtp else []
+    if different:
+        yield Finding(
+            "model.pattern",
+            f"all {len(mtp)} MTP segments must be identical: segment 1 is {mtp[0]!r} but "
+            f"{', '.join(repr(s) for s in different)} also appear",
+        )
+
+
+@rule("model.mtp_consistent")
+def mtp_consistent(bp: Blueprint) -> Iterator[Finding]:
+    """A model.mtp section agrees with the '/' segments of the pattern.
+
+    Only values written explicitly are compared: the section's depth and
+    pattern have defaults, and a blueprint that writes just
+    ``mtp: {repeated: true}`` next to a '/' pattern is consistent.
+    """
+    layout, mtp = bp.model.layout, bp.model.mtp
+    if mtp is None or not layout.mtp:
+        return
+    written = mtp.model_fields_set
+    if "depth" in written and mtp.depth != layout.mtp_depth:
+        yield Finding(
+            "model.mtp.depth",
+            f"model.mtp.depth={mtp.depth} but the pattern has {layout.mtp_depth} '/' MTP segments",
+        )
+    if "pattern" in written and mtp.pattern != layout.mtp[0]:
+        yield Finding(
+            "model.mtp.pattern",
+            f"model.mtp.pattern={mtp.pattern!r} but the pattern's MTP segments are "
+            f"{layout.mtp[0]!r}",
+        )
+
+
+@rule("model.mtp_pattern")
+def mtp_pattern(bp: Blueprint) -> Iterator[Finding]:
+    """model.mtp.pattern is one inner block: known symbols, no '|' or '/'."""
+    mtp = bp.model.mtp
+    if mtp is None:
+        return
+    for char in (PIPE, MTP_SEPARATOR):
+        if char in mtp.pattern:
+            yield Finding(
+                "model.mtp.pattern",
+                f"model.mtp.pattern={mtp.pattern!r} contains {char!r}; it is one MTP block's "
+                "inner pattern (pipes and MTP separators belong to model.pattern)",
+            )
+            return
+    try:
+        HybridPattern.parse(mtp.pattern)
+    except PatternError as err:
+        yield Finding("model.mtp.pattern", f"model.mtp.pattern={mtp.pattern!r}: {err}")
+
+
+@rule("model.rope_unused")
+def rope_unused(bp: Blueprint) -> Iterator[Finding]:
+    """RoPE settings do nothing without position_embedding: rope."""
+    model = bp.model
+    if model.position_embedding != "none":
+        return
+    for field in ("rope_base", "rope_fraction"):
+        if field in model.model_fields_set:
+            yield Finding(
+                f"model.{field}",
+                f"{field}={getattr(model, field)} is ignored because position_embedding is 'none'",
+                "warning",
+            )

@@ -1,0 +1,95 @@
+"""Rules on the ``precision`` section against the model and pipeline.
+
+The high-precision layer counts follow Megatron's ``--first-last-layers-bf16``
+(``/work/shared/reference/nvfp4.md`` §4.5); override globs are checked
+against ``factory.naming`` so that a typo cannot silently leave a layer in
+the default format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from fnmatch import fnmatchcase
+
+from factory.checks.registry import Finding, rule
+from factory.errors import did_you_mean
+from factory.loading.paths import join_path
+from factory.naming import excluded_module_names, generalized_names, linear_module_names
+from factory.schemas.blueprint import Blueprint
+
+__all__: list[str] = []
+
+
+@rule("precision.high_precision_layers")
+def high_precision_layers(bp: Blueprint) -> Iterator[Finding]:
+    """BF16 layer counts fit the stack and the first/last pipeline stage; indices exist."""
+    hp, num_layers, pp = bp.precision.high_precision, bp.model.num_layers, bp.parallelism.pp
+    if hp.first + hp.last > num_layers:
+        yield Finding(
+            "precision.high_precision",
+            f"high_precision first + last = {hp.first} + {hp.last} = {hp.first + hp.last} "
+            f"exceeds num_layers ({num_layers})",
+        )
+    per_stage = num_layers // pp
+    for field in ("first", "last"):
+        count = getattr(hp, field)
+        if count > per_stage:
+            yield Finding(
+                f"precision.high_precision.{field}",
+                f"high_precision.{field}={count} must be at most num_layers // pp = "
+                f"{num_layers} // {pp} = {per_stage}",
+            )
+    for k, index in enumerate(hp.layers):
+        if not 0 <= index < num_layers:
+            yield Finding(
+                f"precision.high_precision.layers[{k}]",
+                f"layer index {index} is outside [0, {num_layers})",
+            )
+
+
+@rule("precision.delayed_scaling_first_last")
+def delayed_scaling_first_last(bp: Blueprint) -> Iterator[Finding]:
+    """FP8 delayed scaling cannot keep first/last layers in BF16 (Megatron raises)."""
+    prec = bp.precision
+    hp = prec.high_precision
+    if prec.recipe == "fp8" and prec.fp8.scaling == "delayed" and (hp.first or hp.last):
+        yield Finding(
+            "precision.fp8.scaling",
+            f"fp8 delayed scaling is incompatible with first/last BF16 layers "
+            f"(high_precision first={hp.first}, last={hp.last}); use tensorwise scaling",
+        )
+
+
+@rule("precision.override_globs")
+def override_globs(bp: Blueprint) -> Iterator[Finding]:
+    """Every override glob matches at least one quantisable linear module."""
+    if not bp.precision.overrides:
+        return
+    names = linear_module_names(bp.model)
+    for glob in bp.precision.overrides:
+        if any(fnmatchcase(name, glob) for name in names):
+            continue
+        excluded = [name for name in excluded_module_names(bp.model) if fnmatchcase(name, glob)]
+        if excluded:
+            hint = f"; it matches {excluded[0]!r}, which is never quantised (stays BF16/FP32)"
+        else:
+            hint = did_you_mean(glob, generalized_names(bp.model))
+        yield Finding(
+            join_path("precision.overrides", glob),
+            f"override {glob!r} matches none of the {len(names)} linear modules{hint}",
+        )
+
+
+@rule("precision.switch_to_bf16_unused")
+def switch_to_bf16_unused(bp: Blueprint) -> Iterator[Finding]:
+    """Switching to BF16 late does nothing when every GEMM already runs in BF16."""
+    prec = bp.precision
+    if prec.switch_to_bf16 is None:
+        return
+    if {prec.recipe, *prec.overrides.values()} == {"bf16"}:
+        yield Finding(
+            "precision.switch_to_bf16",
+            f"switch_to_bf16 (after_fraction={prec.switch_to_bf16.after_fraction}) has nothing "
+            "to switch: the recipe and every override are already bf16",
+            "warning",
+        )

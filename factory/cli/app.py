@@ -1,0 +1,64 @@
+"""The ``factory`` command.
+
+Each subcommand lives in its own module and registers on :data:`app`. Bad
+input never shows a traceback: it prints ``file:line: path: message`` lines
+and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from factory.errors import BlueprintError
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    name="factory",
+    help="Blueprints in: training graphs, plans, exports and data shards out.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register() -> None:
+    # Importing a command module registers its command on `app`.
+    from factory.cli import build_cmd, plan_cmd, schema_cmd, validate_cmd  # noqa: F401
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit status."""
+    _register()
+    try:
+        # Without standalone mode, click returns an Exit's code instead of raising it.
+        result = app(args=argv, prog_name="factory", standalone_mode=False)
+    except typer.Exit as exc:
+        return exc.exit_code
+    except BlueprintError as exc:
+        from factory.cli.output import print_diagnostics
+
+        print_diagnostics(exc.diagnostics)
+        return 2
+    except (typer.Abort, KeyboardInterrupt):
+        print("aborted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a click usage error, or a bug: report it without a traceback
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            return exc.exit_code
+        if os.environ.get("FACTORY_DEBUG"):
+            raise
+        print(f"factory: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print("factory: set FACTORY_DEBUG=1 for the traceback", file=sys.stderr)
+        return 1
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

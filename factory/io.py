@@ -1,0 +1,51 @@
+"""Atomic writes: a reader sees the old file or the new one, never half of one."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+__all__ = ["atomic_write_text", "staged_directory"]
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path``, fsync it, then rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def staged_directory(target: Path) -> Iterator[Path]:
+    """Build a directory in a sibling temporary folder and swap it in only on success.
+
+    An existing ``target`` is replaced; if the body raises, ``target`` is untouched
+    and the staging folder is removed.
+    """
+    target = target.resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    retired = None
+    if target.exists():
+        retired = target.with_name(f".{target.name}.old-{os.getpid()}")
+        os.replace(target, retired)
+    os.replace(staging, target)
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)

@@ -1,0 +1,54 @@
+"""JSON Schema for blueprints, so editors can complete and check YAML as it is typed.
+
+Two files: ``blueprint.schema.json`` for complete blueprints, and
+``fragment.schema.json`` for the shared fragments under ``blueprints/base``,
+which set only some fields and so must not demand the required ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from factory.schemas.blueprint import Blueprint
+
+__all__ = ["render_schemas", "write_schemas"]
+
+_EXTENDS = {
+    "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
+    "description": "Fragments this file builds on, relative to it; merged left to right.",
+}
+
+
+def _without_required(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _without_required(v) for k, v in node.items() if k != "required"}
+    if isinstance(node, list):
+        return [_without_required(v) for v in node]
+    return node
+
+
+def render_schemas() -> dict[str, str]:
+    """File name -> JSON text, deterministic (sorted keys, trailing newline)."""
+    schema = Blueprint.model_json_schema()
+    schema["properties"]["extends"] = _EXTENDS
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "factory blueprint"
+    fragment = _without_required(copy.deepcopy(schema))
+    fragment["title"] = "factory blueprint fragment"
+    return {
+        name: json.dumps(doc, indent=2, sort_keys=True) + "\n"
+        for name, doc in (("blueprint.schema.json", schema), ("fragment.schema.json", fragment))
+    }
+
+
+def write_schemas(out: Path) -> list[Path]:
+    from factory.io import atomic_write_text
+
+    written = []
+    for name, text in render_schemas().items():
+        atomic_write_text(out / name, text)
+        written.append(out / name)
+    return written

@@ -1,0 +1,123 @@
+"""Read one YAML file into plain data plus the line of every value.
+
+PyYAML's safe composer gives a node graph with positions; we build the data
+ourselves so that we can (a) record ``path -> line`` for error messages,
+(b) refuse tags other than YAML's core types (``!!python/...`` and custom
+tags), (c) refuse duplicate keys, which PyYAML would silently collapse, and
+(d) bound alias expansion, so a "billion laughs" document or a recursive
+alias fails fast instead of exhausting memory downstream.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from factory.errors import BlueprintError, Diagnostic, SourceMap
+from factory.loading.paths import join_path
+
+__all__ = ["MAX_NODES", "read_yaml", "read_yaml_text"]
+
+MAX_NODES = 100_000
+"""Most nodes a document may expand to once aliases are followed; blueprints have ~300."""
+
+_CORE = "tag:yaml.org,2002:"
+_ALLOWED_TAGS = {_CORE + t for t in ("str", "int", "float", "bool", "null", "map", "seq")}
+
+
+class _Builder:
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self.source_map = SourceMap(file)
+        self.visited = 0
+        self.active: set[int] = set()
+        self.scalars = yaml.constructor.SafeConstructor()
+
+    def fail(self, node: yaml.Node, path: str, message: str) -> BlueprintError:
+        line = node.start_mark.line + 1
+        return BlueprintError([Diagnostic(path=path, message=message, file=self.file, line=line)])
+
+    def build(self, node: yaml.Node, path: str) -> Any:
+        self.visited += 1
+        if self.visited > MAX_NODES:
+            raise self.fail(
+                node, path, f"document expands to more than {MAX_NODES} nodes (alias bomb?)"
+            )
+        if node.tag not in _ALLOWED_TAGS:
+            raise self.fail(
+                node, path, f"tag {node.tag!r} is not allowed; blueprints are plain data"
+            )
+        self.source_map.record(path, self.file, node.start_mark.line + 1)
+        if isinstance(node, yaml.ScalarNode):
+            return self.scalars.construct_object(node)
+        if id(node) in self.active:
+            raise self.fail(node, path, "recursive alias: a value contains itself")
+        self.active.add(id(node))
+        try:
+            if isinstance(node, yaml.SequenceNode):
+                return [self.build(item, join_path(path, i)) for i, item in enumerate(node.value)]
+            return self._mapping(node, path)
+        finally:
+            self.active.discard(id(node))
+
+    def _mapping(self, node: yaml.MappingNode, path: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _CORE + "merge":
+                raise self.fail(
+                    key_node, path, "YAML merge keys ('<<') are not supported; use 'extends'"
+                )
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != _CORE + "str":
+                raise self.fail(
+                    key_node, path, f"keys must be plain strings, got {key_node.value!r}"
+                )
+            key = key_node.value
+            if key in out:
+                first = self.source_map.locate(join_path(path, key))[1]
+                raise self.fail(
+                    key_node, join_path(path, key), f"duplicate key (first set on line {first})"
+                )
+            out[key] = self.build(value_node, join_path(path, key))
+            # Point at the key's line: a nested section's own node starts a line below it.
+            self.source_map.record(join_path(path, key), self.file, key_node.start_mark.line + 1)
+        return out
+
+
+def read_yaml_text(text: str, file: str) -> tuple[Any, SourceMap]:
+    """Parse ``text`` (the contents of ``file``) into data and a source map."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = mark.line + 1 if mark else 0
+        problem = " ".join(p for p in (exc.context, exc.problem) if p)
+        raise BlueprintError([Diagnostic("", f"malformed YAML: {problem}", file, line)]) from None
+    except yaml.YAMLError as exc:
+        raise BlueprintError([Diagnostic("", f"malformed YAML: {exc}", file, 0)]) from None
+    if root is None:
+        raise BlueprintError([Diagnostic("", "the document is empty", file, 1)])
+    builder = _Builder(file)
+    return builder.build(root, ""), builder.source_map
+
+
+def read_yaml(path: Path, display: str | None = None) -> tuple[Any, SourceMap]:
+    """Read and parse a YAML file; unreadable files become diagnostics too."""
+    file = display or str(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise BlueprintError([Diagnostic("", "file not found", file, 0)]) from None
+    except OSError as exc:
+        raise BlueprintError(
+            [Diagnostic("", f"cannot read file: {exc.strerror}", file, 0)]
+        ) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise BlueprintError(
+            [Diagnostic("", f"not UTF-8 (byte {exc.start})", file, line)]
+        ) from None
+    return read_yaml_text(text, file)

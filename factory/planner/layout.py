@@ -1,0 +1,86 @@
+"""Resolve a blueprint's parallelism section into the full rank layout.
+
+DP and EDP are derived (``world / (tp*cp*pp)`` and ``world / (etp*ep*pp)``),
+the virtual-stage count comes from the pattern's ``|`` segments, and each
+pipeline rank gets its layers. Segment ``i`` runs on pipeline rank
+``i % pp`` as virtual stage ``i // pp`` (Megatron's round-robin assignment).
+Resolution assumes the blueprint passed ``factory.checks``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from factory.schemas.blueprint import Blueprint
+
+__all__ = ["Layout", "resolve_layout"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every degree of the dense and expert grids, and what each pipeline rank holds."""
+
+    world_size: int
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    vpp: int
+    ep: int
+    etp: int
+    edp: int
+    sequence_parallel: bool
+    micro_batch_size: int
+    global_batch_size: int
+    num_microbatches: int
+    stage_patterns: tuple[tuple[str, ...], ...]
+    """stage_patterns[pp_rank][virtual_stage]: the layer symbols that stage runs."""
+    mtp_on_rank: int
+    """Pipeline rank that runs the MTP blocks (the last, as in Megatron)."""
+
+    def layers_on_rank(self, pp_rank: int) -> str:
+        return "".join(self.stage_patterns[pp_rank])
+
+    def to_dict(self) -> dict[str, object]:
+        out = asdict(self)
+        out["stage_patterns"] = [list(stages) for stages in self.stage_patterns]
+        out["layers_per_rank"] = [len(self.layers_on_rank(r)) for r in range(self.pp)]
+        return out
+
+
+def _segments(bp: Blueprint) -> list[str]:
+    """Pipeline segments: the '|' segments, or an even split of the stack into pp pieces."""
+    layout = bp.model.layout
+    pp = bp.parallelism.pp
+    if layout.has_pipes:
+        return list(layout.segments)
+    main = layout.main
+    per = -(-len(main) // pp)
+    return [main[i * per : (i + 1) * per] for i in range(pp)]
+
+
+def resolve_layout(bp: Blueprint) -> Layout:
+    par = bp.parallelism
+    tp, cp, pp, ep, etp = par.tp, par.cp, par.pp, par.ep, par.expert_tp
+    dp = max(1, par.world_size // (tp * cp * pp))
+    edp = max(1, par.world_size // (etp * ep * pp))
+    segments = _segments(bp)
+    vpp = max(1, len(segments) // pp)
+    stages = tuple(tuple(segments[v * pp + r] for v in range(vpp)) for r in range(pp))
+    return Layout(
+        world_size=par.world_size,
+        tp=tp,
+        cp=cp,
+        dp=dp,
+        pp=pp,
+        vpp=vpp,
+        ep=ep,
+        etp=etp,
+        edp=edp,
+        sequence_parallel=par.sequence_parallel and tp > 1,
+        micro_batch_size=par.micro_batch_size,
+        global_batch_size=par.global_batch_size,
+        num_microbatches=max(1, par.global_batch_size // (par.micro_batch_size * dp)),
+        stage_patterns=stages,
+        mtp_on_rank=pp - 1,
+    )

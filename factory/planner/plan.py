@@ -1,0 +1,64 @@
+"""``factory.plan``: everything the blueprint implies before a GPU is touched.
+
+Parameters (exact), training FLOPs per token (Megatron's formula and our own
+count), memory per rank and the resolved layout, in one object whose
+``to_dict()`` is the ``factory plan --json`` document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from factory.planner.flops import FlopsPerToken, flops_per_token
+from factory.planner.layout import Layout, resolve_layout
+from factory.planner.memory import MemoryPlan, memory_per_rank
+from factory.planner.params import ModelParams, count_params
+from factory.schemas.blueprint import Blueprint
+
+__all__ = ["Plan", "plan"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    name: str
+    params: ModelParams
+    flops_per_token: FlopsPerToken
+    memory: MemoryPlan
+    layout: Layout
+    tokens_per_step: int
+    steps: int
+    total_training_flops: float
+    """Training FLOPs of the whole run by our exact count."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "params": asdict(self.params),
+            "flops_per_token": self.flops_per_token.to_dict(),
+            "memory_per_rank_bytes": self.memory.to_dict(),
+            "layout": self.layout.to_dict(),
+            "training": {
+                "tokens_per_step": self.tokens_per_step,
+                "steps": self.steps,
+                "total_flops": self.total_training_flops,
+            },
+        }
+
+
+def plan(blueprint: Blueprint) -> Plan:
+    """Plan a validated blueprint (from :func:`factory.load_blueprint`)."""
+    layout = resolve_layout(blueprint)
+    seq_len = blueprint.data.seq_len
+    flops = flops_per_token(blueprint.model, seq_len)
+    per_step, steps = blueprint.tokens_per_step, blueprint.training_steps
+    return Plan(
+        name=blueprint.meta.name,
+        params=count_params(blueprint.model),
+        flops_per_token=flops,
+        memory=memory_per_rank(blueprint, layout),
+        layout=layout,
+        tokens_per_step=per_step,
+        steps=steps,
+        total_training_flops=flops.exact * per_step * steps,
+    )

@@ -1,0 +1,58 @@
+"""The whole blueprint: one typed document per model."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from factory.schemas.base import Section
+from factory.schemas.data import DataConfig
+from factory.schemas.model import ModelConfig
+from factory.schemas.parallelism import ParallelismConfig
+from factory.schemas.precision import PrecisionConfig
+from factory.schemas.training import TrainingConfig
+
+__all__ = ["Blueprint", "Meta"]
+
+
+class Meta(Section):
+    """Who and what this blueprint is."""
+
+    name: str = Field(min_length=1)
+    """Short name, used for build folders."""
+    description: str = ""
+    family: str = ""
+    """Model family, e.g. 'nemotron-3'."""
+    hf_id: str | None = None
+    """Hugging Face id of the released checkpoint this blueprint reproduces."""
+    sources: list[str] = Field(default_factory=list)
+    """Where the numbers come from."""
+
+
+class Blueprint(Section):
+    """A model blueprint: architecture, precision, parallel layout, data and training."""
+
+    meta: Meta
+    model: ModelConfig
+    precision: PrecisionConfig = PrecisionConfig()
+    parallelism: ParallelismConfig
+    data: DataConfig
+    training: TrainingConfig
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens one optimizer step consumes: global batch times sequence length."""
+        return self.parallelism.global_batch_size * self.data.seq_len
+
+    @property
+    def training_tokens(self) -> int | None:
+        """Tokens the run trains on, from tokens or steps; None when neither is given."""
+        if self.training.tokens is not None:
+            return self.training.tokens
+        return self.training.steps * self.tokens_per_step if self.training.steps else None
+
+    @property
+    def training_steps(self) -> int:
+        """Optimizer steps: as written, or tokens // tokens_per_step (Megatron's floor)."""
+        if self.training.steps is not None:
+            return self.training.steps
+        return (self.training.tokens or 0) // self.tokens_per_step

@@ -1,0 +1,97 @@
+"""The ``parallelism`` section: how ranks are laid out.
+
+Megatron-Core factorises the same ranks twice (MoE parallel folding): dense
+layers use TP x CP x DP x PP and MoE layers use ETP x EP x EDP x PP, sharing
+only PP. DP and EDP are derived; write them only to assert them. The rules are
+in ``factory.checks.parallel_rules``; ``factory.planner.layout`` resolves them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from factory.schemas.base import PositiveInt, Section
+
+__all__ = ["GPU_SPECS", "GPUSpec", "ModuleLayout", "ParallelismConfig"]
+
+
+class GPUSpec(Section):
+    """What the planner needs to know about one accelerator."""
+
+    memory_bytes: int
+    """Device memory."""
+    nvlink_domain: int
+    """GPUs that share one NVLink domain (8 per HGX node, 72 per NVL72 rack)."""
+    bf16_dense_flops: float
+    """Peak dense BF16 tensor-core FLOP/s, for MFU estimates."""
+
+
+GiB = 1024**3
+# Vendor data-sheet peaks (dense, no sparsity).
+GPU_SPECS: dict[str, GPUSpec] = {
+    "h100": GPUSpec(memory_bytes=80 * GiB, nvlink_domain=8, bf16_dense_flops=989e12),
+    "h200": GPUSpec(memory_bytes=141 * GiB, nvlink_domain=8, bf16_dense_flops=989e12),
+    "b200": GPUSpec(memory_bytes=180 * GiB, nvlink_domain=8, bf16_dense_flops=2.25e15),
+    "b300": GPUSpec(memory_bytes=270 * GiB, nvlink_domain=8, bf16_dense_flops=2.25e15),
+    "gb200": GPUSpec(memory_bytes=186 * GiB, nvlink_domain=72, bf16_dense_flops=2.5e15),
+    "gb300": GPUSpec(memory_bytes=279 * GiB, nvlink_domain=72, bf16_dense_flops=2.5e15),
+}
+
+
+class ModuleLayout(Section):
+    """One module's own grid in a heterogeneous (MIMO-style) layout, e.g. a vision encoder."""
+
+    num_ranks: PositiveInt
+    """Ranks this module runs on."""
+    rank_offset: int = Field(default=0, ge=0)
+    """First rank of the module's grid."""
+    tp: PositiveInt = 1
+    cp: PositiveInt = 1
+    pp: PositiveInt = 1
+    ep: PositiveInt = 1
+    etp: PositiveInt = 1
+
+
+class ParallelismConfig(Section):
+    """The parallel layout of one training job."""
+
+    world_size: PositiveInt
+    """Total GPUs."""
+    gpu: Literal["h100", "h200", "b200", "b300", "gb200", "gb300"] = "h100"
+    """Accelerator type: sets memory and NVLink-domain size for the planner's warnings."""
+    tp: PositiveInt = 1
+    """Tensor parallel size of the dense (attention, Mamba, MLP) layers."""
+    cp: PositiveInt = 1
+    """Context parallel size."""
+    pp: PositiveInt = 1
+    """Pipeline parallel size."""
+    vpp: PositiveInt | None = None
+    """Virtual stages per pipeline rank; with '|' in the pattern it is segments / pp."""
+    dp: PositiveInt | None = None
+    """Data parallel size; derived as world_size / (tp*cp*pp). Set it only to assert it."""
+    ep: PositiveInt = 1
+    """Expert parallel size."""
+    etp: PositiveInt | None = None
+    """Expert tensor parallel size; defaults to tp as in Megatron. 1 suits fine-grained MoE."""
+    sequence_parallel: bool = False
+    """Shard norms and dropout along the sequence over the TP group; required with TP and EP."""
+    micro_batch_size: PositiveInt = 1
+    """Sequences per micro-batch per data-parallel rank."""
+    global_batch_size: PositiveInt
+    """Sequences per optimizer step."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state (and the fp32 master weights) across data-parallel ranks."""
+    distributed_optimizer_instances: PositiveInt = 1
+    """Partial distributed optimizer: the number of replicas of the sharded state."""
+    recompute: Literal["none", "selective", "full"] = "selective"
+    """Activation recomputation."""
+    moe_dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
+    """MoE token dispatcher."""
+    modules: dict[str, ModuleLayout] = Field(default_factory=dict)
+    """Per-module grids for heterogeneous layouts (keys: module names, 'language' for the LLM)."""
+
+    @property
+    def expert_tp(self) -> int:
+        return self.etp if self.etp is not None else self.tp

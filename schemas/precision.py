@@ -1,0 +1,110 @@
+"""The ``precision`` section: which number format each linear layer computes in.
+
+This issue types and validates the policy; ``factory.kernels`` and the
+policy resolver (the precision issue) turn it into numerics. Module names in
+``overrides`` are the graph's names, listed by ``factory.naming``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from factory.schemas.base import Section
+
+__all__ = [
+    "FP8Options",
+    "HighPrecisionLayers",
+    "MoROptions",
+    "NVFP4Options",
+    "PrecisionConfig",
+    "Recipe",
+    "SwitchToBF16",
+]
+
+Recipe = Literal["bf16", "fp8", "nvfp4", "mxfp8", "mor"]
+"""bf16: no quantisation. fp8: E4M3/E5M2 with the scaling below. nvfp4: E2M1 with E4M3
+block scales. mxfp8: E4M3 with E8M0 scales over 32 elements. mor: per-tensor FP8/BF16 choice."""
+
+
+class FP8Options(Section):
+    """FP8 settings (Transformer Engine's Float8 recipes)."""
+
+    format: Literal["e4m3", "hybrid"] = "hybrid"
+    """hybrid: E4M3 forward, E5M2 gradients. e4m3: E4M3 everywhere."""
+    scaling: Literal["tensorwise", "delayed", "blockwise"] = "tensorwise"
+    """tensorwise: current per-tensor scale. delayed: scale from an amax history.
+    blockwise: 1x128 activation/gradient and 128x128 weight blocks (DeepSeek style)."""
+    amax_history_len: int = Field(default=1024, ge=1)
+    """Length of the amax history (delayed scaling only)."""
+    amax_compute: Literal["max", "most_recent"] = "max"
+    """How the history becomes one amax (delayed scaling only)."""
+    margin: int = Field(default=0, ge=0)
+    """Power-of-two headroom subtracted from the scale exponent."""
+
+
+class NVFP4Options(Section):
+    """NVFP4 settings, defaulting to the published training recipe."""
+
+    weight_tile: Literal["16x16", "1x16"] = "16x16"
+    """2D 16x16 weight blocks make fprop and dgrad use identical weights."""
+    hadamard: bool = True
+    """Random Hadamard transform on the inputs of the weight-gradient GEMM."""
+    hadamard_size: Literal[16] = 16
+    """Tile size of the Hadamard transform."""
+    hadamard_seed: int = 0
+    """Seed of the random sign vector shared by every layer."""
+    stochastic_rounding: bool = True
+    """Stochastic rounding of gradients (dgrad and wgrad inputs)."""
+
+
+class MoROptions(Section):
+    """Mixture of Representations: pick FP8 or BF16 per tensor or block from measured error."""
+
+    threshold: float = Field(default=0.05, gt=0, lt=1)
+    """Largest relative quantisation error (||q(x) - x|| / ||x||) that still uses FP8."""
+    granularity: Literal["tensor", "block"] = "tensor"
+    """Decide once per tensor, or once per block."""
+    block_size: int = Field(default=128, ge=1)
+    """Block edge for granularity: block."""
+
+
+class HighPrecisionLayers(Section):
+    """Layers kept in BF16 whatever the recipe."""
+
+    first: int = Field(default=0, ge=0)
+    """The first N layers of the main stack."""
+    last: int = Field(default=0, ge=0)
+    """The last N layers of the main stack."""
+    layers: list[int] = Field(default_factory=list)
+    """Further 0-based layer indices."""
+
+
+class SwitchToBF16(Section):
+    """Leave low precision late in training (NVFP4 paper, App. D)."""
+
+    after_fraction: float = Field(gt=0, le=1)
+    """Fraction of the training tokens after which the switch happens."""
+    scope: Literal["all", "forward"] = "all"
+    """Switch every GEMM, or only the forward pass (recovers most of the gap at ~6% cost)."""
+
+
+class PrecisionConfig(Section):
+    """The precision policy."""
+
+    recipe: Recipe = "bf16"
+    """Default format of every linear layer."""
+    fp8: FP8Options = FP8Options()
+    """Used by the fp8 recipe and by fp8 overrides."""
+    nvfp4: NVFP4Options = NVFP4Options()
+    """Used by the nvfp4 recipe and by nvfp4 overrides."""
+    mor: MoROptions = MoROptions()
+    """Used by the mor recipe and by mor overrides."""
+    high_precision: HighPrecisionLayers = HighPrecisionLayers()
+    """Layers kept in BF16."""
+    overrides: dict[str, Recipe] = Field(default_factory=dict)
+    """Module-name glob -> format, e.g. '*.mixer.out_proj: mxfp8'. When several globs match,
+    the last one written wins."""
+    switch_to_bf16: SwitchToBF16 | None = None
+    """Switch to BF16 late in training; null keeps the recipe to the end."""

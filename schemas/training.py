@@ -1,0 +1,62 @@
+"""The ``training`` section: optimizer, schedule, length, checkpoints and seed."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from factory.schemas.base import Count, PositiveInt, Section
+
+__all__ = ["OptimizerConfig", "ScheduleConfig", "TrainingConfig"]
+
+
+class OptimizerConfig(Section):
+    """AdamW with decoupled weight decay."""
+
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(gt=0)
+    """Peak learning rate."""
+    min_lr: float = Field(default=0.0, ge=0)
+    """Learning rate at the end of the decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """Adam (beta1, beta2)."""
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    """Global gradient-norm clip; null disables it."""
+
+    @model_validator(mode="after")
+    def _betas_in_range(self) -> OptimizerConfig:
+        for beta in self.betas:
+            if not 0 <= beta < 1:
+                raise ValueError(f"each beta must be in [0, 1), got {list(self.betas)}")
+        return self
+
+
+class ScheduleConfig(Section):
+    """Learning-rate schedule."""
+
+    kind: Literal["wsd", "cosine", "constant"] = "wsd"
+    """wsd: warmup, stable, then decay over the last decay_fraction. cosine: warmup then cosine."""
+    warmup_fraction: float = Field(default=0.01, ge=0, lt=1)
+    """Fraction of training spent in linear warmup."""
+    decay_fraction: float = Field(default=0.2, gt=0, le=1)
+    """WSD: fraction of training spent decaying to min_lr."""
+    decay_shape: Literal["linear", "cosine", "minus_sqrt"] = "minus_sqrt"
+    """WSD: shape of the final decay."""
+
+
+class TrainingConfig(Section):
+    """How long to train and how."""
+
+    optimizer: OptimizerConfig
+    schedule: ScheduleConfig = ScheduleConfig()
+    steps: PositiveInt | None = None
+    """Optimizer steps; give exactly one of steps and tokens."""
+    tokens: Count | None = None
+    """Training tokens (suffixes allowed: '25T'); converted to steps with the global batch."""
+    checkpoint_interval: PositiveInt = 1000
+    """Steps between checkpoints."""
+    seed: int = 1234
+    """Seed for initialisation, data order and stochastic rounding."""

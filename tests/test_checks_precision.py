@@ -1,0 +1,127 @@
+"""factory.checks.precision_rules: each rule fires on a bad policy and stays silent on the base."""
+
+from __future__ import annotations
+
+import pytest
+from blueprint_factory import assert_fires, findings, make
+
+from factory.checks import precision_rules  # noqa: F401  (registers the rules)
+from factory.checks.registry import RULES
+
+PRECISION_RULES = sorted(name for name in RULES if name.startswith("precision."))
+HP = "precision.high_precision"
+
+# (rule, overrides, blamed path, numbers the message must name, severity); the base has 9 layers.
+CASES = [
+    (
+        "precision.high_precision_layers",
+        {HP: {"first": 5, "last": 5}},
+        HP,
+        ("5 + 5 = 10", "9"),
+        "error",
+    ),
+    (
+        "precision.high_precision_layers",
+        {HP: {"first": 4}, "parallelism.pp": 3},
+        f"{HP}.first",
+        ("first=4", "9 // 3 = 3"),
+        "error",
+    ),
+    (
+        "precision.high_precision_layers",
+        {HP: {"last": 4}, "parallelism.pp": 3},
+        f"{HP}.last",
+        ("last=4", "9 // 3 = 3"),
+        "error",
+    ),
+    (
+        "precision.high_precision_layers",
+        {HP: {"layers": [0, 9]}},
+        f"{HP}.layers[1]",
+        ("9", "[0, 9)"),
+        "error",
+    ),
+    (
+        "precision.delayed_scaling_first_last",
+        {"precision.recipe": "fp8", "precision.fp8": {"scaling": "delayed"}, HP: {"last": 2}},
+        "precision.fp8.scaling",
+        ("first=0", "last=2"),
+        "error",
+    ),
+    (
+        "precision.override_globs",
+        {"precision.overrides": {"*.mixer.outproj": "fp8"}},
+        "precision.overrides['*.mixer.outproj']",
+        ("26", "did you mean '*.mixer.out_proj'"),
+        "error",
+    ),
+    (
+        "precision.override_globs",
+        {"precision.overrides": {"layers.9.*": "bf16"}},
+        "precision.overrides['layers.9.*']",
+        ("26",),
+        "error",
+    ),
+    (
+        "precision.override_globs",
+        {"precision.overrides": {"lm_head": "bf16"}},
+        "precision.overrides.lm_head",  # identifiers are not quoted
+        ("'lm_head'", "never quantised"),
+        "error",
+    ),
+    (
+        "precision.switch_to_bf16_unused",
+        {"precision.switch_to_bf16": {"after_fraction": 0.9}},
+        "precision.switch_to_bf16",
+        ("0.9",),
+        "warning",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides", "path", "numbers", "severity"), CASES)
+def test_rule_fires(name, overrides, path, numbers, severity):
+    assert_fires(name, make(**overrides), path, *numbers, severity=severity)
+
+
+@pytest.mark.parametrize("name", PRECISION_RULES)
+def test_rule_silent_on_base(name):
+    assert findings(name, make()) == []
+
+
+def test_every_precision_rule_has_a_firing_case():
+    assert {case[0] for case in CASES} == set(PRECISION_RULES)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {HP: {"first": 3, "last": 3}, "parallelism.pp": 3, "model.pattern": "M*M|E-M|*ME"},
+        {"precision.recipe": "fp8", "precision.fp8": {"scaling": "delayed"}},
+        {"precision.recipe": "fp8", HP: {"first": 1, "last": 1, "layers": [0, 8]}},
+        {
+            "precision.recipe": "nvfp4",
+            "precision.overrides": {
+                "*.mixer.out_proj": "mxfp8",
+                "layers.3.mixer.experts.*": "bf16",
+                "*shared_experts*": "fp8",
+            },
+            "precision.switch_to_bf16": {"after_fraction": 0.9},
+        },
+        {
+            "precision.overrides": {"*.q_proj": "fp8"},
+            "precision.switch_to_bf16": {"after_fraction": 0.5},
+        },
+        {"model.pattern": "M*ME/*E", "precision.overrides": {"mtp.layers.0.eh_proj": "bf16"}},
+    ],
+)
+def test_valid_policies_are_silent(overrides):
+    bp = make(**overrides)
+    said = {name: findings(name, bp) for name in PRECISION_RULES}
+    assert {name: f for name, f in said.items() if f} == {}
+
+
+def test_glob_on_a_router_gate_says_it_is_never_quantised():
+    bp = make(**{"precision.overrides": {"*.mixer.gate": "fp8"}})
+    finding = assert_fires("precision.override_globs", bp, "precision.overrides['*.mixer.gate']")
+    assert "layers.3.mixer.gate" in finding.message

@@ -1,0 +1,61 @@
+"""Composition: fragments, overrides, interpolation, and the public load API."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import PRESETS
+
+import factory
+
+
+def test_presets_compose_from_fragments() -> None:
+    nano = factory.load_blueprint("nano")
+    # from base/nemotron_h.yaml, base/nemotron3_moe.yaml and nano.yaml respectively
+    assert nano.model.mamba.state_size == 128
+    assert nano.model.moe.router.aux_loss_coeff == 1e-4
+    assert nano.model.moe.router.scaling_factor == 2.5
+
+
+def test_interpolation_resolves_after_overrides() -> None:
+    bp = factory.load_blueprint("nano", overrides=["data.tokens=1T"])
+    assert bp.training.tokens == 10**12  # training.tokens: ${data.tokens}
+
+
+def test_overrides_apply_in_order() -> None:
+    bp = factory.load_blueprint("nano", ["parallelism.tp=2", "parallelism.tp=8"])
+    assert bp.parallelism.tp == 8
+
+
+def test_blueprint_is_frozen() -> None:
+    from pydantic import ValidationError
+
+    bp = factory.load_blueprint("nano")
+    with pytest.raises(ValidationError):
+        bp.model.hidden_size = 1  # type: ignore[misc]
+
+
+def test_path_and_name_load_the_same_blueprint() -> None:
+    assert factory.load_blueprint(PRESETS / "super.yaml") == factory.load_blueprint("super")
+
+
+def test_error_carries_every_diagnostic() -> None:
+    with pytest.raises(factory.BlueprintError) as info:
+        factory.load_blueprint("nano", ["model.hidden_size=0", "parallelism.pp=0"])
+    paths = {d.path for d in info.value.errors}
+    assert {"model.hidden_size", "parallelism.pp"} <= paths
+
+
+def test_token_counts_accept_suffixes() -> None:
+    assert factory.load_blueprint("ultra").data.tokens == 20 * 10**12
+    assert factory.load_blueprint("nano", ["data.tokens=1.5B"]).data.tokens == 1_500_000_000
+    with pytest.raises(factory.BlueprintError, match=r"data\.tokens"):
+        factory.load_blueprint("nano", ["data.tokens=1.5X"])
+
+
+def test_resolved_blueprint_round_trips(tmp_path) -> None:
+    import yaml
+
+    bp = factory.load_blueprint("super")
+    path = tmp_path / "resolved.yaml"
+    path.write_text(yaml.safe_dump(bp.model_dump(mode="json")), encoding="utf-8")
+    assert factory.load_blueprint(path) == bp

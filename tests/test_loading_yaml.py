@@ -1,0 +1,85 @@
+"""Reading YAML: line numbers, and refusing what a blueprint must never contain."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from factory.errors import BlueprintError
+from factory.loading.yaml_source import read_yaml_text
+
+
+def _error(text: str) -> str:
+    with pytest.raises(BlueprintError) as info:
+        read_yaml_text(text, "f.yaml")
+    (diagnostic,) = info.value.diagnostics
+    return diagnostic.format()
+
+
+def test_records_the_line_of_every_value() -> None:
+    data, source_map = read_yaml_text("a: 1\nb:\n  c: [1, 2]\n  d:\n    - x\n", "f.yaml")
+    assert data == {"a": 1, "b": {"c": [1, 2], "d": ["x"]}}
+    assert source_map.locate("a") == ("f.yaml", 1)
+    assert source_map.locate("b.c") == ("f.yaml", 3)
+    assert source_map.locate("b.d[0]") == ("f.yaml", 5)
+    # an unknown child is reported at its nearest written parent
+    assert source_map.locate("b.missing.deeper") == ("f.yaml", 2)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "a: !!python/object/apply:os.system [echo hi]",
+            "f.yaml:1: a: tag 'tag:yaml.org,2002:python/object/apply:os.system' is not allowed",
+        ),
+        ("a:\n  b: !custom 3", "f.yaml:2: a.b: tag '!custom' is not allowed"),
+        ("a: &x [*x]", "recursive alias"),
+        ("a: 1\nb: 2\na: 3", "f.yaml:3: a: duplicate key (first set on line 1)"),
+        ("", "f.yaml:1: <root>: the document is empty"),
+        ("# only a comment\n", "the document is empty"),
+        ("a: [1, 2", "malformed YAML"),
+        ("a: 1\n  b: 2", "f.yaml:2: <root>: malformed YAML"),
+        ("---\na: 1\n---\nb: 2\n", "malformed YAML"),
+        ("<<: {a: 1}", "merge keys"),
+        ("? [1, 2]\n: x", "keys must be plain strings"),
+    ],
+)
+def test_bad_yaml_is_a_located_error(text: str, expected: str) -> None:
+    assert expected in _error(text)
+
+
+def test_alias_bomb_fails_fast() -> None:
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 9):
+        refs = ", ".join([f"*a{i - 1}"] * 10)
+        lines.append(f"a{i}: &a{i} [{refs}]")
+    message = _error("\n".join(lines))
+    assert "expands to more than" in message
+
+
+_scalars = st.one_of(
+    st.integers(-(10**12), 10**12),
+    st.booleans(),
+    st.text(alphabet="abcxyz_", min_size=1, max_size=8),
+)
+_keys = st.text(alphabet="abcdefgh_", min_size=1, max_size=6)
+_trees = st.recursive(
+    _scalars,
+    lambda children: st.one_of(
+        st.lists(children, max_size=4), st.dictionaries(_keys, children, min_size=1, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@given(st.dictionaries(_keys, _trees, min_size=1, max_size=5))
+def test_round_trips_plain_data(tree: dict) -> None:
+    import yaml
+
+    text = yaml.safe_dump(tree, sort_keys=False)
+    data, source_map = read_yaml_text(text, "f.yaml")
+    assert data == tree
+    for key in tree:
+        assert source_map.locate(key)[1] >= 1
