@@ -12,6 +12,17 @@ from pathlib import Path
 __all__ = ["atomic_write_text", "staged_directory"]
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _publishable(path: Path, mode: int) -> None:
+    """mkstemp/mkdtemp create private (0600/0700) entries; give them normal permissions."""
+    os.chmod(path, mode & ~_umask())
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to a temporary file beside ``path``, fsync it, then rename it into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -21,6 +32,7 @@ def atomic_write_text(path: Path, text: str) -> None:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
+        _publishable(Path(tmp), 0o666)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -42,6 +54,7 @@ def staged_directory(target: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    _publishable(staging, 0o777)
     retired = None
     if target.exists():
         retired = target.with_name(f".{target.name}.old-{os.getpid()}")

@@ -22,6 +22,31 @@ _EXTENDS = {
 }
 
 
+_INTERPOLATION = {"type": "string", "pattern": r"^\$\{[^}]+\}$"}
+
+
+def _or_interpolation(prop: dict[str, Any]) -> dict[str, Any]:
+    wrapped: dict[str, Any] = {"anyOf": [prop, _INTERPOLATION]}
+    if "description" in prop:  # keep the hover text where editors look first
+        wrapped["description"] = prop["description"]
+    return wrapped
+
+
+def _allow_interpolation(node: Any) -> Any:
+    """Let every property also hold an OmegaConf interpolation such as ``${data.tokens}``."""
+    if isinstance(node, dict):
+        out = {k: _allow_interpolation(v) for k, v in node.items()}
+        if isinstance(out.get("properties"), dict):
+            out["properties"] = {
+                name: _or_interpolation(prop) if name != "extends" else prop
+                for name, prop in out["properties"].items()
+            }
+        return out
+    if isinstance(node, list):
+        return [_allow_interpolation(v) for v in node]
+    return node
+
+
 def _without_required(node: Any) -> Any:
     if isinstance(node, dict):
         return {k: _without_required(v) for k, v in node.items() if k != "required"}
@@ -36,6 +61,7 @@ def render_schemas() -> dict[str, str]:
     schema["properties"]["extends"] = _EXTENDS
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "factory blueprint"
+    schema = _allow_interpolation(schema)
     fragment = _without_required(copy.deepcopy(schema))
     fragment["title"] = "factory blueprint fragment"
     return {

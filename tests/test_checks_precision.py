@@ -70,6 +70,20 @@ CASES = [
         "error",
     ),
     (
+        "precision.hardware_support",
+        {"precision.recipe": "nvfp4", "parallelism.gpu": "h100"},
+        "precision.recipe",
+        ("NVFP4", "h100"),
+        "warning",
+    ),
+    (
+        "precision.hardware_support",
+        {"precision.overrides": {"*.mixer.out_proj": "mxfp8"}, "parallelism.gpu": "h200"},
+        "precision.overrides",
+        ("MXFP8", "h200"),
+        "warning",
+    ),
+    (
         "precision.switch_to_bf16_unused",
         {"precision.switch_to_bf16": {"after_fraction": 0.9}},
         "precision.switch_to_bf16",
@@ -100,6 +114,7 @@ def test_every_precision_rule_has_a_firing_case():
         {"precision.recipe": "fp8", "precision.fp8": {"scaling": "delayed"}},
         {"precision.recipe": "fp8", HP: {"first": 1, "last": 1, "layers": [0, 8]}},
         {
+            "parallelism.gpu": "gb200",
             "precision.recipe": "nvfp4",
             "precision.overrides": {
                 "*.mixer.out_proj": "mxfp8",
@@ -119,6 +134,11 @@ def test_valid_policies_are_silent(overrides):
     bp = make(**overrides)
     said = {name: findings(name, bp) for name in PRECISION_RULES}
     assert {name: f for name, f in said.items() if f} == {}
+
+
+def test_blackwell_formats_are_fine_on_blackwell():
+    bp = make(**{"precision.recipe": "nvfp4", "parallelism.gpu": "b200"})
+    assert findings("precision.hardware_support", bp) == []
 
 
 def test_glob_on_a_router_gate_says_it_is_never_quantised():

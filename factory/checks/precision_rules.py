@@ -93,3 +93,22 @@ def switch_to_bf16_unused(bp: Blueprint) -> Iterator[Finding]:
             "to switch: the recipe and every override are already bf16",
             "warning",
         )
+
+
+_BLACKWELL_ONLY = {"nvfp4": "NVFP4", "mxfp8": "MXFP8"}
+
+
+@rule("precision.hardware_support")
+def hardware_support(bp: Blueprint) -> Iterator[Finding]:
+    """NVFP4 and MXFP8 GEMMs need Blackwell (SM100+); Hopper GPUs would only emulate them."""
+    gpu = bp.parallelism.gpu
+    if gpu not in ("h100", "h200"):
+        return
+    used = {bp.precision.recipe, *bp.precision.overrides.values()}
+    for recipe in sorted(used & _BLACKWELL_ONLY.keys()):
+        yield Finding(
+            "precision.recipe" if recipe == bp.precision.recipe else "precision.overrides",
+            f"{_BLACKWELL_ONLY[recipe]} GEMMs need a Blackwell GPU (b200, b300, gb200, gb300); "
+            f"{gpu} GPUs have no {_BLACKWELL_ONLY[recipe]} tensor cores",
+            "warning",
+        )

@@ -55,6 +55,12 @@ def rule(name: str) -> Callable[[RuleFn], RuleFn]:
 def run_rules(bp: Blueprint) -> list[tuple[Rule, Finding]]:
     """Run every registered rule; findings come back in registration order."""
     # Rule modules register on import; importing them here keeps callers simple.
-    from factory.checks import model_rules, parallel_rules, precision_rules, training_rules  # noqa: F401
+    from factory.checks import (  # noqa: F401
+        memory_rules,
+        model_rules,
+        parallel_rules,
+        precision_rules,
+        training_rules,
+    )
 
     return [(r, finding) for r in RULES.values() for finding in r.check(bp)]

@@ -5,14 +5,25 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["flatten", "human_bytes", "human_count", "markdown_report", "rich_tables"]
+__all__ = ["flatten", "human_bytes", "human_count", "human_flops", "markdown_report", "rich_tables"]
 
 
-def human_count(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+def _scaled(n: float, units: tuple[tuple[str, float], ...]) -> str:
+    for unit, scale in units:
         if abs(n) >= scale:
             return f"{n / scale:.2f}{unit}"
     return f"{n:g}"
+
+
+def human_count(n: float) -> str:
+    """Parameter-style counts: 3.58B, 31.58B (B for billions, as model cards write them)."""
+    return _scaled(n, (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)))
+
+
+def human_flops(n: float) -> str:
+    """FLOPs with SI prefixes: 22.28 GFLOP, 5.20e+23 = 520.20 ZFLOP."""
+    units = (("Y", 1e24), ("Z", 1e21), ("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9))
+    return _scaled(n, tuple((f" {u}FLOP", s) for u, s in units)) if n else "0"
 
 
 def human_bytes(n: float) -> str:
@@ -50,24 +61,32 @@ def _sections(plan: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, str]
         )
     flops = plan["flops_per_token"]
     flop_rows = [
-        (key, f"{value:,.0f}" if isinstance(value, float) else f"{value:,}", human_count(value))
+        (key, f"{value:,.0f}" if isinstance(value, float) else f"{value:,}", human_flops(value))
         for key, value in flatten(flops)
-        if isinstance(value, (int, float)) and key != "seq_len"
+        if isinstance(value, (int, float)) and value and key != "seq_len"
     ]
     flop_rows.insert(0, ("seq_len", str(flops["seq_len"]), ""))
+    memory = plan["memory_per_rank_bytes"]
+    activations = memory["activations"]
     memory_rows = [
-        (key, f"{value:,}", human_bytes(value))
-        for key, value in flatten(plan["memory_per_rank_bytes"])
-        if isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and not key.endswith(
+        (label, f"{value:,}", human_bytes(value))
+        for label, value in (
+            ("weights", memory["weights"]),
+            ("gradients", memory["gradients"]),
+            ("optimizer (distributed)", memory["optimizer"]["distributed_optimizer"]),
+            ("optimizer (replicated)", memory["optimizer"]["no_distributed_optimizer"]),
+            *(
+                (f"activations, one {kind} layer", size)
+                for kind, size in activations["per_layer_type"].items()
+            ),
             (
-                "microbatches",
-                "rank",
-                "params_on_rank.dense",
-                "params_on_rank.replicated",
-                "params_on_rank.expert",
-            )
+                f"activations ({activations['in_flight_microbatches']:g} micro-batches in flight)",
+                activations["total"],
+            ),
+            (
+                "total" + (" (distributed optimizer)" if memory["distributed_optimizer"] else ""),
+                memory["total"],
+            ),
         )
     ]
     layout = plan["layout"]
@@ -102,13 +121,13 @@ def _sections(plan: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, str]
         (
             "total training FLOPs",
             f"{training['total_flops']:.3e}",
-            human_count(training["total_flops"]),
+            human_flops(training["total_flops"]),
         ),
     ]
     return [
         ("Parameters", param_rows),
         ("Training FLOPs per token (fwd+bwd)", flop_rows),
-        ("Memory per rank (peak rank)", memory_rows),
+        (f"Memory of the peak rank (pipeline rank {memory['peak_rank']})", memory_rows),
         ("Layout", layout_rows),
         ("Training", training_rows),
     ]

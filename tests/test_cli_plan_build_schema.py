@@ -1,0 +1,94 @@
+"""`factory plan`, `factory build` and `factory schema`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import PRESETS, REPO
+
+import factory
+
+
+def test_plan_json(cli) -> None:
+    status, out, err = cli("plan", "nano", "--json")
+    assert status == 0, err
+    doc = json.loads(out)
+    assert doc["params"]["total"] == 31_577_940_288
+    assert doc["params"]["active"] == 3_580_076_352
+
+
+def test_plan_table_names_the_numbers(cli) -> None:
+    status, out, _ = cli("plan", "super")
+    assert status == 0
+    assert "123,611,033,088" in out and "12,770,237,440" in out
+    assert "Memory of the peak rank" in out
+
+
+def test_plan_of_bad_blueprint_exits_2(cli) -> None:
+    status, out, err = cli("plan", "nano", "--set", "parallelism.ep=7")
+    assert status == 2
+    assert out == ""
+    assert "--set:1: parallelism.ep:" in err
+
+
+def test_build_writes_resolved_plan_and_report(cli, tmp_path: Path) -> None:
+    out = tmp_path / "nano"
+    status, _, err = cli("build", "nano", "--out", str(out))
+    assert status == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["plan.json", "report.md", "resolved.yaml"]
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["params"]["total"] == 31_577_940_288
+    # the resolved blueprint is complete: it loads on its own, without fragments
+    assert factory.load_blueprint(out / "resolved.yaml") == factory.load_blueprint("nano")
+    assert "31,577,940,288" in (out / "report.md").read_text()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_failed_build_leaves_previous_output_untouched(cli, tmp_path: Path) -> None:
+    out = tmp_path / "nano"
+    assert cli("build", "nano", "--out", str(out))[0] == 0
+    before = (out / "plan.json").read_bytes()
+    status, _, _ = cli("build", "nano", "--out", str(out), "--set", "parallelism.tp=3")
+    assert status == 2
+    assert (out / "plan.json").read_bytes() == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_committed_json_schemas_are_fresh(cli) -> None:
+    status, _, err = cli("schema", "--out", str(REPO / "schemas"), "--check")
+    assert status == 0, f"stale JSON Schema; run `factory schema --out schemas/`\n{err}"
+
+
+def test_schema_check_detects_staleness(cli, tmp_path: Path) -> None:
+    assert cli("schema", "--out", str(tmp_path))[0] == 0
+    assert cli("schema", "--out", str(tmp_path), "--check")[0] == 0
+    (tmp_path / "blueprint.schema.json").write_text("{}")
+    status, _, err = cli("schema", "--out", str(tmp_path), "--check")
+    assert status == 1
+    assert "blueprint.schema.json: stale" in err
+
+
+@pytest.mark.parametrize("name", ["nano", "super", "ultra", "nemotron_h_8b", "nemotron_nano_9b_v2"])
+def test_resolved_presets_satisfy_the_json_schema(name: str) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((REPO / "schemas" / "blueprint.schema.json").read_text())
+    jsonschema.validate(factory.load_blueprint(name).model_dump(mode="json"), schema)
+
+
+def test_fragments_satisfy_the_fragment_schema() -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((REPO / "schemas" / "fragment.schema.json").read_text())
+    for path in (PRESETS / "base").glob("*.yaml"):
+        jsonschema.validate(yaml.safe_load(path.read_text()), schema)
+
+
+def test_json_schema_rejects_unknown_keys() -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((REPO / "schemas" / "blueprint.schema.json").read_text())
+    doc = factory.load_blueprint("nano").model_dump(mode="json")
+    doc["model"]["hiden_size"] = 1
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(doc, schema)
