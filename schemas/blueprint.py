@@ -44,15 +44,17 @@ class Blueprint(Section):
         return self.parallelism.global_batch_size * self.data.seq_len
 
     @property
-    def training_tokens(self) -> int | None:
-        """Tokens the run trains on, from tokens or steps; None when neither is given."""
+    def training_tokens(self) -> int:
+        """Tokens the run trains on: from tokens or steps, else one pass over data.tokens."""
         if self.training.tokens is not None:
             return self.training.tokens
-        return self.training.steps * self.tokens_per_step if self.training.steps else None
+        if self.training.steps is not None:
+            return self.training.steps * self.tokens_per_step
+        return self.data.tokens
 
     @property
     def training_steps(self) -> int:
         """Optimizer steps: as written, or tokens // tokens_per_step (Megatron's floor)."""
         if self.training.steps is not None:
             return self.training.steps
-        return (self.training.tokens or 0) // self.tokens_per_step
+        return self.training_tokens // self.tokens_per_step

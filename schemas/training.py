@@ -53,7 +53,7 @@ class TrainingConfig(Section):
     optimizer: OptimizerConfig
     schedule: ScheduleConfig = ScheduleConfig()
     steps: PositiveInt | None = None
-    """Optimizer steps; give exactly one of steps and tokens."""
+    """Optimizer steps; give at most one of steps and tokens (neither: one pass over the data)."""
     tokens: Count | None = None
     """Training tokens (suffixes allowed: '25T'); converted to steps with the global batch."""
     checkpoint_interval: PositiveInt = 1000

@@ -17,7 +17,6 @@ TRAINING_RULES = sorted(
 
 # (rule, overrides, blamed path, numbers the message must name, severity)
 CASES = [
-    ("training.length", {"training.steps": DELETE}, "training", ("training.steps",), "error"),
     ("training.length", {"training.tokens": "1M"}, "training.tokens", ("100", "1000000"), "error"),
     (
         "training.seq_len_fits_model",

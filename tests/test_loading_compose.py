@@ -16,9 +16,18 @@ def test_presets_compose_from_fragments() -> None:
     assert nano.model.moe.router.scaling_factor == 2.5
 
 
-def test_interpolation_resolves_after_overrides() -> None:
-    bp = factory.load_blueprint("nano", overrides=["data.tokens=1T"])
-    assert bp.training.tokens == 10**12  # training.tokens: ${data.tokens}
+def test_interpolation_resolves_after_overrides(write_yaml) -> None:
+    path = write_yaml(f"extends: {PRESETS / 'nano.yaml'}\ntraining:\n  tokens: ${{data.tokens}}\n")
+    assert factory.load_blueprint(path).training.tokens == 25 * 10**12
+    bp = factory.load_blueprint(path, overrides=["data.tokens=1T"])
+    assert bp.training.tokens == 10**12
+
+
+def test_training_length_defaults_to_one_pass_over_the_data() -> None:
+    bp = factory.load_blueprint("nano", ["data.tokens=1T"])
+    assert bp.training.tokens is None and bp.training.steps is None
+    assert bp.training_tokens == 10**12
+    assert bp.training_steps == 10**12 // (3072 * 8192)
 
 
 def test_overrides_apply_in_order() -> None:

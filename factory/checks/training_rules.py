@@ -16,11 +16,9 @@ from factory.schemas.blueprint import Blueprint
 
 @rule("training.length")
 def length(bp: Blueprint) -> Iterator[Finding]:
-    """Training length is given exactly once: steps or tokens."""
+    """Training length is given at most once: steps or tokens (neither: one pass over the data)."""
     train = bp.training
-    if train.steps is None and train.tokens is None:
-        yield Finding("training", "give exactly one of training.steps and training.tokens")
-    elif train.steps is not None and train.tokens is not None:
+    if train.steps is not None and train.tokens is not None:
         yield Finding(
             "training.tokens",
             f"give exactly one of training.steps ({train.steps}) and training.tokens "

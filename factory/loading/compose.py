@@ -17,9 +17,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
 from factory.errors import BlueprintError, Diagnostic, SourceMap
 from factory.loading.paths import join_path
 from factory.loading.yaml_source import read_yaml
@@ -70,12 +67,25 @@ def _load_tree(path: Path, chain: tuple[Path, ...]) -> tuple[dict[str, Any], Sou
 
 
 def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    return OmegaConf.to_container(OmegaConf.merge(base, top), resolve=False)  # type: ignore[return-value]
+    """OmegaConf's merge semantics on plain data: mappings merge deeply, anything else replaces.
+
+    Done by hand because OmegaConf.merge builds and copies node trees, which
+    made merging most of ``factory validate``'s run time; OmegaConf still
+    parses overrides and resolves interpolation.
+    """
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
 
 
-def _apply_overrides(
-    data: dict[str, Any], source_map: SourceMap, overrides: Sequence[str]
-) -> dict[str, Any]:
+def _apply_overrides(data: dict[str, Any], source_map: SourceMap, overrides: Sequence[str]) -> Any:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     cfg = OmegaConf.create(data)
     for index, item in enumerate(overrides, start=1):
         key, sep, _ = item.partition("=")
@@ -93,10 +103,23 @@ def _apply_overrides(
     return cfg  # type: ignore[return-value]
 
 
+def _has_interpolation(node: Any) -> bool:
+    if isinstance(node, dict):
+        return any(_has_interpolation(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_has_interpolation(v) for v in node)
+    return isinstance(node, str) and "${" in node
+
+
 def compose(path: Path, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], SourceMap]:
     """Load ``path`` with its fragments and overrides; resolve interpolations."""
     path = path.resolve()
     data, source_map = _load_tree(path, (path,))
+    if not overrides and not _has_interpolation(data):
+        return data, source_map  # nothing for OmegaConf to do: skip importing it
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
     cfg = _apply_overrides(data, source_map, overrides)
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)

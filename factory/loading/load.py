@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -18,7 +17,9 @@ __all__ = ["LoadedBlueprint", "load", "load_blueprint", "preset_names", "resolve
 
 
 def _preset_dir() -> Path:
-    return Path(str(resources.files("factory.blueprints")))
+    import factory.blueprints
+
+    return Path(factory.blueprints.__file__).parent
 
 
 def preset_names() -> list[str]:
