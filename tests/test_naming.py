@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from blueprint_factory import make
+from reference_models import nano
 
 from factory.naming import (
     excluded_module_names,
@@ -11,9 +12,6 @@ from factory.naming import (
     layer_index_of,
     linear_module_names,
 )
-from factory.schemas import ModelConfig
-
-NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 
 
 def _names(**overrides: object) -> list[str]:
@@ -49,22 +47,7 @@ def test_router_head_and_embeddings_are_not_linears():
 
 def test_nano_counts():
     """Nano: 23 Mamba x 2 + 6 attention x 4 + 23 MoE x (2 routed + 2 shared) = 162."""
-    model = ModelConfig.model_validate(
-        {
-            "pattern": NANO_PATTERN,
-            "hidden_size": 2688,
-            "vocab_size": 131072,
-            "max_seq_len": 262144,
-            "attention": {"heads": 32, "kv_heads": 2, "head_dim": 128},
-            "mamba": {"heads": 64, "head_dim": 64},
-            "moe": {
-                "num_experts": 128,
-                "top_k": 6,
-                "expert_intermediate_size": 1856,
-                "shared_expert_intermediate_size": 3712,
-            },
-        }
-    )
+    model = nano()
     assert len(linear_module_names(model)) == 23 * 2 + 6 * 4 + 23 * 4
 
 
