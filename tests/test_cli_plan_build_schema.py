@@ -38,13 +38,28 @@ def test_build_writes_resolved_plan_and_report(cli, tmp_path: Path) -> None:
     out = tmp_path / "nano"
     status, _, err = cli("build", "nano", "--out", str(out))
     assert status == 0, err
-    assert sorted(p.name for p in out.iterdir()) == ["plan.json", "report.md", "resolved.yaml"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "plan.json",
+        "report.html",
+        "report.md",
+        "resolved.yaml",
+    ]
     plan = json.loads((out / "plan.json").read_text())
     assert plan["params"]["total"] == 31_577_940_288
     # the resolved blueprint is complete: it loads on its own, without fragments
     assert factory.load_blueprint(out / "resolved.yaml") == factory.load_blueprint("nano")
     assert "31,577,940,288" in (out / "report.md").read_text()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_build_report_draws_every_layer(cli, tmp_path: Path) -> None:
+    assert cli("build", "super", "--out", str(tmp_path / "super"))[0] == 0
+    page = (tmp_path / "super" / "report.html").read_text()
+    # one <rect> per layer of the 88-layer stack and the 2-layer MTP block, 4 legend swatches,
+    # and the 4 pieces of the memory bar
+    assert page.count("<rect") == 88 + 2 + 4 + 4
+    assert page.count("<title>layer ") == 90
+    assert "GPU memory 186.00 GiB" in page
 
 
 def test_failed_build_leaves_previous_output_untouched(cli, tmp_path: Path) -> None:

@@ -68,3 +68,9 @@ def test_resolved_blueprint_round_trips(tmp_path) -> None:
     path = tmp_path / "resolved.yaml"
     path.write_text(yaml.safe_dump(bp.model_dump(mode="json")), encoding="utf-8")
     assert factory.load_blueprint(path) == bp
+
+
+def test_a_folder_named_like_a_preset_does_not_shadow_it(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "nano").mkdir()
+    assert factory.load_blueprint("nano").meta.name == "nano"

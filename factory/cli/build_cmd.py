@@ -26,7 +26,7 @@ def build(
     ] = None,
     overrides: SetOption = None,
 ) -> None:
-    """Validate, plan and write resolved.yaml, plan.json and report.md."""
+    """Validate, plan and write resolved.yaml, plan.json, report.md and report.html."""
     import yaml
     from rich.console import Console
 
@@ -34,6 +34,8 @@ def build(
     from factory.loading.load import load
     from factory.planner.plan import plan as make_plan
     from factory.planner.report import markdown_report
+    from factory.planner.report_html import html_report
+    from factory.schemas.parallelism import GPU_SPECS
 
     console = Console(stderr=True)
     with console.status("validating") as status:
@@ -53,6 +55,9 @@ def build(
             )
             title = f"{bp.meta.name}: {bp.meta.description}".rstrip(": ")
             (staging / "report.md").write_text(markdown_report(result, title), encoding="utf-8")
+            capacity = GPU_SPECS[bp.parallelism.gpu].memory_bytes
+            page = html_report(result, title, bp.model.mtp_pattern, capacity)
+            (staging / "report.html").write_text(page, encoding="utf-8")
     params = result["params"]
     console.print(
         f"[green]built[/green] {bp.meta.name} -> {destination}: "

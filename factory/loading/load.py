@@ -30,7 +30,9 @@ def preset_names() -> list[str]:
 def resolve_source(name_or_path: str | Path) -> Path:
     """A preset name ('nano') or a path to a YAML file."""
     candidate = Path(name_or_path)
-    if candidate.suffix in (".yaml", ".yml") or candidate.exists() or len(candidate.parts) > 1:
+    # A bare name is a preset unless a file of that name exists here; a folder that
+    # happens to share the name (say build output in ./ultra) does not shadow it.
+    if candidate.suffix in (".yaml", ".yml") or candidate.is_file() or len(candidate.parts) > 1:
         return candidate
     preset = _preset_dir() / f"{name_or_path}.yaml"
     if preset.is_file():

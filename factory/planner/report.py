@@ -43,7 +43,7 @@ def flatten(data: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]
             yield name, value
 
 
-def _sections(plan: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, str]]]]:
+def sections(plan: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, str]]]]:
     """(title, rows of (what, exact value, readable value)) for every part of the plan."""
     params = plan["params"]
     param_rows = [
@@ -137,7 +137,7 @@ def rich_tables(plan: dict[str, Any]) -> list[Any]:
     from rich.table import Table
 
     tables = []
-    for title, rows in _sections(plan):
+    for title, rows in sections(plan):
         table = Table(title=title, title_justify="left", show_header=False)
         table.add_column(style="bold")
         table.add_column(justify="right")
@@ -150,7 +150,7 @@ def rich_tables(plan: dict[str, Any]) -> list[Any]:
 
 def markdown_report(plan: dict[str, Any], title: str) -> str:
     lines = [f"# {title}", ""]
-    for section, rows in _sections(plan):
+    for section, rows in sections(plan):
         lines += [f"## {section}", "", "| | value | |", "|---|---:|---|"]
         lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
         lines.append("")
