@@ -164,6 +164,8 @@ class InitConfig(Section):
 
     std: float = Field(default=0.02, gt=0)
     """Standard deviation of the normal init of linear and embedding weights."""
+    checkpoint: str | None = None
+    """Start from these weights: a Hugging Face checkpoint folder or a .safetensors file."""
     upcycle_from: str | None = None
     """Checkpoint of a dense model whose MLPs seed the experts (dense-to-MoE upcycling)."""
 

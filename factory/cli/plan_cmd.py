@@ -17,6 +17,9 @@ def plan(
     target: Annotated[str, typer.Argument(help="Preset name or blueprint path.")],
     overrides: SetOption = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False,
+    proxy: Annotated[
+        bool, typer.Option("--proxy", help="Plan the blueprint's CPU proxy (factory.proxy).")
+    ] = False,
 ) -> None:
     """Plan a blueprint: exact parameter counts, FLOPs per token, memory per rank."""
     from factory.loading.load import load
@@ -24,7 +27,12 @@ def plan(
 
     loaded = load(target, overrides or [])
     print_diagnostics(loaded.warnings)
-    result = make_plan(loaded.blueprint).to_dict()
+    blueprint = loaded.blueprint
+    if proxy:
+        from factory.proxy import derive_proxy
+
+        blueprint = derive_proxy(blueprint)
+    result = make_plan(blueprint).to_dict()
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return
@@ -33,6 +41,6 @@ def plan(
     from factory.planner.report import rich_tables
 
     console = Console()
-    console.print(f"[bold]{loaded.blueprint.meta.name}[/bold]: {loaded.blueprint.meta.description}")
+    console.print(f"[bold]{blueprint.meta.name}[/bold]: {blueprint.meta.description}")
     for table in rich_tables(result):
         console.print(table)

@@ -1,0 +1,180 @@
+"""CPU proxies: a few-million-parameter blueprint of the same family, from one knob.
+
+:func:`derive_proxy` shrinks a blueprint to ``width`` (the proxy's hidden size,
+default 256) and derives everything else from ``s = width / hidden_size``. The
+proxy keeps every layer type, the rhythm of the pattern, the GQA ratio, the
+top-k and expert ratios, the latent ratio, MTP and the precision policy, and
+passes every rule of ``factory.checks`` without a finding. The rule:
+
+* **Pattern.** Drop ``|`` (the proxy is pp=1). Cut the main stack into periods,
+  each ending at an attention layer ``*`` (the remainder is a period too); keep
+  the first two (no ``*``: the first min(len, 8) layers), append the stack's last
+  layer unless the proxy already ends with it, then one layer of each type still
+  missing. MTP is kept as written: the ``/`` segments or ``model.mtp`` as is.
+* **Attention.** r = heads / kv_heads is kept: kv_heads = 1 if r >= 8 else
+  min(kv_heads, 2); heads = r * kv_heads; head_dim is the multiple of 8 (>= 8)
+  nearest heads * head_dim * s / proxy heads.
+* **Mamba.** head_dim 16, state_size 16, chunk_size 16, groups min(groups, 2);
+  heads is the multiple of groups (>= groups) nearest d_inner * s / 16, of
+  lcm(groups, 16) under a quantised recipe (in_proj must be 16-aligned there).
+  Other fields are kept.
+* **MLP and MoE.** Every intermediate width (dense, expert, shared) is the
+  multiple of 8 (>= 8) nearest width * s. Experts: 32 if there were >= 32
+  (else all); top_k = round(top_k * experts / num_experts), at least 2 when the
+  source routes to 2 or more, which keeps top_k / num_experts to rounding;
+  latent_size = width * latent / hidden keeps d / latent. The router is kept,
+  its groups reduced to the largest divisor of the expert count not above them
+  and group_top_k capped at the groups.
+* **Rest.** vocab_size min(vocab, 4096) (the small tokenizer), max_seq_len
+  min(max_seq_len, 4096), init std kept (no checkpoint or upcycling source: their
+  weights have the full-size shapes). Precision: recipe, options, overrides and
+  switch_to_bf16 verbatim; high_precision first/last scaled by proxy layers /
+  layers (half up, >= 1 when non-zero), explicit indices mapped by the same
+  proportion (floor) and de-duplicated. One rank (tp=cp=pp=ep=1, no
+  sequence parallelism), micro batch 2, global batch 8, gpu, recompute and
+  distributed optimizer kept (a flex dispatcher becomes alltoall: no exchange
+  on one rank). Data: same recipe, seq_len 256, tokens = 300 * 8 * 256.
+  Training: 300 steps, checkpoints every 100, optimizer, schedule and seed kept.
+  Meta: ``{name}-proxy``, "CPU proxy of ..." and no hf_id.
+
+Why 32 experts: with 64 of width 176 the Nano proxy has 40M parameters; 32 keep it
+near 23M, small enough for CPU training. Why at least top-2: with one expert per
+token, normalised sigmoid weights are a constant and the router learns nothing
+from the language-model loss. Worked results (``factory plan nano --proxy``):
+
+=================  ==========================  ==========================
+                   Nano (2688 -> 256)          Super (4096 -> 256)
+=================  ==========================  ==========================
+pattern            ``MEMEM*EMEMEM*E`` (14)     ``MEMEMEM*EMEMEMEM*E`` (18)
+attention          16 heads / 1 kv x 24        16 heads / 1 kv x 16
+mamba              24 heads x 16, 2 groups     32 heads x 16, 2 groups
+moe                32 experts, top 2,          32 experts, top 2,
+                   expert 176, shared 352      expert 168, shared 336,
+                                               latent 64
+mtp, precision     none, bf16                  2 x ``*E`` repeated, nvfp4,
+                                               last 3 layers bf16
+parameters         22,871,792                  14,132,768
+=================  ==========================  ==========================
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from factory.checks.model_rules import uses_low_precision
+from factory.schemas.blueprint import Blueprint
+
+__all__ = ["derive_proxy", "proxy_pattern"]
+
+PROXY_EXPERTS = 32
+PROXY_STEPS, PROXY_GLOBAL_BATCH, PROXY_MICRO_BATCH, PROXY_SEQ_LEN = 300, 8, 2, 256
+PROXY_VOCAB, PROXY_MAX_SEQ_LEN, PROXY_CHECKPOINT_INTERVAL = 4096, 4096, 100
+
+
+def _half_up(x: float) -> int:
+    return math.floor(x + 0.5)
+
+
+def _nearest(x: float, multiple: int) -> int:
+    """The positive multiple of ``multiple`` nearest ``x`` (ties up)."""
+    return max(multiple, multiple * _half_up(x / multiple))
+
+
+def proxy_pattern(main: str) -> str:
+    """The proxy's main stack from the source's (``|`` already dropped)."""
+    if "*" in main:
+        periods = main.split("*")
+        kept = "*".join(periods[:2]) + "*" if len(periods) > 2 else main
+    else:
+        kept = main[:8]
+    if not kept.endswith(main[-1]):
+        kept += main[-1]
+    for symbol in dict.fromkeys(main):  # missing types, in order of first appearance
+        if symbol not in kept:
+            kept += symbol
+    return kept
+
+
+def _scale_layers(count: int, proxy_layers: int, layers: int) -> int:
+    return max(1, _half_up(count * proxy_layers / layers)) if count else 0
+
+
+def derive_proxy(bp: Blueprint, width: int = 256) -> Blueprint:
+    """A CPU-sized blueprint of ``bp``'s family; the rule is the module docstring."""
+    s = width / bp.model.hidden_size
+    src = bp.model
+    data: dict[str, Any] = bp.model_dump(exclude_unset=True)
+    model: dict[str, Any] = data["model"]
+
+    main = proxy_pattern(src.layout.main)
+    model["pattern"] = "/".join((main, *src.layout.mtp))
+    model["hidden_size"] = width
+    model["vocab_size"] = min(src.vocab_size, PROXY_VOCAB)
+    model["max_seq_len"] = min(src.max_seq_len, PROXY_MAX_SEQ_LEN)
+    model["init"] = {"std": src.init.std}
+
+    if (att := src.attention) is not None:
+        ratio = att.heads // att.kv_heads
+        kv_heads = 1 if ratio >= 8 else min(att.kv_heads, 2)
+        heads = ratio * kv_heads
+        head_dim = _nearest(att.heads * att.head_dim * s / heads, 8)
+        model["attention"].update(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+
+    if (mamba := src.mamba) is not None:
+        groups = min(mamba.groups, 2)
+        step = math.lcm(groups, 16) if uses_low_precision(bp) else groups
+        heads = _nearest(mamba.d_inner * s / 16, step)
+        model["mamba"].update(heads=heads, head_dim=16, groups=groups, state_size=16, chunk_size=16)
+
+    if (mlp := src.mlp) is not None:
+        model["mlp"]["intermediate_size"] = _nearest(mlp.intermediate_size * s, 8)
+
+    if (moe := src.moe) is not None:
+        experts = PROXY_EXPERTS if moe.num_experts >= PROXY_EXPERTS else moe.num_experts
+        # At least two experts per token (when the source routes to two or more): with one,
+        # normalised sigmoid weights are constant and the LM loss never trains the router.
+        top_k = max(min(2, moe.top_k), _half_up(moe.top_k * experts / moe.num_experts))
+        router_groups = max(g for g in range(1, moe.router.num_groups + 1) if experts % g == 0)
+        model["moe"].update(
+            num_experts=experts,
+            top_k=top_k,
+            expert_intermediate_size=_nearest(moe.expert_intermediate_size * s, 8),
+        )
+        if moe.shared_expert_intermediate_size:
+            shared = _nearest(moe.shared_expert_intermediate_size * s, 8)
+            model["moe"]["shared_expert_intermediate_size"] = shared
+        if moe.latent_size is not None:
+            model["moe"]["latent_size"] = _half_up(width * moe.latent_size / src.hidden_size)
+        router = model["moe"].setdefault("router", {})
+        router.update(
+            num_groups=router_groups, group_top_k=min(moe.router.group_top_k, router_groups)
+        )
+
+    hp, layers = bp.precision.high_precision, src.num_layers
+    data.setdefault("precision", {})["high_precision"] = {
+        "first": _scale_layers(hp.first, len(main), layers),
+        "last": _scale_layers(hp.last, len(main), layers),
+        "layers": list(dict.fromkeys(i * len(main) // layers for i in hp.layers)),
+    }
+
+    par = bp.parallelism
+    data["parallelism"] = {
+        "world_size": 1,
+        "gpu": par.gpu,
+        "micro_batch_size": PROXY_MICRO_BATCH,
+        "global_batch_size": PROXY_GLOBAL_BATCH,
+        "distributed_optimizer": par.distributed_optimizer,
+        "recompute": par.recompute,
+        "moe_dispatcher": "alltoall" if par.moe_dispatcher == "flex" else par.moe_dispatcher,
+    }
+    tokens = PROXY_STEPS * PROXY_GLOBAL_BATCH * PROXY_SEQ_LEN
+    data["data"].update(seq_len=PROXY_SEQ_LEN, tokens=tokens)
+    data["training"].update(steps=PROXY_STEPS, checkpoint_interval=PROXY_CHECKPOINT_INTERVAL)
+    data["training"].pop("tokens", None)
+
+    meta = data["meta"]
+    meta["name"] = f"{bp.meta.name}-proxy"
+    meta["description"] = f"CPU proxy of {bp.meta.description or bp.meta.name}"
+    meta.pop("hf_id", None)
+    return Blueprint.model_validate(data)
