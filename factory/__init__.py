@@ -13,10 +13,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["BlueprintError", "load_blueprint", "plan"]
+__all__ = ["BlueprintError", "compile", "load_blueprint", "plan"]
 
 if TYPE_CHECKING:
     from factory.errors import BlueprintError
+    from factory.graph.compile import compile
     from factory.loading.load import load_blueprint
     from factory.planner.plan import plan
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 # pydantic-heavy schemas nor, later, torch.
 _LAZY = {
     "BlueprintError": "factory.errors",
+    "compile": "factory.graph.compile",
     "load_blueprint": "factory.loading.load",
     "plan": "factory.planner.plan",
 }

@@ -27,7 +27,13 @@ app = typer.Typer(
 
 def _register() -> None:
     # Importing a command module registers its command on `app`.
-    from factory.cli import build_cmd, plan_cmd, schema_cmd, validate_cmd  # noqa: F401
+    from factory.cli import (  # noqa: F401
+        build_cmd,
+        export_cmd,
+        plan_cmd,
+        schema_cmd,
+        validate_cmd,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

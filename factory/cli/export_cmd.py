@@ -1,0 +1,68 @@
+"""``factory export hf`` and ``factory import hf``: Hugging Face NemotronH checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from factory.cli.app import app
+from factory.cli.output import EXIT_INVALID
+from factory.cli.validate_cmd import SetOption
+
+export_app = typer.Typer(
+    help="Export a blueprint's model for another engine.", no_args_is_help=True
+)
+import_app = typer.Typer(
+    help="Create a blueprint from another engine's checkpoint.", no_args_is_help=True
+)
+app.add_typer(export_app, name="export")
+app.add_typer(import_app, name="import")
+
+
+@export_app.command("hf")
+def export_hf_cmd(
+    target: Annotated[str, typer.Argument(help="Preset name or blueprint path.")],
+    out: Annotated[Path, typer.Option("--out", help="Output folder.")],
+    proxy: Annotated[bool, typer.Option("--proxy", help="Export the CPU proxy model.")] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Initialisation seed.")] = 0,
+    weights: Annotated[
+        Path | None, typer.Option("--weights", help="Checkpoint (.safetensors, .pt or HF folder).")
+    ] = None,
+    overrides: SetOption = None,
+) -> None:
+    """Write config.json and model.safetensors that transformers loads as NemotronHForCausalLM."""
+    import factory
+    from factory.exports.hf import export_hf
+    from factory.exports.hf_config import ExportError, hf_config
+    from factory.graph.weights import load_weights
+
+    bp = factory.load_blueprint(target, overrides or [])
+    if proxy:
+        from factory.proxy import derive_proxy
+
+        bp = derive_proxy(bp)
+    try:
+        hf_config(bp)  # refuse before building anything
+    except ExportError as exc:
+        typer.echo(f"{target}: model: {exc}", err=True)
+        raise typer.Exit(EXIT_INVALID) from None
+    compiled = factory.compile(bp, seed=seed)
+    if weights is not None:
+        load_weights(compiled.model, weights)
+    export_hf(compiled.model, compiled.blueprint, out)
+    typer.echo(f"wrote {out}/config.json and {out}/model.safetensors")
+
+
+@import_app.command("hf")
+def import_hf_cmd(
+    directory: Annotated[Path, typer.Argument(help="Folder with config.json and *.safetensors.")],
+    out: Annotated[Path, typer.Option("--out", help="Blueprint YAML to write.")],
+) -> None:
+    """Write a blueprint reproducing a NemotronH checkpoint; it starts from that checkpoint's weights."""
+    from factory.exports.hf_import import blueprint_yaml_from_hf
+    from factory.io import atomic_write_text
+
+    atomic_write_text(out, blueprint_yaml_from_hf(directory))
+    typer.echo(f"wrote {out}")

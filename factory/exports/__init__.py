@@ -1,0 +1,1 @@
+"""Exports for the engines users scale out on: Hugging Face checkpoints (and, later, Megatron)."""

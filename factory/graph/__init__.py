@@ -1,0 +1,1 @@
+"""The graph: one module per layer type, assembled by ``factory.compile``."""

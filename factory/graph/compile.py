@@ -1,0 +1,71 @@
+"""``factory.compile``: a blueprint in, a runnable PyTorch training graph and its plan out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from factory.graph.init import initialize
+from factory.graph.model import HybridLM
+from factory.planner.plan import Plan, plan
+from factory.schemas.blueprint import Blueprint
+
+__all__ = ["Compiled", "compile"]
+
+
+@dataclass
+class Compiled:
+    model: HybridLM
+    plan: Plan
+    blueprint: Blueprint
+    """The blueprint the model was built from (the proxy's, when proxy=True)."""
+
+
+def compile(
+    blueprint: Blueprint,
+    device: str | torch.device = "cpu",
+    proxy: bool = False,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Compiled:
+    """Build the model of ``blueprint``.
+
+    ``device="meta"`` builds shapes only (no memory), which is how the full
+    Ultra graph is checked on a laptop. ``proxy=True`` builds
+    :func:`factory.proxy.derive_proxy`'s small model of the same blueprint.
+    ``seed`` fixes the initialisation. The router stays in fp32 whatever ``dtype``.
+    """
+    if proxy:
+        from factory.proxy import derive_proxy
+
+        blueprint = derive_proxy(blueprint)
+    with torch.device("meta"):
+        model = HybridLM(blueprint.model)
+    device = torch.device(device)
+    if device.type != "meta":
+        model = model.to_empty(device=device)
+        if blueprint.model.tie_embeddings:  # to_empty makes new tensors; re-tie them
+            model.lm_head.weight = model.backbone.embeddings.weight
+        for buffer in model.buffers():
+            buffer.zero_()
+        initialize(model, blueprint.model.init.std, torch.Generator().manual_seed(seed))
+        if blueprint.model.init.checkpoint:
+            from pathlib import Path
+
+            from factory.graph.weights import load_weights
+
+            load_weights(model, Path(blueprint.model.init.checkpoint))
+        _cast_keeping_router_fp32(model, dtype)
+    return Compiled(model=model, plan=plan(blueprint), blueprint=blueprint)
+
+
+def _cast_keeping_router_fp32(model: HybridLM, dtype: torch.dtype) -> None:
+    if dtype == torch.float32:
+        return
+    from factory.graph.moe import Router
+
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    model.to(dtype)
+    for router in routers:
+        router.float()

@@ -1,0 +1,77 @@
+"""The Mamba-2 mixer (the ``M`` layers).
+
+in_proj packs [z, xBC, dt]; a depthwise causal conv1d with SiLU runs over xBC;
+dt = softplus(dt + dt_bias) clamped to the blueprint's limits; A = -exp(A_log);
+the chunked SSD scan (``factory.kernels.ssd``) with a per-head D skip; then the
+gated group RMSNorm and out_proj.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from factory.graph.norms import GatedGroupRMSNorm
+from factory.kernels.ssd import ssd_chunked_scan
+from factory.schemas.model import MambaConfig
+
+__all__ = ["Mamba2Mixer"]
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, width: int, cfg: MambaConfig, norm_eps: float) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.in_proj = nn.Linear(width, cfg.in_proj_dim, bias=cfg.bias)
+        self.conv1d = nn.Conv1d(
+            cfg.conv_dim,
+            cfg.conv_dim,
+            kernel_size=cfg.conv_kernel,
+            groups=cfg.conv_dim,
+            padding=cfg.conv_kernel - 1,
+            bias=cfg.conv_bias,
+        )
+        self.dt_bias = nn.Parameter(torch.empty(cfg.heads))
+        self.A_log = nn.Parameter(torch.empty(cfg.heads))
+        self.D = nn.Parameter(torch.empty(cfg.heads))
+        self.norm = GatedGroupRMSNorm(cfg.d_inner, cfg.groups, norm_eps)
+        self.out_proj = nn.Linear(cfg.d_inner, width, bias=cfg.bias)
+
+    @torch.no_grad()
+    def reset_ssm_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Mamba-2's init: A = 1..heads, D = 1, dt log-uniform in [dt_min, dt_max] (floored),
+        stored through the inverse softplus so that softplus(dt_bias) = dt."""
+        cfg = self.cfg
+        self.A_log.copy_(torch.log(torch.arange(1, cfg.heads + 1, dtype=torch.float32)))
+        self.D.fill_(1.0)
+        u = torch.rand(cfg.heads, generator=generator)  # drawn on the CPU: same draw on any device
+        log_lo, log_hi = math.log(cfg.dt_min), math.log(cfg.dt_max)
+        dt = torch.exp(u * (log_hi - log_lo) + log_lo).clamp(min=cfg.dt_init_floor)
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        b, s, _ = x.shape
+        z, xbc, dt = self.in_proj(x).split([cfg.d_inner, cfg.conv_dim, cfg.heads], dim=-1)
+        xbc = self.conv1d(xbc.transpose(1, 2))[..., :s].transpose(1, 2)
+        xbc = F.silu(xbc)
+        group_width = cfg.groups * cfg.state_size
+        xs, B, C = xbc.split([cfg.d_inner, group_width, group_width], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        upper = cfg.dt_limit_max if cfg.dt_limit_max is not None else float("inf")
+        dt = dt.clamp(min=cfg.dt_limit_min, max=upper)
+        A = -torch.exp(self.A_log.float())
+        y = ssd_chunked_scan(
+            xs.view(b, s, cfg.heads, cfg.head_dim),
+            dt,
+            A,
+            B.view(b, s, cfg.groups, cfg.state_size),
+            C.view(b, s, cfg.groups, cfg.state_size),
+            cfg.chunk_size,
+            D=self.D,
+        )
+        y = self.norm(y.reshape(b, s, cfg.d_inner), z)
+        return self.out_proj(y.to(x.dtype))

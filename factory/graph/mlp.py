@@ -1,0 +1,32 @@
+"""The dense MLP (``-`` layers), also used as the MoE shared expert."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["MLP", "activate"]
+
+
+def activate(h: torch.Tensor, activation: str, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """relu2: relu(h)^2 (Nemotron's non-gated squared ReLU); swiglu: silu(gate) * h."""
+    if activation == "relu2":
+        return F.relu(h).square()
+    if activation == "swiglu":
+        assert gate is not None, "swiglu needs the gate projection"
+        return F.silu(gate) * h
+    raise ValueError(f"unknown activation {activation!r}")
+
+
+class MLP(nn.Module):
+    def __init__(self, width: int, hidden: int, activation: str, bias: bool) -> None:
+        super().__init__()
+        self.activation = activation
+        self.up_proj = nn.Linear(width, hidden, bias=bias)
+        self.gate_proj = nn.Linear(width, hidden, bias=bias) if activation == "swiglu" else None
+        self.down_proj = nn.Linear(hidden, width, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x) if self.gate_proj is not None else None
+        return self.down_proj(activate(self.up_proj(x), self.activation, gate))

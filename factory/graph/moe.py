@@ -1,0 +1,166 @@
+"""Mixture of experts (the ``E`` layers): router, grouped routed experts, shared expert, LatentMoE.
+
+The router always sees the full hidden size in fp32. With ``latent_size`` set,
+tokens are projected d -> latent before the routed experts and back after, so
+dispatch and expert weights shrink by d/latent; the shared expert stays at d.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from factory.graph.mlp import MLP
+from factory.kernels.moe_dispatch import grouped_mlp, route_tokens
+from factory.schemas.model import MoEConfig, RouterConfig
+
+__all__ = ["MoE", "RoutedExperts", "Router"]
+
+
+class Router(nn.Module):
+    """Top-k routing: scores pick experts through ``score + expert_bias``; weights are the
+    unbiased scores, optionally renormalised, times the scaling factor (architecture.md §5.6)."""
+
+    def __init__(self, width: int, num_experts: int, top_k: int, cfg: RouterConfig) -> None:
+        super().__init__()
+        self.cfg, self.num_experts, self.top_k = cfg, num_experts, top_k
+        self.weight = nn.Parameter(torch.empty(num_experts, width, dtype=torch.float32))
+        # A parameter (so it counts and checkpoints like the released models) that no
+        # gradient touches: the aux-loss-free rule in update_expert_bias moves it.
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(num_experts, dtype=torch.float32), requires_grad=False
+        )
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, d] -> (weights [T, k] fp32, expert indices [T, k], scores [T, E] fp32)."""
+        logits = x.float() @ self.weight.float().t()
+        scores = logits.sigmoid() if self.cfg.score_function == "sigmoid" else logits.softmax(-1)
+        choice = scores + self.e_score_correction_bias if self.cfg.expert_bias else scores
+        choice = self._limit_groups(choice.detach())
+        indices = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, indices)
+        if self.cfg.normalize_top_k and self.top_k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights * self.cfg.scaling_factor
+        if self.training:
+            with torch.no_grad():
+                counts = torch.bincount(indices.flatten(), minlength=self.num_experts)
+                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        return weights, indices, scores
+
+    def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3 group-limited routing: keep the groups whose top-2 scores sum highest."""
+        groups = self.cfg.num_groups
+        if groups <= 1:
+            return choice
+        grouped = choice.view(choice.shape[0], groups, -1)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+        keep = group_scores.topk(self.cfg.group_top_k, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        return grouped.masked_fill(~mask[..., None], float("-inf")).view_as(choice)
+
+    def aux_loss(self, scores: torch.Tensor, indices: torch.Tensor, batch: int) -> torch.Tensor:
+        """Load-balancing loss  coeff * E/k * sum_i f_i * P_i  (Switch / DeepSeek-V3).
+
+        ``seq_aux_loss`` computes f and P per sequence and averages (DeepSeek-V3's
+        complementary sequence-wise loss); ``aux_loss`` and ``global_aux_loss`` use
+        all tokens of the batch at once.
+        """
+        kind, coeff = self.cfg.aux_loss, self.cfg.aux_loss_coeff
+        if kind == "none" or coeff == 0:
+            return scores.new_zeros(())
+        groups = batch if kind == "seq_aux_loss" else 1
+        probs = scores / scores.sum(-1, keepdim=True)
+        probs = probs.view(groups, -1, self.num_experts)
+        chosen = torch.zeros_like(scores).scatter_(1, indices, 1.0).view_as(probs)
+        fraction = chosen.mean(1) * self.num_experts / self.top_k  # f_i, 1 when balanced
+        return coeff * (fraction * probs.mean(1)).sum(-1).mean()
+
+    @torch.no_grad()
+    def update_expert_bias(self) -> None:
+        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones."""
+        load = self.tokens_per_expert
+        if self.cfg.expert_bias and load.sum() > 0:
+            self.e_score_correction_bias += self.cfg.expert_bias_update_rate * torch.sign(
+                load.mean() - load
+            )
+        load.zero_()
+
+
+class RoutedExperts(nn.Module):
+    """All routed experts of a layer as 3D weights [E, out, in], computed grouped, never looped."""
+
+    def __init__(self, num_experts: int, width: int, hidden: int, activation: str) -> None:
+        super().__init__()
+        self.activation = activation
+        self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
+        self.gate_proj = (
+            nn.Parameter(torch.empty(num_experts, hidden, width))
+            if activation == "swiglu"
+            else None
+        )
+        self.down_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
+
+    def forward(
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        dispatch = route_tokens(indices, self.up_proj.shape[0])
+        return grouped_mlp(
+            x,
+            dispatch,
+            self.up_proj,
+            self.down_proj,
+            activation=self.activation,
+            gate=self.gate_proj,
+            weights=weights,
+        )
+
+
+class MoE(nn.Module):
+    def __init__(self, width: int, cfg: MoEConfig, mlp_bias: bool) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.gate = Router(width, cfg.num_experts, cfg.top_k, cfg.router)
+        inner = cfg.latent_size or width
+        self.experts = RoutedExperts(
+            cfg.num_experts, inner, cfg.expert_intermediate_size, cfg.activation
+        )
+        self.shared_experts = (
+            MLP(width, cfg.shared_expert_intermediate_size, cfg.activation, mlp_bias)
+            if cfg.shared_expert_intermediate_size
+            else None
+        )
+        self.fc1_latent_proj = nn.Linear(width, inner, bias=mlp_bias) if cfg.latent_size else None
+        self.fc2_latent_proj = nn.Linear(inner, width, bias=mlp_bias) if cfg.latent_size else None
+        self.last_aux_loss: torch.Tensor | None = None
+
+    def _drop_over_capacity(self, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """With a capacity factor, each expert keeps its first ceil(cf * T * k / E) assignments
+        in token order; the rest get weight 0 (the token keeps its residual path)."""
+        if self.cfg.capacity_factor is None:
+            return weights
+        flat = indices.flatten()
+        capacity = math.ceil(self.cfg.capacity_factor * flat.numel() / self.cfg.num_experts)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.cfg.num_experts)
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.empty_like(flat)
+        position[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+        return weights * (position < capacity).view_as(weights).to(weights.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        flat = x.reshape(-1, width)
+        weights, indices, scores = self.gate(flat)
+        self.last_aux_loss = self.gate.aux_loss(scores, indices, batch) if self.training else None
+        weights = self._drop_over_capacity(indices, weights)
+        h = self.fc1_latent_proj(flat) if self.fc1_latent_proj is not None else flat
+        y = self.experts(h, indices, weights)
+        if self.fc2_latent_proj is not None:
+            y = self.fc2_latent_proj(y)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        return y.view(batch, seq, width)

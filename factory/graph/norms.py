@@ -1,0 +1,45 @@
+"""RMSNorm and the Mamba mixer's gated, grouped RMSNorm.
+
+Both compute in fp32 and multiply the weight in fp32 before casting back,
+which is what the released checkpoints were trained with and what
+transformers' NemotronH does; matching it keeps exported logits identical.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["GatedGroupRMSNorm", "RMSNorm"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x).to(dtype)
+
+
+class GatedGroupRMSNorm(nn.Module):
+    """``RMSNorm_group(y * silu(z)) * w``: the gate is applied before the norm (norm_before_gate=False),
+    and each of ``groups`` channel groups is normalised on its own, so the norm shards with TP."""
+
+    def __init__(self, width: int, groups: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.groups = groups
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = y.dtype
+        y = y.float() * F.silu(z.float())
+        grouped = y.unflatten(-1, (self.groups, -1))
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * grouped.flatten(-2).to(dtype)

@@ -1,0 +1,14 @@
+"""Numerical kernels behind the model factory (installed as ``factory.kernels``).
+
+What lives here:
+
+* ``factory.kernels.ssd``: the Mamba-2 state-space-duality (SSD) scan, a
+  chunked pure-PyTorch form, a sequential reference recurrence, and a lazy
+  fast path through ``mamba_ssm``'s Triton kernel on CUDA.
+* ``factory.kernels.moe_dispatch``: token-to-expert routing and grouped expert
+  MLPs without a Python loop over experts.
+* Later: quantization and Hadamard-transform helpers.
+
+This ``__init__`` imports nothing on purpose: the submodules need torch, and
+importing the package must stay free of torch so that light tools can list it.
+"""

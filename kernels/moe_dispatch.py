@@ -1,0 +1,291 @@
+"""Grouped MoE expert compute without a Python loop over experts.
+
+A router picks ``k`` experts per token, giving ``T*k`` (token, slot) pairs.
+:func:`route_tokens` sorts those pairs by expert (a stable sort, so the layout
+is a pure function of the routing) and keeps what is needed to undo the sort.
+:func:`grouped_mlp` then runs every expert's MLP on its own tokens in a few
+batched matmuls and combines the weighted results per token.
+
+Why pad-and-bmm: experts receive different token counts, so their matmuls are
+ragged. Copying each expert's tokens into an [E, max_count, d] buffer (zeros
+elsewhere) turns the ragged set into one ``torch.bmm`` per projection, which
+every device and dtype supports, autograd included, with a launch count that
+does not grow with E. The price is wasted work and memory on the padding:
+``E * max_count`` rows instead of ``T*k``, up to ``E/k`` times more when the
+routing is badly skewed. ``torch._grouped_mm`` runs the ragged matmuls with no
+padding; it is used on CUDA when a one-off probe shows it works there for the
+dtype (and can be requested explicitly with ``impl="grouped_mm"``).
+
+The per-token combine gathers each pair's output back into (token, slot) order
+and sums over the ``k`` slots in fp32. That is the same sum an fp32
+``index_add_`` scatter would form, but in a fixed order without atomics, so the
+result is bitwise reproducible on GPU as well as CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["Dispatch", "grouped_mlp", "grouped_mm_works", "route_tokens"]
+
+Activation = Literal["relu2", "swiglu"]
+Impl = Literal["auto", "bmm", "grouped_mm"]
+
+
+@dataclass(frozen=True, eq=False)
+class Dispatch:
+    """Expert-sorted layout of the ``T*k`` (token, slot) pairs of one routing.
+
+    A *pair index* ``q = token * k + slot`` names a pair in the router's order;
+    a *sorted position* names it after the stable sort by expert.
+    """
+
+    num_tokens: int
+    top_k: int
+    num_experts: int
+    order: torch.Tensor
+    """[T*k] sorted position -> pair index (the stable argsort by expert)."""
+    inverse_order: torch.Tensor
+    """[T*k] pair index -> sorted position; undoes ``order``."""
+    token_index: torch.Tensor
+    """[T*k] sorted position -> source token."""
+    expert_index: torch.Tensor
+    """[T*k] sorted position -> expert (non-decreasing)."""
+    rank_in_expert: torch.Tensor
+    """[T*k] sorted position -> 0-based rank among that expert's pairs."""
+    tokens_per_expert: torch.Tensor
+    """[E] int64 pairs routed to each expert (for load-balancing statistics)."""
+    max_tokens_per_expert: int
+    """Largest entry of ``tokens_per_expert`` (the padded buffer's row count)."""
+
+    @property
+    def slot_index(self) -> torch.Tensor:
+        """[T*k] sorted position -> routing slot of the pair."""
+        return self.order % self.top_k
+
+    def padded_rows(self, capacity: int) -> torch.Tensor:
+        """[T*k] sorted position -> row of a flattened [E, capacity, ...] buffer."""
+        return self.expert_index * capacity + self.rank_in_expert
+
+    def unpermute(self, sorted_values: torch.Tensor) -> torch.Tensor:
+        """Values in sorted order [T*k, ...] -> router order [T, k, ...]."""
+        unsorted = sorted_values[self.inverse_order]
+        return unsorted.reshape(self.num_tokens, self.top_k, *sorted_values.shape[1:])
+
+
+def route_tokens(top_k_index: torch.Tensor, num_experts: int) -> Dispatch:
+    """Sort the (token, slot) pairs of ``top_k_index`` [T, k] by expert.
+
+    Raises ValueError for an index outside ``[0, num_experts)``. Costs one
+    device-to-host sync (the range check and the largest expert count, read
+    together), which the padded buffer's size needs anyway.
+    """
+    if top_k_index.ndim != 2:
+        raise ValueError(f"top_k_index must be [tokens, k], got {tuple(top_k_index.shape)}")
+    if top_k_index.dtype.is_floating_point or top_k_index.dtype == torch.bool:
+        raise ValueError(f"top_k_index must be an integer tensor, got {top_k_index.dtype}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    num_tokens, top_k = top_k_index.shape
+    flat = top_k_index.reshape(-1).long()
+    pairs = flat.numel()
+    device = flat.device
+
+    tokens_per_expert = torch.bincount(flat.clamp(0, num_experts - 1), minlength=num_experts)
+    if pairs:
+        lo, hi, max_count = torch.stack([flat.min(), flat.max(), tokens_per_expert.max()]).tolist()
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"expert indices must lie in [0, {num_experts}), got [{lo}, {hi}]")
+    else:
+        max_count = 0
+
+    order = torch.argsort(flat, stable=True)
+    expert_index = flat[order]
+    positions = torch.arange(pairs, device=device)
+    inverse_order = torch.empty_like(order)
+    inverse_order[order] = positions
+    expert_start = torch.cumsum(tokens_per_expert, 0) - tokens_per_expert
+    return Dispatch(
+        num_tokens=num_tokens,
+        top_k=top_k,
+        num_experts=num_experts,
+        order=order,
+        inverse_order=inverse_order,
+        token_index=order // max(top_k, 1),
+        expert_index=expert_index,
+        rank_in_expert=positions - expert_start[expert_index],
+        tokens_per_expert=tokens_per_expert,
+        max_tokens_per_expert=int(max_count),
+    )
+
+
+def _activate(h: torch.Tensor, g: torch.Tensor | None, activation: Activation) -> torch.Tensor:
+    """relu2: relu(up x)^2. swiglu: silu(gate x) * (up x)."""
+    if activation == "relu2":
+        return torch.relu(h).square()
+    assert g is not None
+    return F.silu(g) * h
+
+
+def _experts_padded_bmm(
+    x: torch.Tensor,
+    dispatch: Dispatch,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    gate: torch.Tensor | None,
+    activation: Activation,
+) -> torch.Tensor:
+    """Expert outputs per pair, in router order [T*k, d_in], via a padded buffer and bmm."""
+    capacity = dispatch.max_tokens_per_expert
+    d_in = x.shape[1]
+    rows = dispatch.padded_rows(capacity)
+    buffer = x.new_zeros(dispatch.num_experts * capacity, d_in)
+    buffer = buffer.index_copy(0, rows, x[dispatch.token_index])
+    buffer = buffer.view(dispatch.num_experts, capacity, d_in)
+    h = torch.bmm(buffer, up.transpose(1, 2))
+    g = torch.bmm(buffer, gate.transpose(1, 2)) if gate is not None else None
+    out = torch.bmm(_activate(h, g, activation), down.transpose(1, 2))
+    return out.reshape(-1, d_in)[rows[dispatch.inverse_order]]
+
+
+def _experts_grouped_mm(
+    x: torch.Tensor,
+    dispatch: Dispatch,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    gate: torch.Tensor | None,
+    activation: Activation,
+) -> torch.Tensor:
+    """Same as :func:`_experts_padded_bmm` through ``torch._grouped_mm`` (no padding)."""
+    offsets = torch.cumsum(dispatch.tokens_per_expert, 0).to(torch.int32)
+    xs = x[dispatch.token_index]
+    h = torch._grouped_mm(xs, up.transpose(1, 2), offs=offsets)
+    g = torch._grouped_mm(xs, gate.transpose(1, 2), offs=offsets) if gate is not None else None
+    out = torch._grouped_mm(_activate(h, g, activation), down.transpose(1, 2), offs=offsets)
+    return out[dispatch.inverse_order]
+
+
+_GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_mm_works(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` runs and matches the bmm path here (probed once, cached).
+
+    The probe runs forward and backward on a small routing with an empty
+    expert and compares against the padded-bmm path; any error means False.
+    """
+    device = torch.device(device)
+    key = (device.type, dtype)
+    if key not in _GROUPED_MM_WORKS:
+        _GROUPED_MM_WORKS[key] = _probe_grouped_mm(device, dtype)
+    return _GROUPED_MM_WORKS[key]
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        tokens, d_in, ff, experts = 24, 16, 32, 4
+        x = torch.randn(tokens, d_in, generator=gen).to(device, dtype)
+        up = (torch.randn(experts, ff, d_in, generator=gen) / 4).to(device, dtype)
+        down = (torch.randn(experts, d_in, ff, generator=gen) / 4).to(device, dtype)
+        index = torch.randint(0, experts - 1, (tokens, 2), generator=gen).to(device)
+        dispatch = route_tokens(index, experts)  # the last expert gets no tokens
+        results = []
+        for fn in (_experts_grouped_mm, _experts_padded_bmm):
+            leaves = [t.clone().requires_grad_() for t in (x, up, down)]
+            out = fn(leaves[0], dispatch, leaves[1], leaves[2], None, "relu2")
+            out.float().square().sum().backward()
+            results.append([out.float(), *(t.grad.float() for t in leaves)])
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        return all(
+            torch.allclose(a, b, rtol=tol, atol=tol * b.abs().max().item())
+            for a, b in zip(*results, strict=True)
+        )
+    except Exception:  # unsupported device, dtype, layout or build
+        return False
+
+
+def _use_grouped_mm(
+    impl: Impl, x: torch.Tensor, ws: tuple[torch.Tensor | None, ...], ff: int
+) -> bool:
+    if impl == "bmm":
+        return False
+    if impl == "grouped_mm":
+        if not hasattr(torch, "_grouped_mm"):
+            raise RuntimeError("impl='grouped_mm' but this torch has no torch._grouped_mm")
+        return True
+    # "auto": only where verified, and only for the 16-byte-aligned row strides it needs.
+    return (
+        x.device.type == "cuda"
+        and x.shape[1] % 8 == 0
+        and ff % 8 == 0
+        and all(w is None or w.is_contiguous() for w in ws)
+        and grouped_mm_works(x.device, x.dtype)
+    )
+
+
+def grouped_mlp(
+    x: torch.Tensor,
+    dispatch: Dispatch,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    activation: Activation = "relu2",
+    gate: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    *,
+    impl: Impl = "auto",
+) -> torch.Tensor:
+    """Routed expert MLPs, combined per token: ``y_t = sum_j w_tj * MLP_{e_tj}(x_t)``.
+
+    Args:
+        x: token activations [T, d_in].
+        dispatch: from :func:`route_tokens` on the same [T, k] routing.
+        up: [E, ff, d_in]; down: [E, d_in, ff]; gate: [E, ff, d_in], swiglu only.
+        activation: ``"relu2"`` (``relu(up x)^2``, Nemotron's experts) or
+            ``"swiglu"`` (``silu(gate x) * up x``).
+        weights: routing weights [T, k]; None sums the experts unweighted.
+        impl: ``"auto"`` (grouped_mm on CUDA where verified, else padded bmm),
+            ``"bmm"`` or ``"grouped_mm"`` to force one path.
+
+    Returns:
+        [T, d_in] in x's dtype. Expert matmuls run in x's dtype; the weighting
+        and the sum over slots run in fp32 (fp64 for fp64 inputs). Gradients
+        reach x, up, down, gate and weights. Load statistics are on
+        ``dispatch.tokens_per_expert``.
+    """
+    num_tokens, d_in = x.shape
+    experts, ff = dispatch.num_experts, up.shape[1]
+    if num_tokens != dispatch.num_tokens:
+        raise ValueError(f"x has {num_tokens} tokens but the dispatch has {dispatch.num_tokens}")
+    if up.shape != (experts, ff, d_in) or down.shape != (experts, d_in, ff):
+        raise ValueError(
+            f"expected up {(experts, ff, d_in)} and down {(experts, d_in, ff)}, "
+            f"got {tuple(up.shape)} and {tuple(down.shape)}"
+        )
+    if activation not in ("relu2", "swiglu"):
+        raise ValueError(f"activation must be 'relu2' or 'swiglu', got {activation!r}")
+    if (activation == "swiglu") != (gate is not None):
+        raise ValueError("gate is required for swiglu and not accepted for relu2")
+    if gate is not None and gate.shape != up.shape:
+        raise ValueError(f"gate must match up {tuple(up.shape)}, got {tuple(gate.shape)}")
+    if weights is not None and weights.shape != (num_tokens, dispatch.top_k):
+        raise ValueError(
+            f"weights must be {(num_tokens, dispatch.top_k)}, got {tuple(weights.shape)}"
+        )
+
+    if _use_grouped_mm(impl, x, (up, down, gate), ff):
+        pair_out = _experts_grouped_mm(x, dispatch, up, down, gate, activation)
+    else:
+        pair_out = _experts_padded_bmm(x, dispatch, up, down, gate, activation)
+
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    pair_out = pair_out.to(acc).reshape(num_tokens, dispatch.top_k, d_in)
+    if weights is not None:
+        pair_out = pair_out * weights.to(acc)[..., None]
+    return pair_out.sum(dim=1).to(x.dtype)

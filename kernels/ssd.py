@@ -1,0 +1,301 @@
+"""Mamba-2 state-space-duality (SSD) scan.
+
+The recurrence, per batch row and head (``x_t`` is [p], ``B_t``/``C_t`` are [n]
+and shared by the ``h/g`` heads of their group)::
+
+    h_t = exp(dt_t * A) * h_{t-1} + dt_t * outer(x_t, B_t)      # state [p, n]
+    y_t = h_t @ C_t + D * x_t
+
+Three ways to evaluate it live here:
+
+* :func:`ssd_sequential_scan`: the recurrence verbatim, one step per position.
+  It is slow and exists as the independent reference for tests.
+* :func:`ssd_chunked_scan_torch`: the SSD "chunked" form in pure PyTorch. The
+  sequence is cut into chunks of ``chunk_size``; inside a chunk the output is a
+  masked, decay-weighted attention-like product (quadratic in the chunk, so it
+  maps onto matmuls), and only one state per chunk is carried across chunks.
+* :func:`ssd_chunked_scan`: the entry point. It uses ``mamba_ssm``'s fused
+  Triton kernel when that package is importable and the tensors are on CUDA,
+  and :func:`ssd_chunked_scan_torch` otherwise.
+
+``dt`` must already be activated (softplus plus bias, clamped) and positive, and
+``A`` negative, so ``exp(dt * A)`` is a decay in (0, 1].
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "fast_path_available",
+    "ssd_chunked_scan",
+    "ssd_chunked_scan_torch",
+    "ssd_sequential_scan",
+]
+
+ScanResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def _check_shapes(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None,
+    initial_state: torch.Tensor | None,
+) -> None:
+    """Raise ValueError on inconsistent shapes; the einsums would fail less clearly."""
+    if x.ndim != 4:
+        raise ValueError(f"x must be [batch, length, heads, head_dim], got {tuple(x.shape)}")
+    b, seqlen, h, p = x.shape
+    if dt.shape != (b, seqlen, h):
+        raise ValueError(f"dt must be {(b, seqlen, h)}, got {tuple(dt.shape)}")
+    if A.shape != (h,):
+        raise ValueError(f"A must be {(h,)}, got {tuple(A.shape)}")
+    if B.ndim != 4 or B.shape[:2] != (b, seqlen) or B.shape != C.shape:
+        raise ValueError(
+            f"B and C must both be [{b}, {seqlen}, groups, state], "
+            f"got {tuple(B.shape)} and {tuple(C.shape)}"
+        )
+    g, n = B.shape[2], B.shape[3]
+    if g == 0 or h % g != 0:
+        raise ValueError(f"heads ({h}) must be a multiple of groups ({g})")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if D is not None and D.shape not in ((h,), (h, p)):
+        raise ValueError(f"D must be {(h,)} or {(h, p)}, got {tuple(D.shape)}")
+    if initial_state is not None and initial_state.shape != (b, h, p, n):
+        raise ValueError(f"initial_state must be {(b, h, p, n)}, got {tuple(initial_state.shape)}")
+
+
+def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """fp32, or fp64 when any input is fp64 (so float64 gradchecks stay exact)."""
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
+def _skip_term(x: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """``D * x`` with D per head [h] or per head and channel [h, p]."""
+    return x * (D[:, None] if D.ndim == 1 else D)
+
+
+def _segsum(a: torch.Tensor) -> torch.Tensor:
+    """Pairwise segment sums: ``out[..., i, j] = sum(a[..., j+1 : i+1])`` for j <= i, -inf above.
+
+    ``exp(out)`` is the decay from position j to position i. Summing only the
+    elements in (j, i] (a masked cumsum) instead of subtracting two prefix sums
+    avoids cancellation when the prefix sums grow large over a long chunk.
+    """
+    t = a.shape[-1]
+    ones = torch.ones(t, t, dtype=torch.bool, device=a.device)
+    # Built transposed, [..., j, i], so the cumsum runs along the contiguous
+    # last dimension (markedly faster on CPU, forward and backward).
+    strictly_upper = torch.triu(ones, diagonal=1)
+    cols = a[..., None, :].expand(*a.shape[:-1], t, t).masked_fill(~strictly_upper, 0.0)
+    return cols.cumsum(dim=-1).transpose(-1, -2).masked_fill(~torch.tril(ones), float("-inf"))
+
+
+def ssd_sequential_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int = 1,
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    return_final_state: bool = False,
+) -> ScanResult:
+    """Reference SSD: the recurrence one position at a time (``chunk_size`` is ignored).
+
+    Same contract as :func:`ssd_chunked_scan`. Intended for tests and tiny inputs.
+    """
+    _check_shapes(x, dt, A, B, C, max(chunk_size, 1), D, initial_state)
+    b, seqlen, h, p = x.shape
+    cdt = _compute_dtype(x, dt, A, B, C, D, initial_state)
+    xf, dtf, Af = x.to(cdt), dt.to(cdt), A.to(cdt)
+    Bh = B.to(cdt).repeat_interleave(h // B.shape[2], dim=2)  # [b, l, h, n]
+    Ch = C.to(cdt).repeat_interleave(h // C.shape[2], dim=2)
+    state = xf.new_zeros(b, h, p, B.shape[3]) if initial_state is None else initial_state.to(cdt)
+    ys = []
+    for t in range(seqlen):
+        decay = torch.exp(dtf[:, t] * Af)[:, :, None, None]
+        inject = (dtf[:, t, :, None] * xf[:, t])[..., None] * Bh[:, t, :, None, :]
+        state = decay * state + inject
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, Ch[:, t]))
+    y = torch.stack(ys, dim=1) if ys else xf.new_zeros(b, 0, h, p)
+    if D is not None:
+        y = y + _skip_term(xf, D.to(cdt))
+    y = y.to(x.dtype)
+    return (y, state) if return_final_state else y
+
+
+def ssd_chunked_scan_torch(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    return_final_state: bool = False,
+) -> ScanResult:
+    """Pure-PyTorch chunked SSD (any device, differentiable); see :func:`ssd_chunked_scan`.
+
+    Memory: the intra-chunk term materialises one [chunk, chunk] decay matrix
+    per (batch, chunk, head), i.e. ``b * L_padded * h * chunk_size`` elements,
+    the inherent cost of the SSD form. ``C·B`` is formed once per *group* and
+    broadcast over the group's heads rather than repeating B and C per head.
+    The inter-chunk pass uses a [chunks+1, chunks+1] decay matrix per (b, h),
+    which is tiny next to the states it mixes.
+    """
+    _check_shapes(x, dt, A, B, C, chunk_size, D, initial_state)
+    b, seqlen, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    r = h // g  # heads per group
+    cs = chunk_size
+    cdt = _compute_dtype(x, dt, A, B, C, D, initial_state)
+
+    pad = (-seqlen) % cs
+    nc = (seqlen + pad) // cs
+    # Zero padding at the end is harmless: dt = 0 there, so the padded steps
+    # neither decay the state (exp(0) = 1) nor inject into it, and the final
+    # state equals the state after the last real position.
+    xf = F.pad(x.to(cdt), (0, 0, 0, 0, 0, pad))
+    dtf = F.pad(dt.to(cdt), (0, 0, 0, pad))
+    Bf = F.pad(B.to(cdt), (0, 0, 0, 0, 0, pad))
+    Cf = F.pad(C.to(cdt), (0, 0, 0, 0, 0, pad))
+
+    xc = xf.reshape(b, nc, cs, g, r, p)
+    dtc = dtf.reshape(b, nc, cs, g, r)
+    Bc = Bf.reshape(b, nc, cs, g, n)
+    Cc = Cf.reshape(b, nc, cs, g, n)
+    x_dt = xc * dtc[..., None]  # discretised input, [b, c, cs, g, r, p]
+
+    dA = (dtc * A.to(cdt).reshape(g, r)).permute(0, 1, 3, 4, 2)  # [b, c, g, r, cs]
+    seg = _segsum(dA)  # [b, c, g, r, cs_i, cs_j]
+
+    # 1. Within each chunk: y_i += sum_{j<=i} (C_i·B_j) exp(seg_ij) dt_j x_j.
+    cb = torch.einsum("bcign,bcjgn->bcgij", Cc, Bc)  # per group, [b, c, g, cs, cs]
+    weights = cb[:, :, :, None] * torch.exp(seg)  # [b, c, g, r, cs, cs]
+    y = torch.einsum("bcgrij,bcjgrp->bcigrp", weights, x_dt)
+
+    # 2. State each chunk leaves behind when started from zero: inputs decayed
+    #    to the chunk end. seg[..., -1, j] is the decay from j to the last step.
+    to_end = torch.exp(seg[..., -1, :]).permute(0, 1, 4, 2, 3)  # [b, c, cs, g, r]
+    chunk_states = torch.einsum("bcjgn,bcjgrp->bcgrpn", Bc, x_dt * to_end[..., None])
+
+    # 3. Carry states across chunks: start(c) = sum_{z<=c} decay(z -> c) * s_z,
+    #    where s_0 is the initial state and s_{z>0} the state chunk z-1 produced.
+    init = (
+        xf.new_zeros(b, 1, g, r, p, n)
+        if initial_state is None
+        else initial_state.to(cdt).reshape(b, 1, g, r, p, n)
+    )
+    all_states = torch.cat([init, chunk_states], dim=1)  # [b, c+1, g, r, p, n]
+    chunk_total = F.pad(dA.sum(dim=-1), (0, 0, 0, 0, 1, 0))  # [b, c+1, g, r]
+    chunk_decay = torch.exp(_segsum(chunk_total.permute(0, 2, 3, 1)))  # [b, g, r, c+1, c+1]
+    carried = torch.einsum("bgrcz,bzgrpn->bcgrpn", chunk_decay, all_states)
+    starts, final_state = carried[:, :-1], carried[:, -1]
+
+    # 4. Contribution of each chunk's start state: decay to position i, read by C_i.
+    from_start = torch.exp(dA.cumsum(dim=-1)).permute(0, 1, 4, 2, 3)  # [b, c, cs, g, r]
+    y = y + torch.einsum("bcign,bcgrpn->bcigrp", Cc, starts) * from_start[..., None]
+
+    y = y.reshape(b, nc * cs, h, p)[:, :seqlen]
+    if D is not None:
+        y = y + _skip_term(xf[:, :seqlen], D.to(cdt))
+    y = y.to(x.dtype)
+    if return_final_state:
+        return y, final_state.reshape(b, h, p, n)
+    return y
+
+
+@functools.lru_cache(maxsize=1)
+def _mamba_chunk_scan_combined() -> Callable[..., ScanResult] | None:
+    """``mamba_ssm``'s fused SSD kernel, or None. Imported lazily: it pulls in Triton."""
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+    except Exception:  # ImportError, or Triton/CUDA initialisation failures
+        return None
+    return mamba_chunk_scan_combined
+
+
+def fast_path_available(device: torch.device | str) -> bool:
+    """True when ``mamba_ssm``'s Triton SSD kernel can serve tensors on ``device``.
+
+    Only CUDA devices qualify; ``mamba_ssm`` is never imported for other devices.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return _mamba_chunk_scan_combined() is not None
+
+
+def _fast_path_applies(x: torch.Tensor, chunk_size: int) -> bool:
+    """Conservative gate for the Triton kernel: half/fp32 inputs, power-of-two chunks."""
+    return (
+        x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and chunk_size >= 16
+        and chunk_size & (chunk_size - 1) == 0
+        and fast_path_available(x.device)
+    )
+
+
+def ssd_chunked_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    chunk_size: int,
+    D: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    return_final_state: bool = False,
+) -> ScanResult:
+    """Mamba-2 SSD scan over a whole sequence.
+
+    Args:
+        x: inputs [batch, length, heads, head_dim].
+        dt: step sizes [batch, length, heads], already softplus'ed and clamped (> 0).
+        A: per-head decay rates [heads], negative.
+        B, C: input and output projections [batch, length, groups, state]; group
+            ``k`` serves heads ``k*h/g ... (k+1)*h/g - 1``.
+        chunk_size: chunk length; any length works (the tail chunk is zero-padded).
+        D: optional skip [heads] (or [heads, head_dim]) adding ``D * x``.
+        initial_state: optional state before position 0, [batch, heads, head_dim, state].
+        return_final_state: also return the state after the last position.
+
+    Returns:
+        ``y`` [batch, length, heads, head_dim] in x's dtype, and with
+        ``return_final_state`` also the final state [batch, heads, head_dim, state]
+        in fp32 (fp64 on the pure path when an input is fp64). Arithmetic is fp32.
+    """
+    if _fast_path_applies(x, chunk_size):
+        _check_shapes(x, dt, A, B, C, chunk_size, D, initial_state)
+        kernel = _mamba_chunk_scan_combined()
+        assert kernel is not None  # guaranteed by _fast_path_applies
+        out = kernel(
+            x,
+            dt,
+            A,
+            B,
+            C,
+            chunk_size,
+            D=D,
+            initial_states=initial_state,
+            return_final_states=return_final_state,
+        )
+        if return_final_state:
+            y, final_state = out
+            return y, final_state.float()
+        return out
+    return ssd_chunked_scan_torch(x, dt, A, B, C, chunk_size, D, initial_state, return_final_state)
