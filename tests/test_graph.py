@@ -1,0 +1,166 @@
+"""The compiled graph: sizes, outputs, routing, MTP, losses and determinism."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import factory
+from blueprint_factory import make
+from factory.graph.loss import language_model_loss
+from factory.naming import linear_module_names
+
+PRESETS = ["nano", "super", "ultra", "nemotron_h_8b", "nemotron_nano_9b_v2"]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_meta_build_has_exactly_the_planned_parameters(name: str) -> None:
+    compiled = factory.compile(factory.load_blueprint(name), device="meta")
+    assert all(p.is_meta for p in compiled.model.parameters())
+    built = sum(p.numel() for p in compiled.model.parameters())
+    assert built == compiled.plan.params.total
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_proxy_has_exactly_the_planned_parameters(name: str) -> None:
+    compiled = factory.compile(factory.load_blueprint(name), proxy=True)
+    assert sum(p.numel() for p in compiled.model.parameters()) == compiled.plan.params.total
+
+
+def test_ultra_on_meta_stays_under_two_gigabytes() -> None:
+    script = (
+        "import resource, factory\n"
+        "factory.compile(factory.load_blueprint('ultra'), device='meta')\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout.strip()) < 2 * 1024 * 1024  # ru_maxrss is in KiB on Linux
+
+
+def test_parameter_names_follow_the_naming_contract() -> None:
+    compiled = factory.compile(factory.load_blueprint("super"), proxy=True)
+    keys = set(compiled.model.state_dict())
+    for name in linear_module_names(compiled.blueprint.model):
+        prefix = "" if name.startswith("mtp.") else "backbone."
+        key = prefix + name + ("" if ".experts." in name else ".weight")
+        assert key in keys, key
+
+
+@pytest.fixture(scope="module")
+def super_proxy() -> factory.graph.compile.Compiled:
+    return factory.compile(factory.load_blueprint("super"), proxy=True, seed=7)
+
+
+def test_forward_returns_logits_with_extras(super_proxy) -> None:
+    model = super_proxy.model.train()
+    ids = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(0))
+    logits = model(ids)
+    assert logits.shape == (2, 32, 4096)
+    assert len(logits.extras.mtp_logits) == 2  # depth 2, one repeated block
+    assert all(t.shape == logits.shape for t in logits.extras.mtp_logits)
+    assert logits.extras.aux_loss is not None and logits.extras.aux_loss > 0
+    model.eval()
+    assert model(ids).extras.aux_loss is None
+
+
+def test_every_trainable_parameter_gets_a_gradient(super_proxy) -> None:
+    model = super_proxy.model.train()
+    model.zero_grad()
+    ids = torch.randint(0, 4096, (4, 64), generator=torch.Generator().manual_seed(1))
+    loss = language_model_loss(model(ids), ids, mtp_loss_scale=0.3).total
+    loss.backward()
+    silent = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert silent == []
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen and all(n.endswith("e_score_correction_bias") for n in frozen)
+
+
+def test_loss_scales_the_mtp_term(super_proxy) -> None:
+    model = super_proxy.model.eval()
+    ids = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits = model(ids)
+    plain = language_model_loss(logits, ids, mtp_loss_scale=0.0)
+    scaled = language_model_loss(logits, ids, mtp_loss_scale=0.3)
+    assert len(scaled.mtp) == 2
+    expected = plain.total + 0.3 * torch.stack(scaled.mtp).mean()
+    assert torch.allclose(scaled.total, expected)
+    # depth 1 predicts token i+2: its loss is the CE of its logits against ids shifted by 2
+    ce = torch.nn.functional.cross_entropy(
+        logits.extras.mtp_logits[0][:, :-2].flatten(0, 1), ids[:, 2:].flatten()
+    )
+    assert torch.allclose(scaled.mtp[0], ce)
+
+
+def test_same_seed_same_weights_other_seed_other_weights() -> None:
+    bp = factory.load_blueprint("nano")
+    a = factory.compile(bp, proxy=True, seed=11).model.state_dict()
+    b = factory.compile(bp, proxy=True, seed=11).model.state_dict()
+    c = factory.compile(bp, proxy=True, seed=12).model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(
+        a["backbone.layers.0.mixer.in_proj.weight"], c["backbone.layers.0.mixer.in_proj.weight"]
+    )
+
+
+def test_expert_bias_moves_towards_balance() -> None:
+    model = factory.compile(make(), seed=0).model.train()
+    ids = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(3))
+    model(ids)
+    gate = model.backbone.layers[3].mixer.gate
+    load = gate.tokens_per_expert.clone()
+    model.update_expert_biases()
+    bias = gate.e_score_correction_bias
+    assert torch.all(bias[load > load.mean()] < 0) and torch.all(bias[load < load.mean()] > 0)
+    assert gate.tokens_per_expert.sum() == 0
+
+
+def test_capacity_factor_drops_overflow_tokens_only() -> None:
+    ids = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(4))
+    outputs = {}
+    for factor in (None, 100.0, 0.25):
+        model = factory.compile(make(**{"model.moe.capacity_factor": factor}), seed=0).model.eval()
+        with torch.no_grad():
+            outputs[factor] = model(ids)
+    assert torch.allclose(outputs[None], outputs[100.0])
+    assert not torch.allclose(outputs[None], outputs[0.25])
+
+
+def test_router_matches_transformers_group_limited_routing() -> None:
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHTopkRouter
+
+    bp = make(**{"model.moe.router": {"num_groups": 4, "group_top_k": 2, "scaling_factor": 2.5}})
+    router = factory.compile(bp, seed=0).model.backbone.layers[3].mixer.gate.eval()
+    config = transformers.NemotronHConfig(
+        hidden_size=256,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
+    theirs = NemotronHTopkRouter(config)
+    with torch.no_grad():
+        theirs.weight.copy_(router.weight)
+        router.e_score_correction_bias.copy_(torch.linspace(-0.1, 0.1, 8))
+        theirs.e_score_correction_bias.copy_(router.e_score_correction_bias)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(5))
+    weights, indices, _ = router(x)
+    _, their_weights, their_indices = theirs(x)
+    order, their_order = indices.argsort(-1), their_indices.argsort(-1)
+    assert torch.equal(indices.gather(1, order), their_indices.gather(1, their_order))
+    assert torch.allclose(weights.gather(1, order), their_weights.gather(1, their_order))
+
+
+def test_bf16_keeps_the_router_in_fp32() -> None:
+    model = factory.compile(make(), dtype=torch.bfloat16).model
+    assert model.backbone.layers[3].mixer.gate.weight.dtype == torch.float32
+    assert model.backbone.layers[0].mixer.in_proj.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, 1024, (1, 16))
+    assert model(ids).dtype == torch.bfloat16
