@@ -7,6 +7,11 @@ import sys
 
 BENCHMARKS = {
     "validate": ("benchmarks.validate_speed", "factory validate on every preset vs `import torch`"),
+    "build_meta": ("benchmarks.build_meta", "build each preset's full graph on the meta device"),
+    "train_step": (
+        "benchmarks.train_step",
+        "CPU proxy fwd+bwd+AdamW tokens/s vs transformers NemotronH",
+    ),
 }
 
 

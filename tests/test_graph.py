@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import torch
+from blueprint_factory import make
 
 import factory
-from blueprint_factory import make
 from factory.graph.loss import language_model_loss
 from factory.naming import linear_module_names
 

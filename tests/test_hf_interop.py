@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from blueprint_factory import DELETE, make
 
 import factory
-from blueprint_factory import DELETE, make
 from factory.exports.hf import export_hf
 from factory.schemas import Blueprint
 
