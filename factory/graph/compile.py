@@ -56,6 +56,14 @@ def compile(
             from factory.graph.weights import load_weights
 
             load_weights(model, Path(blueprint.model.init.checkpoint))
+        if blueprint.model.init.upcycle_from:
+            from pathlib import Path
+
+            from factory.graph.upcycle import upcycle
+            from factory.graph.weights import read_state_dict
+
+            state = read_state_dict(Path(blueprint.model.init.upcycle_from))
+            upcycle(model, state, torch.Generator().manual_seed(seed + 1))
         _cast_keeping_router_fp32(model, dtype)
     return Compiled(model=model, plan=plan(blueprint), blueprint=blueprint)
 
