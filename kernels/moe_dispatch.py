@@ -144,12 +144,14 @@ def _experts_padded_bmm(
     d_in = x.shape[1]
     rows = dispatch.padded_rows(capacity)
     buffer = x.new_zeros(dispatch.num_experts * capacity, d_in)
-    buffer = buffer.index_copy(0, rows, x[dispatch.token_index])
+    # index_select, not advanced indexing: its backward is an index_add_, where advanced
+    # indexing's is index_put_(accumulate=True), several times slower on CPU.
+    buffer = buffer.index_copy(0, rows, x.index_select(0, dispatch.token_index))
     buffer = buffer.view(dispatch.num_experts, capacity, d_in)
     h = torch.bmm(buffer, up.transpose(1, 2))
     g = torch.bmm(buffer, gate.transpose(1, 2)) if gate is not None else None
     out = torch.bmm(_activate(h, g, activation), down.transpose(1, 2))
-    return out.reshape(-1, d_in)[rows[dispatch.inverse_order]]
+    return out.reshape(-1, d_in).index_select(0, rows[dispatch.inverse_order])
 
 
 def _experts_grouped_mm(

@@ -86,20 +86,17 @@ def _skip_term(x: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
     return x * (D[:, None] if D.ndim == 1 else D)
 
 
-def _segsum(a: torch.Tensor) -> torch.Tensor:
-    """Pairwise segment sums: ``out[..., i, j] = sum(a[..., j+1 : i+1])`` for j <= i, -inf above.
+def _decay(cum: torch.Tensor) -> torch.Tensor:
+    """exp(cum_i - cum_j) for j <= i and 0 above the diagonal: [..., l] -> [..., l, l].
 
-    ``exp(out)`` is the decay from position j to position i. Summing only the
-    elements in (j, i] (a masked cumsum) instead of subtracting two prefix sums
-    avoids cancellation when the prefix sums grow large over a long chunk.
+    A difference of prefix sums (as mamba_ssm's kernel does) costs one cumsum
+    over l; the masked cumsum over an [l, l] grid it replaces, with its
+    flip/cumsum/flip backward, was the scan's largest cost on CPU. Within one
+    chunk the prefix sums stay small, so the subtraction loses no useful precision.
     """
-    t = a.shape[-1]
-    ones = torch.ones(t, t, dtype=torch.bool, device=a.device)
-    # Built transposed, [..., j, i], so the cumsum runs along the contiguous
-    # last dimension (markedly faster on CPU, forward and backward).
-    strictly_upper = torch.triu(ones, diagonal=1)
-    cols = a[..., None, :].expand(*a.shape[:-1], t, t).masked_fill(~strictly_upper, 0.0)
-    return cols.cumsum(dim=-1).transpose(-1, -2).masked_fill(~torch.tril(ones), float("-inf"))
+    t = cum.shape[-1]
+    upper = torch.ones(t, t, dtype=torch.bool, device=cum.device).triu(1)
+    return (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
 
 
 def ssd_sequential_scan(
@@ -174,24 +171,22 @@ def ssd_chunked_scan_torch(
     Bf = F.pad(B.to(cdt), (0, 0, 0, 0, 0, pad))
     Cf = F.pad(C.to(cdt), (0, 0, 0, 0, 0, pad))
 
-    xc = xf.reshape(b, nc, cs, g, r, p)
-    dtc = dtf.reshape(b, nc, cs, g, r)
-    Bc = Bf.reshape(b, nc, cs, g, n)
-    Cc = Cf.reshape(b, nc, cs, g, n)
-    x_dt = xc * dtc[..., None]  # discretised input, [b, c, cs, g, r, p]
+    # Head-major layouts, built once, make every product below a plain batched
+    # matmul with no permute copies: x_dt [b, c, g, r, l, p], B and C [b, c, g, l, n].
+    x_dt = (xf * dtf[..., None]).reshape(b, nc, cs, g, r, p).permute(0, 1, 3, 4, 2, 5)
+    x_dt = x_dt.contiguous()
+    Bc = Bf.reshape(b, nc, cs, g, n).transpose(2, 3).contiguous()
+    Cc = Cf.reshape(b, nc, cs, g, n).transpose(2, 3).contiguous()
+    dA = (dtf.reshape(b, nc, cs, g, r) * A.to(cdt).reshape(g, r)).permute(0, 1, 3, 4, 2)
+    cum = dA.cumsum(-1)  # [b, c, g, r, l]: log-decay from the chunk start
 
-    dA = (dtc * A.to(cdt).reshape(g, r)).permute(0, 1, 3, 4, 2)  # [b, c, g, r, cs]
-    seg = _segsum(dA)  # [b, c, g, r, cs_i, cs_j]
+    # 1. Within each chunk: y_i += sum_{j<=i} (C_i·B_j) exp(cum_i - cum_j) dt_j x_j.
+    cb = torch.matmul(Cc, Bc.transpose(-1, -2))  # per group, [b, c, g, l, l]
+    y = torch.matmul(_decay(cum) * cb[:, :, :, None], x_dt)  # [b, c, g, r, l, p]
 
-    # 1. Within each chunk: y_i += sum_{j<=i} (C_i·B_j) exp(seg_ij) dt_j x_j.
-    cb = torch.einsum("bcign,bcjgn->bcgij", Cc, Bc)  # per group, [b, c, g, cs, cs]
-    weights = cb[:, :, :, None] * torch.exp(seg)  # [b, c, g, r, cs, cs]
-    y = torch.einsum("bcgrij,bcjgrp->bcigrp", weights, x_dt)
-
-    # 2. State each chunk leaves behind when started from zero: inputs decayed
-    #    to the chunk end. seg[..., -1, j] is the decay from j to the last step.
-    to_end = torch.exp(seg[..., -1, :]).permute(0, 1, 4, 2, 3)  # [b, c, cs, g, r]
-    chunk_states = torch.einsum("bcjgn,bcjgrp->bcgrpn", Bc, x_dt * to_end[..., None])
+    # 2. State each chunk leaves behind when started from zero: inputs decayed to its end.
+    to_end = torch.exp(cum[..., -1:] - cum)  # [b, c, g, r, l]
+    chunk_states = torch.matmul((x_dt * to_end[..., None]).transpose(-1, -2), Bc[:, :, :, None])
 
     # 3. Carry states across chunks: start(c) = sum_{z<=c} decay(z -> c) * s_z,
     #    where s_0 is the initial state and s_{z>0} the state chunk z-1 produced.
@@ -201,14 +196,15 @@ def ssd_chunked_scan_torch(
         else initial_state.to(cdt).reshape(b, 1, g, r, p, n)
     )
     all_states = torch.cat([init, chunk_states], dim=1)  # [b, c+1, g, r, p, n]
-    chunk_total = F.pad(dA.sum(dim=-1), (0, 0, 0, 0, 1, 0))  # [b, c+1, g, r]
-    chunk_decay = torch.exp(_segsum(chunk_total.permute(0, 2, 3, 1)))  # [b, g, r, c+1, c+1]
+    chunk_total = F.pad(cum[..., -1], (0, 0, 0, 0, 1, 0))  # [b, c+1, g, r]
+    chunk_decay = _decay(chunk_total.cumsum(1).permute(0, 2, 3, 1))  # [b, g, r, c+1, c+1]
     carried = torch.einsum("bgrcz,bzgrpn->bcgrpn", chunk_decay, all_states)
     starts, final_state = carried[:, :-1], carried[:, -1]
 
     # 4. Contribution of each chunk's start state: decay to position i, read by C_i.
-    from_start = torch.exp(dA.cumsum(dim=-1)).permute(0, 1, 4, 2, 3)  # [b, c, cs, g, r]
-    y = y + torch.einsum("bcign,bcgrpn->bcigrp", Cc, starts) * from_start[..., None]
+    y_start = torch.matmul(Cc[:, :, :, None], starts.transpose(-1, -2))  # [b, c, g, r, l, p]
+    y = y + y_start * torch.exp(cum)[..., None]
+    y = y.permute(0, 1, 4, 2, 3, 5)  # back to [b, c, l, g, r, p]
 
     y = y.reshape(b, nc * cs, h, p)[:, :seqlen]
     if D is not None:

@@ -21,6 +21,29 @@ from factory.schemas.model import MambaConfig
 __all__ = ["Mamba2Mixer"]
 
 
+def _causal_depthwise_conv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Depthwise causal conv1d over [B, L, C] as K shifted multiply-adds.
+
+    Same result as ``nn.Conv1d(groups=C, padding=K-1)`` truncated to L, without
+    transposing to [B, C, L]: with K = 4 the shifted adds are faster on CPU than
+    oneDNN's depthwise backward, and SiLU's backward runs on a contiguous tensor.
+    The parameters stay those of ``self.conv1d`` so checkpoints keep their names.
+    """
+    length, k = x.shape[1], weight.shape[-1]
+    padded = F.pad(x, (0, 0, k - 1, 0))
+    taps = weight.reshape(weight.shape[0], k).t()  # [K, C]
+    y = (
+        padded[:, :length] * taps[0]
+        if bias is None
+        else torch.addcmul(bias, padded[:, :length], taps[0])
+    )
+    for j in range(1, k):
+        y = torch.addcmul(y, padded[:, j : j + length], taps[j])
+    return y
+
+
 class Mamba2Mixer(nn.Module):
     def __init__(self, width: int, cfg: MambaConfig, norm_eps: float) -> None:
         super().__init__()
@@ -56,8 +79,7 @@ class Mamba2Mixer(nn.Module):
         cfg = self.cfg
         b, s, _ = x.shape
         z, xbc, dt = self.in_proj(x).split([cfg.d_inner, cfg.conv_dim, cfg.heads], dim=-1)
-        xbc = self.conv1d(xbc.transpose(1, 2))[..., :s].transpose(1, 2)
-        xbc = F.silu(xbc)
+        xbc = F.silu(_causal_depthwise_conv(xbc, self.conv1d.weight, self.conv1d.bias))
         group_width = cfg.groups * cfg.state_size
         xs, B, C = xbc.split([cfg.d_inner, group_width, group_width], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
