@@ -1,0 +1,1 @@
+"""Shipped data recipes (YAML) and the sample corpus, installed as ``factory.data_recipes``."""
