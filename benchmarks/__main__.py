@@ -12,6 +12,10 @@ BENCHMARKS = {
         "benchmarks.train_step",
         "CPU proxy fwd+bwd+AdamW tokens/s vs transformers NemotronH",
     ),
+    "data_pipeline": (
+        "benchmarks.data_pipeline",
+        "data build throughput vs DataTrove and vs the tokenizer alone",
+    ),
 }
 
 

@@ -1,4 +1,4 @@
-"""JSON Schema for blueprints, so editors can complete and check YAML as it is typed.
+"""JSON Schema for blueprints and data recipes, so editors can complete and check YAML as it is typed.
 
 Two files: ``blueprint.schema.json`` for complete blueprints, and
 ``fragment.schema.json`` for the shared fragments under ``blueprints/base``,
@@ -64,10 +64,17 @@ def render_schemas() -> dict[str, str]:
     schema = _allow_interpolation(schema)
     fragment = _without_required(copy.deepcopy(schema))
     fragment["title"] = "factory blueprint fragment"
-    return {
-        name: json.dumps(doc, indent=2, sort_keys=True) + "\n"
-        for name, doc in (("blueprint.schema.json", schema), ("fragment.schema.json", fragment))
-    }
+    from factory.schemas.data_recipe import DataRecipe
+
+    recipe = DataRecipe.model_json_schema()
+    recipe["$schema"] = schema["$schema"]
+    recipe["title"] = "factory data recipe"
+    docs = (
+        ("blueprint.schema.json", schema),
+        ("fragment.schema.json", fragment),
+        ("data_recipe.schema.json", recipe),
+    )
+    return {name: json.dumps(doc, indent=2, sort_keys=True) + "\n" for name, doc in docs}
 
 
 def write_schemas(out: Path) -> list[Path]:

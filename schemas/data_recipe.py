@@ -139,7 +139,9 @@ class SourceConfig(Section):
     def _valid_chain(self) -> SourceConfig:
         kinds = [step.kind for step in self.steps]
         if kinds[0] not in _FORMATS:
-            raise ValueError(f"steps must start with a format step (text or chat), not {kinds[0]!r}")
+            raise ValueError(
+                f"steps must start with a format step (text or chat), not {kinds[0]!r}"
+            )
         if any(kind in _FORMATS for kind in kinds[1:]):
             raise ValueError("only the first step may be a format step")
         if (self.weight is None) == (self.tokens is None):

@@ -29,6 +29,7 @@ def _register() -> None:
     # Importing a command module registers its command on `app`.
     from factory.cli import (  # noqa: F401
         build_cmd,
+        data_cmd,
         export_cmd,
         plan_cmd,
         schema_cmd,

@@ -1,0 +1,246 @@
+"""``factory data build``: run the three stages with resume, workers and progress.
+
+Layout of the output folder::
+
+    shards/shard-NNNNNN.tar   webdataset shards (tokens, loss mask, cu_seqlens, json)
+    .nv-meta/                 Megatron-Energon metadata
+    megatron/                 optional indexed .bin/.idx
+    quarantine.jsonl          malformed input lines, with their reasons
+    manifest.json             recipe hash, counts per step, drop reasons, shard hashes
+    .work/                    intermediates (kept for resume; safe to delete afterwards)
+
+Everything written is a function of the recipe, its seed and the inputs, so a
+build with any worker count, or one killed and rerun, ends byte-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from factory.data.recipe_loading import LoadedRecipe
+from factory.data.stage_curate import UnitTask, curate_unit
+from factory.data.unit_io import read_unit_stats, unit_done
+
+__all__ = ["build", "recipe_hash"]
+
+Progress = Callable[[str, int, int], None]
+
+
+def recipe_hash(loaded: LoadedRecipe) -> str:
+    """sha256 of the validated recipe: what the manifest records, the same on every machine."""
+    canonical = json.dumps(loaded.recipe.model_dump(mode="json"), sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _tasks(loaded: LoadedRecipe, work: Path) -> list[UnitTask]:
+    from factory.data.readers import expand_source_paths
+
+    recipe = loaded.recipe
+    tokenizer = loaded.resolve(recipe.tokenizer.path) if recipe.tokenizer.path else None
+    benchmarks = tuple(loaded.resolve(b) for b in recipe.decontam.benchmarks)
+    tasks = []
+    for s_index, source in enumerate(recipe.sources):
+        for f_index, path in enumerate(expand_source_paths(loaded.resolve(source.path))):
+            output = work / "units" / source.name / f"{f_index:05d}.bin"
+            tasks.append(UnitTask(recipe, s_index, f_index, path, output, tokenizer, benchmarks))
+    return tasks
+
+
+def _work_stamp(digest: str, tasks: list[UnitTask]) -> str:
+    """The recipe hash plus every input's size and mtime: changed inputs invalidate ``.work``."""
+    h = hashlib.sha256(digest.encode())
+    for task in tasks:
+        stat = task.input_path.stat()
+        h.update(f"{task.input_path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def _prepare_work(out: Path, digest: str) -> Path:
+    """Reuse ``.work`` only if it was made by this exact recipe and inputs; otherwise start clean."""
+    work = out / ".work"
+    stamp = work / "recipe.sha256"
+    if work.exists() and (not stamp.is_file() or stamp.read_text() != digest):
+        shutil.rmtree(work)
+        for stale in ("shards", ".nv-meta", "megatron", "manifest.json", "quarantine.jsonl"):
+            target = out / stale
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    work.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(digest)
+    # A killed run can leave temporary files behind (never published ones: every
+    # write renames into place). Sweep them so the folder holds only real output.
+    for folder in (work, out / "shards", out / ".nv-meta", out / "megatron"):
+        if folder.is_dir():
+            for leftover in folder.rglob("*"):
+                if leftover.is_file() and ".tmp" in leftover.name:
+                    leftover.unlink()
+    return work
+
+
+def _run_units(tasks: list[UnitTask], workers: int, progress: Progress) -> None:
+    pending = [t for t in tasks if not unit_done(t.output_path)]
+    done = len(tasks) - len(pending)
+    progress("curate", done, len(tasks))
+    if workers <= 1 or len(pending) <= 1:
+        for task in pending:
+            curate_unit(task)
+            done += 1
+            progress("curate", done, len(tasks))
+        return
+    import multiprocessing
+
+    # fork: workers inherit the imported modules; the tokenizer is only ever
+    # loaded inside a worker, so there is no Rust thread pool to fork over.
+    with multiprocessing.get_context("fork").Pool(min(workers, len(pending))) as pool:
+        for _ in pool.imap_unordered(curate_unit, pending):
+            done += 1
+            progress("curate", done, len(tasks))
+
+
+def build(
+    loaded: LoadedRecipe, out: Path, workers: int = 1, progress: Progress | None = None
+) -> dict[str, Any]:
+    """Build (or finish building) the shards of ``loaded`` in ``out``; return the manifest."""
+    from factory.data.mixing import plan_mixture
+    from factory.data.stage_dedup import dedup_units
+    from factory.data.stage_write import MixedStream, tokens_per_source, write_shards
+    from factory.data.tokenize import DocumentTokenizer
+
+    progress = progress or (lambda stage, done, total: None)
+    recipe = loaded.recipe
+    digest = recipe_hash(loaded)
+    out.mkdir(parents=True, exist_ok=True)
+    tasks = _tasks(loaded, out / ".work")
+    work = _prepare_work(out, _work_stamp(digest, tasks))
+    _run_units(tasks, workers, progress)
+
+    units = {
+        s.name: [t.output_path for t in tasks if recipe.sources[t.source_index].name == s.name]
+        for s in recipe.sources
+    }
+    ordered = [t.output_path for t in tasks]
+    dedup = dedup_units(ordered, recipe.dedup, work / "dedup.json")
+    progress("dedup", 1, 1)
+
+    plans = plan_mixture(recipe, tokens_per_source(units, dedup))
+    stream = MixedStream(units, plans, recipe.seed)
+    tokenizer_path = loaded.resolve(recipe.tokenizer.path) if recipe.tokenizer.path else None
+    tokenizer = DocumentTokenizer(tokenizer_path, eos=recipe.tokenizer.eos)
+    megatron = None
+    if recipe.output.megatron:
+        from factory.data.megatron_index import IndexedDatasetWriter
+
+        (out / "megatron").mkdir(exist_ok=True)
+        megatron = IndexedDatasetWriter(
+            out / "megatron" / recipe.name, vocab_size=tokenizer.vocab_size
+        )
+    shards, packing = write_shards(
+        stream,
+        out,
+        recipe.packing.seq_len,
+        recipe.packing.window,
+        tokenizer.pad_id,
+        recipe.output.samples_per_shard,
+        progress=lambda n: progress("shards", n, n),
+        on_document=megatron.add_document if megatron is not None else None,
+    )
+    if megatron is not None:
+        megatron.finalize()
+    if recipe.output.energon:
+        from factory.data.energon import write_energon_metadata
+
+        write_energon_metadata(out, [s["name"] for s in shards], [s["samples"] for s in shards])
+    manifest = _manifest(
+        loaded, digest, tasks, units, dedup, plans, stream, shards, packing, tokenizer
+    )
+    _write_quarantine(out, tasks)
+    from factory.data.manifest import write_manifest
+
+    write_manifest(out, manifest)
+    return manifest
+
+
+def _write_quarantine(out: Path, tasks: list[UnitTask]) -> None:
+    from factory.io import atomic_write_text
+
+    lines = [
+        json.dumps(q, sort_keys=True)
+        for t in tasks
+        for q in read_unit_stats(t.output_path)["quarantine"]
+    ]
+    atomic_write_text(out / "quarantine.jsonl", "".join(line + "\n" for line in lines))
+
+
+def _manifest(
+    loaded, digest, tasks, units, dedup, plans, stream, shards, packing, tokenizer
+) -> dict[str, Any]:
+    recipe = loaded.recipe
+    sources: dict[str, Any] = {}
+    for source in recipe.sources:
+        steps: dict[str, dict[str, int]] = {}
+        dropped: Counter[str] = Counter()
+        quarantined: Counter[str] = Counter()
+        for task in tasks:
+            if recipe.sources[task.source_index].name != source.name:
+                continue
+            stats = read_unit_stats(task.output_path)
+            for name, row in stats["steps"].items():
+                agg = steps.setdefault(name, dict.fromkeys(row, 0))
+                for k, v in row.items():
+                    agg[k] += v
+            dropped.update(stats["dropped"])
+            quarantined.update(stats["quarantined"])
+            d = dedup[str(task.output_path)]
+            agg = steps.setdefault(
+                "dedup", {"documents_in": 0, "tokens_in": 0, "documents_out": 0, "tokens_out": 0}
+            )
+            for k in agg:
+                agg[k] += d[k]
+            dropped["dedup:exact"] += d["exact_duplicates"]
+            dropped["dedup:near"] += d["near_duplicates"]
+        plan = plans[source.name]
+        emitted = stream.emitted.get(source.name, {"documents": 0, "tokens": 0})
+        steps["mix"] = {
+            "documents_in": steps["dedup"]["documents_out"],
+            "tokens_in": plan.available_tokens,
+            "documents_out": emitted["documents"],
+            "tokens_out": emitted["tokens"],
+        }
+        sources[source.name] = {
+            "category": source.category,
+            "path": source.path,
+            "files": len(units[source.name]),
+            "steps": steps,
+            "dropped": {k: v for k, v in sorted(dropped.items()) if v},
+            "quarantined": dict(sorted(quarantined.items())),
+            "mix": {
+                "available_tokens": plan.available_tokens,
+                "target_tokens": plan.target_tokens,
+                "ratio": round(plan.ratio, 6),
+                "sampling": "up" if plan.ratio > 1 else ("down" if plan.ratio < 1 else "none"),
+            },
+            "after": {"documents": emitted["documents"], "tokens": emitted["tokens"]},
+        }
+    categories: dict[str, dict[str, int]] = {}
+    for entry in sources.values():
+        agg = categories.setdefault(entry["category"], {"documents": 0, "tokens": 0})
+        agg["documents"] += entry["after"]["documents"]
+        agg["tokens"] += entry["after"]["tokens"]
+    from factory.data.manifest import sha256_file
+
+    return {
+        "recipe": {"name": recipe.name, "sha256": digest, "seed": recipe.seed},
+        "tokenizer": {"sha256": sha256_file(tokenizer.path), "vocab_size": tokenizer.vocab_size},
+        "sources": sources,
+        "categories": categories,
+        "packing": packing.as_dict(),
+        "shards": shards,
+    }

@@ -1,0 +1,87 @@
+"""Load and validate a data recipe with the same ``file:line: path: message`` errors as blueprints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from factory.errors import BlueprintError, Diagnostic, SourceMap, did_you_mean
+from factory.loading.paths import join_path
+from factory.loading.validation_errors import diagnostics_from_validation_error
+from factory.loading.yaml_source import read_yaml
+from factory.schemas.data_recipe import DataRecipe
+
+__all__ = ["LoadedRecipe", "load_recipe", "recipe_names", "resolve_recipe"]
+
+
+def _recipe_dir() -> Path:
+    import factory.data_recipes
+
+    return Path(factory.data_recipes.__file__).parent
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.stem for p in _recipe_dir().glob("*.yaml"))
+
+
+def resolve_recipe(name_or_path: str | Path) -> Path:
+    candidate = Path(name_or_path)
+    if candidate.suffix in (".yaml", ".yml") or candidate.is_file() or len(candidate.parts) > 1:
+        return candidate
+    shipped = _recipe_dir() / f"{name_or_path}.yaml"
+    if shipped.is_file():
+        return shipped
+    hint = did_you_mean(str(name_or_path), recipe_names())
+    message = (
+        f"no recipe or file named {str(name_or_path)!r}{hint}; recipes: {', '.join(recipe_names())}"
+    )
+    raise BlueprintError([Diagnostic("", message, str(name_or_path), 0)])
+
+
+@dataclass(frozen=True)
+class LoadedRecipe:
+    recipe: DataRecipe
+    source: Path
+    source_map: SourceMap
+
+    def resolve(self, relative: str) -> Path:
+        """A path from the recipe, relative to the recipe file."""
+        path = Path(relative)
+        return path if path.is_absolute() else (self.source.parent / path)
+
+
+def load_recipe(name_or_path: str | Path) -> LoadedRecipe:
+    """Parse and validate; missing inputs fail here, before any work starts."""
+    from factory.data.readers import expand_source_paths
+
+    source = resolve_recipe(name_or_path).resolve()
+    try:
+        shown = str(source.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        shown = str(source)
+    data, source_map = read_yaml(source, shown)
+    if not isinstance(data, dict):
+        raise BlueprintError([Diagnostic("", "a recipe must be a mapping", shown, 1)])
+    try:
+        recipe = DataRecipe.model_validate(data)
+    except ValidationError as exc:
+        raise BlueprintError(
+            diagnostics_from_validation_error(exc, DataRecipe, source_map)
+        ) from None
+    loaded = LoadedRecipe(recipe, source, source_map)
+    problems = []
+    for index, src in enumerate(recipe.sources):
+        if not expand_source_paths(loaded.resolve(src.path)):
+            where = join_path(join_path("sources", index), "path")
+            problems.append(source_map.diagnostic(where, f"no input files at {src.path!r}"))
+    for index, bench in enumerate(recipe.decontam.benchmarks):
+        if not loaded.resolve(bench).is_file():
+            where = join_path("decontam.benchmarks", index)
+            problems.append(source_map.diagnostic(where, f"benchmark file not found: {bench!r}"))
+    if recipe.tokenizer.path and not loaded.resolve(recipe.tokenizer.path).is_file():
+        problems.append(source_map.diagnostic("tokenizer.path", "tokenizer file not found"))
+    if problems:
+        raise BlueprintError(problems)
+    return loaded

@@ -1,0 +1,142 @@
+"""Stage 1, per input file: read -> format -> tokenize -> filter -> decontaminate -> hash.
+
+Runs in worker processes, one unit (input file) at a time. Its output depends
+only on the unit and the recipe, never on the worker, so any worker count
+gives the same files. Every document count is taken before and after each
+step, with tokens from the tokenizer, and every drop is counted by reason.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from factory.data.document import Document, RawRecord
+from factory.data.readers import Quarantined, iter_records
+from factory.data.steps import Chain, build_chain
+from factory.data.unit_io import CuratedDoc, UnitWriter
+from factory.schemas.data_recipe import DataRecipe
+
+__all__ = ["UnitTask", "curate_unit"]
+
+BATCH = 256
+"""Documents tokenized per Rust call: large enough to amortise the call, small enough to stream."""
+
+
+@dataclass(frozen=True)
+class UnitTask:
+    recipe: DataRecipe
+    source_index: int
+    file_index: int
+    input_path: Path
+    output_path: Path
+    tokenizer_path: Path | None
+    benchmark_paths: tuple[Path, ...]
+
+
+class _Counts:
+    """Documents and tokens entering and leaving each step, and drops by reason."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, dict[str, int]] = {}
+        self.dropped: Counter[str] = Counter()
+        self.quarantined: Counter[str] = Counter()
+        self.quarantine_lines: list[dict[str, str]] = []
+
+    def step(self, name: str, docs_in: int, tokens_in: int, docs_out: int, tokens_out: int) -> None:
+        row = self.steps.setdefault(
+            name, {"documents_in": 0, "tokens_in": 0, "documents_out": 0, "tokens_out": 0}
+        )
+        row["documents_in"] += docs_in
+        row["tokens_in"] += tokens_in
+        row["documents_out"] += docs_out
+        row["tokens_out"] += tokens_out
+
+    def passed(self, name: str, docs: int, tokens: int, kept: bool) -> None:
+        self.step(name, docs, tokens, docs if kept else 0, tokens if kept else 0)
+
+
+def curate_unit(task: UnitTask) -> dict[str, Any]:
+    from factory.data.decontam import NgramIndex
+    from factory.data.dedup import MinHasher, content_hash, prepare
+    from factory.data.tokenize import DocumentTokenizer
+
+    recipe = task.recipe
+    source = recipe.sources[task.source_index]
+    chain: Chain = build_chain(source, recipe.seed)
+    tokenizer = DocumentTokenizer(task.tokenizer_path, eos=recipe.tokenizer.eos)
+    dedup = recipe.dedup
+    hasher = (
+        MinHasher(dedup.bands * dedup.rows, dedup.shingle_size, dedup.seed)
+        if dedup.minhash
+        else None
+    )
+    contamination = (
+        NgramIndex.from_files(list(task.benchmark_paths), recipe.decontam.ngram)
+        if task.benchmark_paths
+        else None
+    )
+    counts = _Counts()
+    writer = UnitWriter(task.output_path)
+    pending: list[tuple[RawRecord, Document]] = []
+
+    def flush() -> None:
+        tokenized = tokenizer.encode([doc for _, doc in pending])
+        for (record, doc), tok in zip(pending, tokenized, strict=True):
+            n = len(tok.ids)
+            counts.passed("tokenize", 1, n, True)
+            reason = None
+            for name, check in chain.filters:
+                reason = check(record, doc)
+                counts.passed(name, 1, n, reason is None)
+                if reason is not None:
+                    counts.dropped[f"{name}:{reason}"] += 1
+                    break
+            if reason is not None:
+                continue
+            # Normalise once: decontamination, MinHash and the exact hash share it.
+            prepared = prepare(doc.text)
+            if contamination is not None:
+                match = contamination.first_match(prepared)
+                counts.passed("decontam", 1, n, match is None)
+                if match is not None:
+                    counts.dropped["decontam:benchmark_ngram"] += 1
+                    continue
+            signature = hasher.signature(prepared) if hasher is not None else None
+            writer.write(CuratedDoc(doc.key, content_hash(prepared), signature, tok.ids, tok.mask))
+        pending.clear()
+
+    try:
+        for item in iter_records(task.input_path, source.name, source.category, task.file_index):
+            if isinstance(item, Quarantined):
+                counts.quarantined[item.reason] += 1
+                counts.quarantine_lines.append({"key": item.key, "reason": item.reason})
+                continue
+            counts.passed("read", 1, 0, True)
+            formatted = chain.format(item)
+            if not isinstance(formatted, list):  # a Drop
+                counts.passed(chain.format_name, 1, 0, False)
+                counts.dropped[f"{chain.format_name}:{formatted.reason}"] += 1
+                continue
+            counts.step(chain.format_name, 1, 0, len(formatted), 0)
+            pending.extend((item, doc) for doc in formatted)
+            if len(pending) >= BATCH:
+                flush()
+        if pending:
+            flush()
+    except BaseException:
+        writer.abort()
+        raise
+    stats = {
+        "source": source.name,
+        "file_index": task.file_index,
+        "input": str(task.input_path),
+        "steps": counts.steps,
+        "dropped": dict(counts.dropped),
+        "quarantined": dict(counts.quarantined),
+        "quarantine": counts.quarantine_lines,
+    }
+    writer.close(stats)
+    return stats

@@ -1,0 +1,77 @@
+"""Stage 2, global and sequential: exact then MinHash-LSH dedup over all sources.
+
+Units are visited in canonical order (sources as the recipe lists them, files
+in sorted order, records in file order), so "first occurrence wins" means the
+same document on every run. Only hashes and signatures are read; the result is
+a keep-mask per unit, written atomically, so a killed run resumes here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from factory.data.unit_io import read_unit
+from factory.schemas.data_recipe import DedupConfig
+
+__all__ = ["dedup_units", "read_keep_mask"]
+
+
+def _mask_path(unit: Path) -> Path:
+    return unit.with_suffix(".keep.npy")
+
+
+def read_keep_mask(unit: Path) -> np.ndarray:
+    return np.load(_mask_path(unit))
+
+
+def dedup_units(units: Sequence[Path], config: DedupConfig, done_marker: Path) -> dict[str, dict]:
+    """Write a keep-mask beside every unit; return per-unit counts {unit: {exact, near, kept}}."""
+    if done_marker.is_file():
+        return json.loads(done_marker.read_text(encoding="utf-8"))
+    from factory.data.dedup import ExactIndex, LSHIndex
+
+    exact = ExactIndex() if config.exact else None
+    lsh = LSHIndex(config.bands, config.rows) if config.minhash else None
+    results: dict[str, dict] = {}
+    doc_id = 0
+    for unit in units:
+        keep, exact_drops, near_drops, kept_tokens, dropped_tokens = [], 0, 0, 0, 0
+        for doc in read_unit(unit):
+            keep_it = True
+            if exact is not None and not exact.add(doc.content_hash):
+                exact_drops += 1
+                keep_it = False
+            elif (
+                lsh is not None
+                and doc.signature is not None
+                and lsh.add(doc_id, doc.signature) is not None
+            ):
+                near_drops += 1
+                keep_it = False
+            doc_id += 1
+            keep.append(keep_it)
+            if keep_it:
+                kept_tokens += len(doc.ids)
+            else:
+                dropped_tokens += len(doc.ids)
+        mask = np.asarray(keep, dtype=bool)
+        tmp = _mask_path(unit).with_name(_mask_path(unit).name + ".tmp.npy")
+        np.save(tmp, mask)
+        os.replace(tmp, _mask_path(unit))
+        results[str(unit)] = {
+            "documents_in": len(keep),
+            "documents_out": int(mask.sum()),
+            "tokens_in": kept_tokens + dropped_tokens,
+            "tokens_out": kept_tokens,
+            "exact_duplicates": exact_drops,
+            "near_duplicates": near_drops,
+        }
+    tmp = done_marker.with_name(done_marker.name + ".tmp")
+    tmp.write_text(json.dumps(results, sort_keys=True), encoding="utf-8")
+    os.replace(tmp, done_marker)
+    return results

@@ -1,0 +1,44 @@
+"""Bind a source's typed ``steps`` (schemas/data_recipe.py) to the functions that run them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from factory.data.document import Document, RawRecord
+from factory.data.filters import FILTERS
+from factory.data.formatting import Drop, ReasoningPolicy, format_chat, format_text
+from factory.schemas.data_recipe import ChatFormat, SourceConfig, TextFormat
+
+__all__ = ["Chain", "build_chain"]
+
+FilterFn = Callable[[RawRecord, Document], str | None]
+
+
+@dataclass(frozen=True)
+class Chain:
+    format_name: str
+    format: Callable[[RawRecord], list[Document] | Drop]
+    filters: tuple[tuple[str, FilterFn], ...]
+
+
+def build_chain(source: SourceConfig, seed: int) -> Chain:
+    first, *rest = source.steps
+    if isinstance(first, TextFormat):
+        field = first.field
+
+        def fmt(record: RawRecord) -> list[Document] | Drop:
+            doc = format_text(record, field)
+            return doc if isinstance(doc, Drop) else [doc]
+
+    else:
+        assert isinstance(first, ChatFormat)
+        policy = ReasoningPolicy(**first.reasoning.model_dump(), seed=seed)
+
+        def fmt(record: RawRecord) -> list[Document] | Drop:
+            return format_chat(record, policy, record.key)
+
+    filters = tuple(
+        (step.kind, FILTERS[step.kind].bind(**step.model_dump(exclude={"kind"}))) for step in rest
+    )
+    return Chain(first.kind, fmt, filters)
