@@ -39,6 +39,7 @@ def test_build_writes_resolved_plan_and_report(cli, tmp_path: Path) -> None:
     status, _, err = cli("build", "nano", "--out", str(out))
     assert status == 0, err
     assert sorted(p.name for p in out.iterdir()) == [
+        "data",
         "plan.json",
         "report.html",
         "report.md",
@@ -49,6 +50,9 @@ def test_build_writes_resolved_plan_and_report(cli, tmp_path: Path) -> None:
     # the resolved blueprint is complete: it loads on its own, without fragments
     assert factory.load_blueprint(out / "resolved.yaml") == factory.load_blueprint("nano")
     assert "31,577,940,288" in (out / "report.md").read_text()
+    manifest = json.loads((out / "data" / "manifest.json").read_text())
+    assert manifest["packing"]["seq_len"] == 8192  # the blueprint's data.seq_len, not the recipe's
+    assert not (out / "data" / ".work").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 

@@ -56,6 +56,7 @@ def run_rules(bp: Blueprint) -> list[tuple[Rule, Finding]]:
     """Run every registered rule; findings come back in registration order."""
     # Rule modules register on import; importing them here keeps callers simple.
     from factory.checks import (  # noqa: F401
+        data_rules,
         memory_rules,
         model_rules,
         parallel_rules,

@@ -18,6 +18,23 @@ from factory.cli.output import print_diagnostics
 from factory.cli.validate_cmd import SetOption
 
 
+def _build_data(bp, out: Path) -> None:
+    """The blueprint's data recipe, packed to the blueprint's sequence length."""
+    import dataclasses
+
+    from factory.data.pipeline import build as build_data
+    from factory.data.recipe_loading import load_recipe
+
+    loaded = load_recipe(bp.data.recipe)
+    recipe = loaded.recipe
+    packing = recipe.packing.model_copy(update={"seq_len": bp.data.seq_len})
+    loaded = dataclasses.replace(loaded, recipe=recipe.model_copy(update={"packing": packing}))
+    build_data(loaded, out)
+    import shutil
+
+    shutil.rmtree(out / ".work", ignore_errors=True)  # intermediates: not part of a build
+
+
 @app.command()
 def build(
     target: Annotated[str, typer.Argument(help="Preset name or blueprint path.")],
@@ -26,7 +43,7 @@ def build(
     ] = None,
     overrides: SetOption = None,
 ) -> None:
-    """Validate, plan and write resolved.yaml, plan.json, report.md and report.html."""
+    """Validate, plan, and write resolved.yaml, plan.json, report.md, report.html and data/."""
     import yaml
     from rich.console import Console
 
@@ -58,6 +75,8 @@ def build(
             capacity = GPU_SPECS[bp.parallelism.gpu].memory_bytes
             page = html_report(result, title, bp.model.mtp_pattern, capacity)
             (staging / "report.html").write_text(page, encoding="utf-8")
+            status.update("curating data")
+            _build_data(bp, staging / "data")
     params = result["params"]
     console.print(
         f"[green]built[/green] {bp.meta.name} -> {destination}: "
