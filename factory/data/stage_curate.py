@@ -23,6 +23,8 @@ __all__ = ["UnitTask", "curate_unit"]
 
 BATCH = 256
 """Documents tokenized per Rust call: large enough to amortise the call, small enough to stream."""
+BATCH_CHARS = 1 << 19
+"""...and at most this much text per call, so memory does not grow with document length."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ def curate_unit(task: UnitTask) -> dict[str, Any]:
     counts = _Counts()
     writer = UnitWriter(task.output_path)
     pending: list[tuple[RawRecord, Document]] = []
+    pending_chars = 0
 
     def flush() -> None:
         tokenized = tokenizer.encode([doc for _, doc in pending])
@@ -122,8 +125,10 @@ def curate_unit(task: UnitTask) -> dict[str, Any]:
                 continue
             counts.step(chain.format_name, 1, 0, len(formatted), 0)
             pending.extend((item, doc) for doc in formatted)
-            if len(pending) >= BATCH:
+            pending_chars += sum(len(doc.text) for doc in formatted)
+            if len(pending) >= BATCH or pending_chars >= BATCH_CHARS:
                 flush()
+                pending_chars = 0
         if pending:
             flush()
     except BaseException:
