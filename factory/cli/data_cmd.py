@@ -73,11 +73,17 @@ def inspect_cmd(
     from factory.data.inspect import inspect_table, write_share_plot
 
     table = Table(title=f"{directory}: token shares")
-    rows = inspect_table(directory)
-    for column in rows[0] if rows else ():
-        table.add_column(str(column))
-    for row in rows[1:]:
-        table.add_row(*(str(cell) for cell in row))
+    for column, justify in (
+        ("level", "left"),
+        ("name", "left"),
+        ("category", "left"),
+        ("documents", "right"),
+        ("tokens", "right"),
+        ("share", "right"),
+    ):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for level, name, category, documents, tokens, share in inspect_table(directory):
+        table.add_row(level, name, category, f"{documents:,}", f"{tokens:,}", f"{share:.1%}")
     Console().print(table)
     target = png or directory / "shares.png"
     write_share_plot(directory, target)
