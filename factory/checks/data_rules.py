@@ -7,13 +7,8 @@ from pathlib import Path
 
 from factory.checks.registry import Finding, rule
 from factory.errors import did_you_mean
+from factory.loading.shipped import shipped_names
 from factory.schemas.blueprint import Blueprint
-
-
-def _shipped() -> list[str]:
-    import factory.data_recipes
-
-    return sorted(p.stem for p in Path(factory.data_recipes.__file__).parent.glob("*.yaml"))
 
 
 @rule("data.recipe_exists")
@@ -25,7 +20,7 @@ def recipe_exists(bp: Blueprint) -> Iterator[Finding]:
         if not path.is_file():
             yield Finding("data.recipe", f"recipe file not found: {name!r}")
         return
-    shipped = _shipped()
+    shipped = shipped_names("factory.data_recipes")
     if name not in shipped:
         yield Finding(
             "data.recipe",

@@ -7,8 +7,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from factory.errors import BlueprintError, Diagnostic, SourceMap, did_you_mean
+from factory.errors import BlueprintError, Diagnostic, SourceMap
 from factory.loading.paths import join_path
+from factory.loading.shipped import resolve_named_yaml, shipped_names
 from factory.loading.validation_errors import diagnostics_from_validation_error
 from factory.loading.yaml_source import read_yaml
 from factory.schemas.data_recipe import DataRecipe
@@ -16,28 +17,12 @@ from factory.schemas.data_recipe import DataRecipe
 __all__ = ["LoadedRecipe", "load_recipe", "recipe_names", "resolve_recipe"]
 
 
-def _recipe_dir() -> Path:
-    import factory.data_recipes
-
-    return Path(factory.data_recipes.__file__).parent
-
-
 def recipe_names() -> list[str]:
-    return sorted(p.stem for p in _recipe_dir().glob("*.yaml"))
+    return shipped_names("factory.data_recipes")
 
 
 def resolve_recipe(name_or_path: str | Path) -> Path:
-    candidate = Path(name_or_path)
-    if candidate.suffix in (".yaml", ".yml") or candidate.is_file() or len(candidate.parts) > 1:
-        return candidate
-    shipped = _recipe_dir() / f"{name_or_path}.yaml"
-    if shipped.is_file():
-        return shipped
-    hint = did_you_mean(str(name_or_path), recipe_names())
-    message = (
-        f"no recipe or file named {str(name_or_path)!r}{hint}; recipes: {', '.join(recipe_names())}"
-    )
-    raise BlueprintError([Diagnostic("", message, str(name_or_path), 0)])
+    return resolve_named_yaml(name_or_path, "factory.data_recipes", "recipe")
 
 
 @dataclass(frozen=True)

@@ -8,47 +8,23 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from factory.errors import BlueprintError, Diagnostic, SourceMap, did_you_mean
+from factory.errors import BlueprintError, Diagnostic, SourceMap
 from factory.loading.compose import compose
+from factory.loading.shipped import resolve_named_yaml, shipped_names
 from factory.loading.validation_errors import diagnostics_from_validation_error
 from factory.schemas.blueprint import Blueprint
 
 __all__ = ["LoadedBlueprint", "load", "load_blueprint", "preset_names", "resolve_source"]
 
 
-def _preset_dir() -> Path:
-    import factory.blueprints
-
-    return Path(factory.blueprints.__file__).parent
-
-
 def preset_names() -> list[str]:
     """Names of the shipped presets (``blueprints/*.yaml``)."""
-    return sorted(p.stem for p in _preset_dir().glob("*.yaml"))
+    return shipped_names("factory.blueprints")
 
 
 def resolve_source(name_or_path: str | Path) -> Path:
     """A preset name ('nano') or a path to a YAML file."""
-    candidate = Path(name_or_path)
-    # A bare name is a preset unless a file of that name exists here; a folder that
-    # happens to share the name (say build output in ./ultra) does not shadow it.
-    if candidate.suffix in (".yaml", ".yml") or candidate.is_file() or len(candidate.parts) > 1:
-        return candidate
-    preset = _preset_dir() / f"{name_or_path}.yaml"
-    if preset.is_file():
-        return preset
-    hint = did_you_mean(str(name_or_path), preset_names())
-    raise BlueprintError(
-        [
-            Diagnostic(
-                "",
-                f"no preset or file named {str(name_or_path)!r}{hint}; "
-                f"presets: {', '.join(preset_names())}",
-                str(name_or_path),
-                0,
-            )
-        ]
-    )
+    return resolve_named_yaml(name_or_path, "factory.blueprints", "preset")
 
 
 @dataclass(frozen=True)
