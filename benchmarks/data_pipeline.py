@@ -1,45 +1,39 @@
 """``factory data build`` end to end vs DataTrove's equivalent pipeline vs the tokenizer alone.
 
-One generated corpus (40 jsonl files, ~210 MB: web text and code records of
-``factory.data.samples``, one seed per file, with the generator's planted
-junk, exact and near duplicates), three measurements in one run, in this order:
+Corpus: 40 jsonl files, ~207 MB, web text and code from ``factory.data.samples``, one seed
+per file (so the generator's planted junk and duplicates are there, not 40 copies of one
+file); generated once into ``--corpus``. Each measurement runs in a fresh interpreter after
+``os.sync()``, interleaved per round (``--rounds``, medians); MB/s are corpus bytes on disk
+per second for all three, tokens/s the tokens written (or produced, for the tokenizer).
 
-* ours: a one-source recipe (text + heuristics; exact + MinHash dedup, 5-word
-  shingles, 16 x 8 bands; no decontamination; BFD packing to 2048; webdataset
-  shards) through ``factory.data.pipeline.build`` with ``--workers``, wall time
-  of the whole build from loading the recipe.
-* DataTrove (from PyPI), ``LocalPipelineExecutor`` per stage, ``workers`` at a
-  time, stages run back to back and timed together: JsonlReader ->
-  GopherQualityFilter -> GopherRepetitionFilter -> JsonlWriter (uncompressed)
-  -> MinhashDedupSignature (one task per file); MinhashDedupBuckets (16 tasks);
-  MinhashDedupCluster (1 task); JsonlReader -> MinhashDedupFilter ->
-  DocumentTokenizer (same tokenizer.json, same EOS; one task per file).
-  Work-arounds, all in DataTrove's favour: words are ``str.split`` (English
-  wants spaCy, not installed, and slower), xxhash gets encoded bytes (0.10.1
-  passes ``str``, which xxhash 4 refuses), ``fork`` instead of ``forkserver``,
-  no document shuffling, no DocumentTokenizerMerger, no exact-dedup stages
-  (MinHash catches exact copies too). It has no packing: its output is one
-  concatenated token file per task.
-* the tokenizer alone: ``Tokenizer.encode_batch_fast`` (its default thread
-  pool, both cores) over every record's text, 1000 per call; only the encode
-  calls are timed (texts already in memory), the ceiling for a pipeline that
-  must tokenize all of them.
+* ours: one source (text + heuristics), exact + MinHash dedup (5-word shingles, 16 x 8),
+  no decontamination, BFD packing to 2048, webdataset shards: ``build(load_recipe(...))``
+  with ``--workers``, timed from loading the recipe to the manifest.
+* DataTrove: ``LocalPipelineExecutor`` stages run back to back, ``workers`` at a time:
+  JsonlReader -> GopherQuality -> GopherRepetition -> JsonlWriter -> MinhashDedupSignature
+  (a task per file); MinhashDedupBuckets (16 tasks); MinhashDedupCluster; JsonlReader ->
+  MinhashDedupFilter -> DocumentTokenizer (same tokenizer.json and EOS; a task per file).
+  In its favour: words are ``str.split`` (its English tokenizer needs spaCy), ``fork``
+  workers, no shuffling, no Merger, no exact-dedup stage, no packing (its output is one
+  token file per task). xxhash gets encoded bytes (0.10.1 passes str; xxhash 4 refuses).
+* tokenizer alone: ``encode_batch_fast`` (its own thread pool, both cores) over every
+  record's text, 1000 per call; only the calls are timed. Ours must tokenize the same.
 
-MB/s are corpus bytes (jsonl on disk) per second for all three; tokens/s are
-tokens written (ours, DataTrove) or produced (tokenizer). The goals (issue 4):
-ours >= 2x DataTrove and >= 50% of the tokenizer alone.
+Goals (issue 4): ours >= 2x DataTrove, and >= 50% of the tokenizer alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.machine import describe
@@ -56,9 +50,18 @@ PATTERN = "part-*.jsonl"
 EOS = "<|endoftext|>"
 SEQ_LEN, BANDS, ROWS, SHINGLE = 2048, 16, 8, 5
 TOKENIZER_BATCH = 1000
+RECIPE = """\
+name: bench
+sources:
+  - {{name: web, path: "{path}", category: pretrain_text, weight: 1,
+     steps: [{{kind: text}}, {{kind: heuristics}}]}}
+dedup: {{exact: true, minhash: true, shingle_size: {shingle}, bands: {bands}, rows: {rows}}}
+packing: {{seq_len: {seq}, window: 4096}}
+output: {{samples_per_shard: 256}}
+"""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Result:
     name: str
     seconds: float
@@ -106,29 +109,10 @@ def run_ours(corpus: Path, work: Path, workers: int, input_bytes: int) -> Result
     from factory.data.pipeline import build
     from factory.data.recipe_loading import load_recipe
 
-    recipe = {
-        "name": "bench",
-        "sources": [
-            {
-                "name": "web",
-                "path": str(corpus / PATTERN),
-                "category": "pretrain_text",
-                "weight": 1,
-                "steps": [{"kind": "text"}, {"kind": "heuristics"}],
-            }
-        ],
-        "dedup": {
-            "exact": True,
-            "minhash": True,
-            "shingle_size": SHINGLE,
-            "bands": BANDS,
-            "rows": ROWS,
-        },
-        "packing": {"seq_len": SEQ_LEN, "window": 4096},
-        "output": {"samples_per_shard": 256},
-    }
     path = work / "bench.yaml"
-    path.write_text(json.dumps(recipe, indent=2))  # JSON is YAML
+    path.write_text(
+        RECIPE.format(path=corpus / PATTERN, shingle=SHINGLE, bands=BANDS, rows=ROWS, seq=SEQ_LEN)
+    )
     start = time.perf_counter()
     manifest = build(load_recipe(path), work / "ours", workers=workers)
     seconds = time.perf_counter() - start
@@ -157,14 +141,8 @@ def _xxh64(text: str) -> int:
 
 
 def run_datatrove(corpus: Path, work: Path, workers: int, files: int, input_bytes: int) -> Result:
+    import datatrove.pipeline.dedup.minhash as mh
     from datatrove.executor import LocalPipelineExecutor
-    from datatrove.pipeline.dedup.minhash import (
-        MinhashConfig,
-        MinhashDedupBuckets,
-        MinhashDedupCluster,
-        MinhashDedupFilter,
-        MinhashDedupSignature,
-    )
     from datatrove.pipeline.filters import GopherQualityFilter, GopherRepetitionFilter
     from datatrove.pipeline.readers import JsonlReader
     from datatrove.pipeline.tokens import DocumentTokenizer
@@ -172,37 +150,26 @@ def run_datatrove(corpus: Path, work: Path, workers: int, files: int, input_byte
 
     from factory.data.tokenize import DEFAULT_TOKENIZER
 
-    root = work / "datatrove"
-    words = SplitWords("en")
-    config = MinhashConfig(n_grams=SHINGLE, num_buckets=BANDS, hashes_per_bucket=ROWS)
-    signature = MinhashDedupSignature(str(root / "sigs"), config=config, language=words)
+    root, words = work / "datatrove", SplitWords("en")
+    sigs, buckets, remove = str(root / "sigs"), str(root / "buckets"), str(root / "remove")
+    config = mh.MinhashConfig(n_grams=SHINGLE, num_buckets=BANDS, hashes_per_bucket=ROWS)
+    signature = mh.MinhashDedupSignature(sigs, config=config, language=words)
     signature._hash_func = _xxh64
+    curate = [
+        JsonlReader(str(corpus), glob_pattern=PATTERN),
+        GopherQualityFilter(language=words),
+        GopherRepetitionFilter(language=words),
+        JsonlWriter(str(root / "filtered"), compression=None),
+        signature,
+    ]
+    tokenizer = DocumentTokenizer(
+        str(root / "tokens"), str(DEFAULT_TOKENIZER), eos_token=EOS, shuffle_documents=False
+    )
     stages = [
-        (
-            files,
-            [
-                JsonlReader(str(corpus), glob_pattern=PATTERN),
-                GopherQualityFilter(language=words),
-                GopherRepetitionFilter(language=words),
-                JsonlWriter(str(root / "filtered"), compression=None),
-                signature,
-            ],
-        ),
-        (BANDS, [MinhashDedupBuckets(str(root / "sigs"), str(root / "buckets"), config=config)]),
-        (1, [MinhashDedupCluster(str(root / "buckets"), str(root / "remove"), config=config)]),
-        (
-            files,
-            [
-                JsonlReader(str(root / "filtered")),
-                MinhashDedupFilter(str(root / "remove")),
-                DocumentTokenizer(
-                    str(root / "tokens"),
-                    str(DEFAULT_TOKENIZER),
-                    eos_token=EOS,
-                    shuffle_documents=False,
-                ),
-            ],
-        ),
+        (files, curate),
+        (BANDS, [mh.MinhashDedupBuckets(sigs, buckets, config=config)]),
+        (1, [mh.MinhashDedupCluster(buckets, remove, config=config)]),
+        (files, [JsonlReader(str(root / "filtered")), mh.MinhashDedupFilter(remove), tokenizer]),
     ]
     start = time.perf_counter()
     for index, (tasks, pipeline) in enumerate(stages):
@@ -240,56 +207,93 @@ def run_tokenizer(paths: list[Path], input_bytes: int) -> Result:
     return Result("tokenizer alone", seconds, input_bytes, tokens, docs)
 
 
+MEASURE = {"ours": "ours", "datatrove": "DataTrove", "tokenizer": "tokenizer alone"}
+
+
+def measure(name: str, corpus: Path, work: Path, workers: int) -> Result:
+    """One measurement, in this process (``--child``): a fresh output folder, dirty pages synced."""
+    paths = sorted(corpus.glob(PATTERN))
+    input_bytes = sum(p.stat().st_size for p in paths)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    os.sync()  # the corpus or an earlier run's output must not be flushed on our time
+    if name == "ours":
+        return run_ours(corpus, work, workers, input_bytes)
+    if name == "datatrove":
+        return run_datatrove(corpus, work, workers, len(paths), input_bytes)
+    return run_tokenizer(paths, input_bytes)
+
+
+def spawn(name: str, args: argparse.Namespace, work: Path) -> Result:
+    """Run ``measure`` in a fresh interpreter: no state (thread pools, caches) carries over."""
+    command = [sys.executable, "-m", "benchmarks", "data_pipeline", "--child", name]
+    command += ["--corpus", str(args.corpus), "--workers", str(args.workers), "--work", str(work)]
+    log = work.with_name(f"{work.name}.log")
+    with open(log, "w") as stderr:
+        done = subprocess.run(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed; see {log}:\n{log.read_text()[-3000:]}")
+    return Result(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _row(r: Result, label: str) -> str:
+    return (
+        f"{label:22s} {r.seconds:8.1f} {r.mb_per_s:7.2f} {r.tokens:12,d} "
+        f"{r.tokens_per_s:11,.0f} {r.docs:7,d}"
+    )
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks data_pipeline")
     default_corpus = Path(tempfile.gettempdir()) / "factory-bench-corpus"
     parser.add_argument("--corpus", type=Path, default=default_corpus, help="corpus cache folder")
     parser.add_argument("--files", type=int, default=40, help="corpus files (~5.2 MB each)")
     parser.add_argument("--workers", type=int, default=2, help="worker processes for both")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of all three; medians")
     parser.add_argument("--work", type=Path, default=None, help="output folder (default: temp)")
-    parser.add_argument(
-        "--only", choices=("ours", "datatrove", "tokenizer"), action="append", help="run a subset"
-    )
+    parser.add_argument("--only", choices=list(MEASURE), action="append", help="run a subset")
+    parser.add_argument("--child", choices=list(MEASURE), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    only = set(args.only or ("ours", "datatrove", "tokenizer"))
+    args.corpus = args.corpus.resolve()
+    if args.child:
+        result = measure(args.child, args.corpus, args.work, args.workers)
+        print(json.dumps(dataclasses.asdict(result)))
+        return 0
 
     start = time.perf_counter()
     paths = make_corpus(args.corpus, args.files)
     input_bytes = sum(p.stat().st_size for p in paths)
+    os.sync()
     print(f"machine: {describe()}, load average {os.getloadavg()[0]:.2f}")
     print(
         f"corpus: {args.corpus}, {len(paths)} files, {input_bytes / 1e6:.1f} MB "
         f"({time.perf_counter() - start:.1f} s to generate or check)"
     )
-    work = args.work or Path(tempfile.mkdtemp(prefix="factory-bench-"))
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    results: dict[str, Result] = {}
+    work = (args.work or Path(tempfile.mkdtemp(prefix="factory-bench-"))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    names = [name for name in MEASURE if name in (args.only or MEASURE)]
+    runs: dict[str, list[Result]] = {name: [] for name in names}
+    print(
+        f"\n{'round / what':22s} {'seconds':>8s} {'MB/s':>7s} {'tokens':>12s} {'tokens/s':>11s} {'docs':>7s}"
+    )
     try:
-        if "ours" in only:
-            results["ours"] = run_ours(args.corpus.resolve(), work, args.workers, input_bytes)
-        if "datatrove" in only:
-            results["datatrove"] = run_datatrove(
-                args.corpus.resolve(), work, args.workers, len(paths), input_bytes
-            )
-        if "tokenizer" in only:  # last: its Rust thread pool must not exist when the others fork
-            results["tokenizer"] = run_tokenizer(paths, input_bytes)
+        for round_index in range(args.rounds):
+            for name in names:  # interleaved, so that machine noise hits all three alike
+                runs[name].append(spawn(name, args, work / name))
+                print(_row(runs[name][-1], f"{round_index + 1}: {MEASURE[name]}"), flush=True)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
-
-    print(f"\n{'':16s} {'seconds':>9s} {'MB/s':>7s} {'tokens':>13s} {'tokens/s':>11s} {'docs':>8s}")
-    for r in results.values():
-        print(
-            f"{r.name:16s} {r.seconds:9.1f} {r.mb_per_s:7.2f} {r.tokens:13,d} "
-            f"{r.tokens_per_s:11,.0f} {r.docs:8,d}"
-        )
-    ours = results.get("ours")
-    if ours and "datatrove" in results:
-        ratio = ours.mb_per_s / results["datatrove"].mb_per_s
+    median = {n: sorted(rs, key=lambda r: r.seconds)[len(rs) // 2] for n, rs in runs.items()}
+    print(f"\nmedians of {args.rounds} round(s):")
+    for name, r in median.items():
+        print(_row(r, MEASURE[name]))
+    ours = median.get("ours")
+    if ours and "datatrove" in median:
+        ratio = median["datatrove"].seconds / ours.seconds
         print(f"ours / DataTrove (MB/s): {ratio:.2f} (goal >= 2)")
-    if ours and "tokenizer" in results:
-        share = ours.mb_per_s / results["tokenizer"].mb_per_s
+    if ours and "tokenizer" in median:
+        share = median["tokenizer"].seconds / ours.seconds
         print(f"ours / tokenizer alone (MB/s): {share:.2f} (goal >= 0.5)")
     print(f"1-min load average after: {os.getloadavg()[0]:.2f}")
     return 0
