@@ -20,6 +20,10 @@ def plan(
     proxy: Annotated[
         bool, typer.Option("--proxy", help="Plan the blueprint's CPU proxy (factory.proxy).")
     ] = False,
+    precision: Annotated[
+        bool,
+        typer.Option("--precision", help="Print the per-module precision table and FLOPs shares."),
+    ] = False,
 ) -> None:
     """Plan a blueprint: exact parameter counts, FLOPs per token, memory per rank."""
     from factory.loading.load import load
@@ -32,6 +36,9 @@ def plan(
         from factory.proxy import derive_proxy
 
         blueprint = derive_proxy(blueprint)
+    if precision:
+        _print_precision(blueprint, as_json)
+        return
     result = make_plan(blueprint).to_dict()
     if as_json:
         typer.echo(json.dumps(result, indent=2))
@@ -44,3 +51,38 @@ def plan(
     console.print(f"[bold]{blueprint.meta.name}[/bold]: {blueprint.meta.description}")
     for table in rich_tables(result):
         console.print(table)
+
+
+def _print_precision(blueprint, as_json: bool) -> None:
+    from factory.precision.policy import flops_share, resolve_policy
+
+    table = resolve_policy(blueprint)
+    shares = flops_share(table)
+    if as_json:
+        rows = [
+            {
+                "module": r.name,
+                "recipe": r.recipe,
+                "reason": r.reason,
+                "flops_per_token": r.flops_per_token,
+            }
+            for r in table
+        ]
+        typer.echo(json.dumps({"modules": rows, "flops_share": shares}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    grid = Table(title=f"{blueprint.meta.name}: precision per linear module")
+    for column in ("module", "format", "why", "fwd FLOPs/token"):
+        grid.add_column(column, justify="right" if column.startswith("fwd") else "left")
+    for row in table:
+        grid.add_row(row.name, row.recipe, row.reason, f"{row.flops_per_token:,}")
+    share = Table(title="share of linear FLOPs per format")
+    share.add_column("format")
+    share.add_column("share", justify="right")
+    for recipe, fraction in shares.items():
+        share.add_row(recipe, f"{fraction:.1%}")
+    console = Console()
+    console.print(grid)
+    console.print(share)

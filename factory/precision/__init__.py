@@ -1,0 +1,1 @@
+"""Precision policies: which number format each linear computes in."""
