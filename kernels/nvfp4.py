@@ -1,0 +1,181 @@
+"""NVFP4 quantization emulated exactly on CPU (reference: nvfp4.md §1).
+
+NVFP4 stores 4-bit E2M1 elements (±{0, 0.5, 1, 1.5, 2, 3, 4, 6}) in blocks of 16
+along the reduction dimension, one FP8 E4M3 *decode* scale per block, and one FP32
+per-tensor amax. :func:`quantize` reproduces Transformer Engine's arithmetic
+(§1.4) in fp32, step by step and in the same order::
+
+    S_enc = min(448*6 / amax, FLT_MAX)        (amax == 0 or S_enc == 0 -> 1)
+    S_dec = 1 / S_enc
+    s_b   = e4m3_rn_satfinite(block_amax * (S_enc * (1/6)))   # one folded multiply
+    enc_b = min(1 / (fp32(s_b) * S_dec), FLT_MAX)            # s_b == 0 -> FLT_MAX
+    q     = e2m1_rn_satfinite(x * enc_b)      # or stochastic rounding (§1.5)
+
+Conventions (§1.1, §1.4):
+
+* Codes are sign-magnitude: magnitude index 0..7 for 0, 0.5, ..., 6 and bit 3
+  (value 8) for the sign. Two codes per byte, the EVEN element in the LOW nibble.
+* Signed zero follows the TE Python reference: its first test is
+  ``(x >= 0) & (x <= 0.25)``, so an exact ``-0.0`` gets code 0 while a negative
+  value that rounds to zero (``x in [-0.25, 0)`` after scaling) gets code 8 (-0).
+  Both decode to 0.
+* No lower clamp on the block scale: a zero block, or one whose scale underflows
+  E4M3, gets scale byte 0x00 and decodes to 0 (its codes are whatever ``x *
+  FLT_MAX`` saturates to, as in TE). E4M3 subnormal scales are used as they come.
+* Non-finite input is rejected (§1.4 recommends treating it as an error).
+* Tiles: ``(1, 16)`` for activations/gradients, ``(16, 16)`` for weights (§2.4),
+  so quantizing ``W`` or ``W.T`` yields the same values, transposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["E2M1_VALUES", "NVFP4Tensor", "global_encode_scale", "quantize", "unpack_codes"]
+
+#: Decoded value of each 4-bit code 0..15 (code 8 is -0.0), fp32.
+E2M1_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=torch.float32,
+)
+_GRID = E2M1_VALUES[:8].clone()  # non-negative magnitudes, increasing
+_F32 = torch.float32
+_FLT_MAX = torch.tensor(torch.finfo(_F32).max, dtype=_F32)
+_ONE = torch.tensor(1.0, dtype=_F32)
+_ONE_SIXTH = torch.tensor(1.0 / 6.0, dtype=_F32)  # the fp32 constant 1.f/6.f
+_FP4_X_FP8_MAX = torch.tensor(6.0 * 448.0, dtype=_F32)  # 2688, exact
+_BLOCK = 16
+_TILES = ((1, 16), (16, 16))
+
+
+@dataclass(frozen=True)
+class NVFP4Tensor:
+    """A quantized 2-D tensor.
+
+    ``data``: uint8 [rows, cols/2], two E2M1 codes per byte (even element in the
+    low nibble). ``scale``: float8_e4m3fn, one per tile ([rows, cols/16] for 1x16,
+    [rows/16, cols/16] for 16x16). ``amax``: fp32 scalar, the global amax.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    amax: torch.Tensor
+    tile: tuple[int, int]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Shape of the unquantized tensor."""
+        return (self.data.shape[0], self.data.shape[1] * 2)
+
+    def codes(self) -> torch.Tensor:
+        """The unpacked 4-bit codes, uint8 [rows, cols]."""
+        return unpack_codes(self.data)
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 values ``code_value * fp32(s_b) * (amax / (6*448))`` (§1.4, TE ``dequantize_fp4``)."""
+        values = E2M1_VALUES[self.codes().long()]
+        scale = _expand(self.scale.to(_F32), self.tile[0])
+        return values * scale * (self.amax / _FP4_X_FP8_MAX)
+
+
+def unpack_codes(data: torch.Tensor) -> torch.Tensor:
+    """Split packed bytes [rows, n] into codes [rows, 2n]: low nibble first (even index)."""
+    if data.dtype != torch.uint8:
+        raise ValueError(f"packed NVFP4 data must be uint8, got {data.dtype}")
+    return torch.stack((data & 0x0F, data >> 4), dim=-1).reshape(*data.shape[:-1], -1)
+
+
+def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``S_enc = min(448*6/amax, FLT_MAX)`` in fp32, with 1.0 when amax or S_enc is 0 (§1.4)."""
+    amax = amax.to(_F32)
+    s_enc = torch.minimum(_FP4_X_FP8_MAX / amax, _FLT_MAX)
+    return torch.where((amax == 0) | (s_enc == 0), _ONE, s_enc)
+
+
+def _expand(per_tile: torch.Tensor, tile_rows: int) -> torch.Tensor:
+    """Broadcast a per-tile tensor [rows/tile_rows, cols/16] to element shape [rows, cols]."""
+    return per_tile.repeat_interleave(tile_rows, dim=0).repeat_interleave(_BLOCK, dim=1)
+
+
+def _round_rn(y: torch.Tensor) -> torch.Tensor:
+    """E2M1 magnitude index of |y| under RN-even with saturation: ties go to the even code.
+
+    Midpoints: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4; above 5 -> 6.
+    """
+    a = y.abs()
+    idx = (
+        (a > 0.25).to(torch.uint8)
+        + (a >= 0.75)
+        + (a > 1.25)
+        + (a >= 1.75)
+        + (a > 2.5)
+        + (a >= 3.5)
+        + (a > 5.0)
+    )
+    return idx.to(torch.uint8)
+
+
+def _round_sr(y: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """E2M1 magnitude index under stochastic rounding (§1.5).
+
+    |y| is clamped to 6, then rounded up to the next grid value with probability
+    ``(|y| - lo) / (hi - lo)``, otherwise down to ``lo``, so ``E[q] = clamp(|y|, 0, 6)``.
+    """
+    a = y.abs().clamp(max=6.0)
+    lo = torch.bucketize(a, _GRID, right=True) - 1  # grid[lo] <= a < grid[lo + 1]
+    hi = (lo + 1).clamp(max=7)
+    lo_v, hi_v = _GRID[lo], _GRID[hi]
+    gap = hi_v - lo_v
+    p_up = torch.where(gap > 0, (a - lo_v) / torch.where(gap > 0, gap, 1.0), 0.0)
+    u = torch.rand(a.shape, generator=generator, dtype=_F32)
+    return (lo + (u < p_up).long()).to(torch.uint8)
+
+
+def quantize(
+    x: torch.Tensor,
+    tile: tuple[int, int] = (1, 16),
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> NVFP4Tensor:
+    """Quantize a 2-D tensor to NVFP4 with TE's exact fp32 arithmetic (§1.4).
+
+    ``tile`` is ``(1, 16)`` (one scale per 16 contiguous elements of a row) or
+    ``(16, 16)`` (one scale per 16x16 tile, for weights). ``stochastic`` selects
+    stochastic rounding of the elements (gradients, §1.5) with random numbers from
+    ``torch.rand(..., generator=generator)``; block scales always use RN.
+
+    Raises ValueError for a non-2-D input, unsupported tile, shape not divisible by
+    the tile, or any non-finite element.
+    """
+    tile = (int(tile[0]), int(tile[1]))
+    if tile not in _TILES:
+        raise ValueError(f"tile must be one of {_TILES}, got {tile}")
+    if x.ndim != 2:
+        raise ValueError(f"quantize expects a 2-D tensor [rows, cols], got shape {tuple(x.shape)}")
+    rows, cols = x.shape
+    if cols % _BLOCK or rows % tile[0]:
+        raise ValueError(
+            f"shape {(rows, cols)} must be divisible by the tile {tile} "
+            f"(cols by 16{', rows by 16' if tile[0] == 16 else ''})"
+        )
+    xf = x.detach().to(_F32)
+    if not bool(torch.isfinite(xf).all()):
+        raise ValueError("nvfp4.quantize: input contains non-finite values (NaN or inf)")
+
+    absx = xf.abs()
+    amax = absx.max() if xf.numel() else torch.zeros((), dtype=_F32)
+    s_enc = global_encode_scale(amax)
+    s_dec = _ONE / s_enc
+    tr = tile[0]
+    block_amax = absx.reshape(rows // tr, tr, cols // _BLOCK, _BLOCK).amax(dim=(1, 3))
+    # One fp32 multiply by the folded constant, then RN-even to E4M3, saturating at 448.
+    s_b = (block_amax * (s_enc * _ONE_SIXTH)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    enc_b = torch.minimum(_ONE / (s_b.to(_F32) * s_dec), _FLT_MAX)
+    y = xf * _expand(enc_b, tr)
+
+    mag = _round_sr(y, generator) if stochastic else _round_rn(y)
+    codes = mag | ((y < 0).to(torch.uint8) << 3)  # exact -0.0 is not < 0 -> code 0
+    data = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return NVFP4Tensor(data=data.contiguous(), scale=s_b, amax=amax.clone(), tile=tile)
