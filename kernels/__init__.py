@@ -7,7 +7,12 @@ What lives here:
   fast path through ``mamba_ssm``'s Triton kernel on CUDA.
 * ``factory.kernels.moe_dispatch``: token-to-expert routing and grouped expert
   MLPs without a Python loop over experts.
-* Later: quantization and Hadamard-transform helpers.
+* ``factory.kernels.nvfp4``: NVFP4 quantize/dequantize, bit-exact to
+  Transformer Engine's arithmetic, with nearest or stochastic rounding.
+* ``factory.kernels.hadamard``: the 16x16 random Hadamard transform applied
+  tile-wise to weight-gradient GEMM inputs.
+* ``factory.kernels.fp8`` and ``factory.kernels.mor``: FP8 (current, delayed,
+  blockwise), MXFP8, and Mixture-of-Representations selection.
 
 This ``__init__`` imports nothing on purpose: the submodules need torch, and
 importing the package must stay free of torch so that light tools can list it.
