@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from factory.exports.hf_config import blueprint_fields_from_hf, hf_config
+from factory.exports.hf_config import hf_config
 from factory.graph.model import HybridLM
 from factory.io import staged_directory
 from factory.schemas.blueprint import Blueprint
@@ -55,14 +55,15 @@ def export_hf(model: HybridLM, bp: Blueprint, out: Path) -> Path:
     return out
 
 
-def load_hf_state_dict(directory: Path) -> dict[str, torch.Tensor]:
-    """Read every ``*.safetensors`` in ``directory`` into our names (experts merged to 3D)."""
+def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Read a ``.safetensors`` file, or every one in a folder, into our names (experts merged to 3D)."""
     from safetensors.torch import load_file
 
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
     out: dict[str, torch.Tensor] = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        for name, tensor in load_file(str(path)).items():
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    for file in files:
+        for name, tensor in load_file(str(file)).items():
             name = name.replace("backbone.embedding.weight", "backbone.embeddings.weight")
             match = _PER_EXPERT.match(name)
             if match:
@@ -73,11 +74,3 @@ def load_hf_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     for (prefix, proj), by_index in experts.items():
         out[f"{prefix}.{proj}"] = torch.stack([by_index[i] for i in sorted(by_index)])
     return out
-
-
-def read_hf_config(directory: Path) -> dict:
-    return json.loads((directory / "config.json").read_text(encoding="utf-8"))
-
-
-def model_section_from_hf(directory: Path) -> dict:
-    return blueprint_fields_from_hf(read_hf_config(directory))

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from factory.graph.mlp import MLP
-from factory.kernels.moe_dispatch import grouped_mlp, route_tokens
+from factory.kernels.moe_dispatch import Dispatch, grouped_mlp, route_tokens
 from factory.schemas.model import MoEConfig, RouterConfig
 
 __all__ = ["MoE", "RoutedExperts", "Router"]
@@ -104,10 +104,7 @@ class RoutedExperts(nn.Module):
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
 
-    def forward(
-        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        dispatch = route_tokens(indices, self.up_proj.shape[0])
+    def forward(self, x: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor) -> torch.Tensor:
         return grouped_mlp(
             x,
             dispatch,
@@ -137,28 +134,27 @@ class MoE(nn.Module):
         self.fc2_latent_proj = nn.Linear(inner, width, bias=mlp_bias) if cfg.latent_size else None
         self.last_aux_loss: torch.Tensor | None = None
 
-    def _drop_over_capacity(self, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _drop_over_capacity(self, dispatch: Dispatch, weights: torch.Tensor) -> torch.Tensor:
         """With a capacity factor, each expert keeps its first ceil(cf * T * k / E) assignments
-        in token order; the rest get weight 0 (the token keeps its residual path)."""
+        in token order (the dispatch's stable sort ranks them); the rest get weight 0 and the
+        token keeps its residual path."""
         if self.cfg.capacity_factor is None:
             return weights
-        flat = indices.flatten()
-        capacity = math.ceil(self.cfg.capacity_factor * flat.numel() / self.cfg.num_experts)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.cfg.num_experts)
-        starts = torch.cumsum(counts, 0) - counts
-        position = torch.empty_like(flat)
-        position[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
-        return weights * (position < capacity).view_as(weights).to(weights.dtype)
+        capacity = math.ceil(
+            self.cfg.capacity_factor * dispatch.num_tokens * dispatch.top_k / self.cfg.num_experts
+        )
+        kept = dispatch.unpermute(dispatch.rank_in_expert < capacity)
+        return weights * kept.to(weights.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, width = x.shape
         flat = x.reshape(-1, width)
         weights, indices, scores = self.gate(flat)
         self.last_aux_loss = self.gate.aux_loss(scores, indices, batch) if self.training else None
-        weights = self._drop_over_capacity(indices, weights)
+        dispatch = route_tokens(indices, self.cfg.num_experts)
+        weights = self._drop_over_capacity(dispatch, weights)
         h = self.fc1_latent_proj(flat) if self.fc1_latent_proj is not None else flat
-        y = self.experts(h, indices, weights)
+        y = self.experts(h, dispatch, weights)
         if self.fc2_latent_proj is not None:
             y = self.fc2_latent_proj(y)
         if self.shared_experts is not None:

@@ -19,25 +19,12 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """Tensors under our parameter names, from an HF folder, a .safetensors file or a .pt file."""
     from factory.exports.hf import load_hf_state_dict
 
-    if path.is_dir():
+    if path.is_dir() or path.suffix == ".safetensors":
         return load_hf_state_dict(path)
-    if path.suffix == ".safetensors":
-        return load_hf_state_dict_file(path)
     if path.suffix in (".pt", ".pth"):
         state = torch.load(path, map_location="cpu", weights_only=True)
         return state.get("model", state)
     raise WeightsError(f"{path}: expected a folder, a .safetensors or a .pt file")
-
-
-def load_hf_state_dict_file(path: Path) -> dict[str, torch.Tensor]:
-    import shutil
-    import tempfile
-
-    from factory.exports.hf import load_hf_state_dict
-
-    with tempfile.TemporaryDirectory() as tmp:  # reuse the folder reader's expert merging
-        shutil.copy(path, Path(tmp) / path.name)
-        return load_hf_state_dict(Path(tmp))
 
 
 @torch.no_grad()
