@@ -24,6 +24,7 @@ result is bitwise reproducible on GPU as well as CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -131,6 +132,14 @@ def _activate(h: torch.Tensor, g: torch.Tensor | None, activation: Activation) -
     return F.silu(g) * h
 
 
+ExpertLinear = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(projection name, x [E, C, in], w [E, out, in]) -> [E, C, out]``: one grouped GEMM."""
+
+
+def _plain_bmm(name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(x, w.transpose(1, 2))
+
+
 def _experts_padded_bmm(
     x: torch.Tensor,
     dispatch: Dispatch,
@@ -138,6 +147,7 @@ def _experts_padded_bmm(
     down: torch.Tensor,
     gate: torch.Tensor | None,
     activation: Activation,
+    linear: ExpertLinear | None = None,
 ) -> torch.Tensor:
     """Expert outputs per pair, in router order [T*k, d_in], via a padded buffer and bmm."""
     capacity = dispatch.max_tokens_per_expert
@@ -148,9 +158,10 @@ def _experts_padded_bmm(
     # indexing's is index_put_(accumulate=True), several times slower on CPU.
     buffer = buffer.index_copy(0, rows, x.index_select(0, dispatch.token_index))
     buffer = buffer.view(dispatch.num_experts, capacity, d_in)
-    h = torch.bmm(buffer, up.transpose(1, 2))
-    g = torch.bmm(buffer, gate.transpose(1, 2)) if gate is not None else None
-    out = torch.bmm(_activate(h, g, activation), down.transpose(1, 2))
+    mm = linear or _plain_bmm
+    h = mm("up_proj", buffer, up)
+    g = mm("gate_proj", buffer, gate) if gate is not None else None
+    out = mm("down_proj", _activate(h, g, activation), down)
     return out.reshape(-1, d_in).index_select(0, rows[dispatch.inverse_order])
 
 
@@ -242,6 +253,7 @@ def grouped_mlp(
     weights: torch.Tensor | None = None,
     *,
     impl: Impl = "auto",
+    linear: ExpertLinear | None = None,
 ) -> torch.Tensor:
     """Routed expert MLPs, combined per token: ``y_t = sum_j w_tj * MLP_{e_tj}(x_t)``.
 
@@ -254,6 +266,9 @@ def grouped_mlp(
         weights: routing weights [T, k]; None sums the experts unweighted.
         impl: ``"auto"`` (grouped_mm on CUDA where verified, else padded bmm),
             ``"bmm"`` or ``"grouped_mm"`` to force one path.
+        linear: runs each expert GEMM instead of ``torch.bmm`` (a quantized GEMM,
+            ``factory.precision``); it implies the padded bmm path, whose zero
+            padding rows leave amaxes and products unchanged.
 
     Returns:
         [T, d_in] in x's dtype. Expert matmuls run in x's dtype; the weighting
@@ -281,10 +296,10 @@ def grouped_mlp(
             f"weights must be {(num_tokens, dispatch.top_k)}, got {tuple(weights.shape)}"
         )
 
-    if _use_grouped_mm(impl, x, (up, down, gate), ff):
+    if linear is None and _use_grouped_mm(impl, x, (up, down, gate), ff):
         pair_out = _experts_grouped_mm(x, dispatch, up, down, gate, activation)
     else:
-        pair_out = _experts_padded_bmm(x, dispatch, up, down, gate, activation)
+        pair_out = _experts_padded_bmm(x, dispatch, up, down, gate, activation, linear)
 
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     pair_out = pair_out.to(acc).reshape(num_tokens, dispatch.top_k, d_in)

@@ -33,14 +33,20 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["E2M1_VALUES", "NVFP4Tensor", "global_encode_scale", "quantize", "unpack_codes"]
+__all__ = [
+    "E2M1_VALUES",
+    "NVFP4Tensor",
+    "fake_quantize",
+    "global_encode_scale",
+    "quantize",
+    "unpack_codes",
+]
 
 #: Decoded value of each 4-bit code 0..15 (code 8 is -0.0), fp32.
 E2M1_VALUES = torch.tensor(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
     dtype=torch.float32,
 )
-_GRID = E2M1_VALUES[:8].clone()  # non-negative magnitudes, increasing
 _F32 = torch.float32
 _FLT_MAX = torch.tensor(torch.finfo(_F32).max, dtype=_F32)
 _ONE = torch.tensor(1.0, dtype=_F32)
@@ -76,8 +82,7 @@ class NVFP4Tensor:
     def dequantize(self) -> torch.Tensor:
         """fp32 values ``code_value * fp32(s_b) * (amax / (6*448))`` (§1.4, TE ``dequantize_fp4``)."""
         values = E2M1_VALUES[self.codes().long()]
-        scale = _expand(self.scale.to(_F32), self.tile[0])
-        return values * scale * (self.amax / _FP4_X_FP8_MAX)
+        return _decode(values[None], self.scale.to(_F32)[None], self.amax[None], self.tile)[0]
 
 
 def unpack_codes(data: torch.Tensor) -> torch.Tensor:
@@ -94,43 +99,88 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     return torch.where((amax == 0) | (s_enc == 0), _ONE, s_enc)
 
 
-def _expand(per_tile: torch.Tensor, tile_rows: int) -> torch.Tensor:
-    """Broadcast a per-tile tensor [rows/tile_rows, cols/16] to element shape [rows, cols]."""
-    return per_tile.repeat_interleave(tile_rows, dim=0).repeat_interleave(_BLOCK, dim=1)
+def _tiled(x: torch.Tensor, tile_rows: int) -> torch.Tensor:
+    """View [B, rows, cols] as [B, rows/tr, tr, cols/16, 16]: one tile per (dim 1, dim 3) pair."""
+    b, rows, cols = x.shape
+    return x.reshape(b, rows // tile_rows, tile_rows, cols // _BLOCK, _BLOCK)
+
+
+def _decode(
+    values: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, tile: tuple[int, int]
+) -> torch.Tensor:
+    """``values * fp32(s_b) * (amax / (6*448))`` for [B, rows, cols] E2M1 values (TE's order)."""
+    per_tile = _tiled(values, tile[0]) * scale[:, :, None, :, None]
+    return (per_tile * (amax / _FP4_X_FP8_MAX)[:, None, None, None, None]).reshape(values.shape)
+
+
+def _grid_step(a: torch.Tensor) -> torch.Tensor:
+    """Spacing of the E2M1 grid around magnitude ``a`` in [0, 6]: 0.5 below 2, 1 below 4, else 2."""
+    return torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
 
 
 def _round_rn(y: torch.Tensor) -> torch.Tensor:
-    """E2M1 magnitude index of |y| under RN-even with saturation: ties go to the even code.
+    """E2M1 magnitude of |y| under RN-even with saturation at 6: ties go to the even code.
 
-    Midpoints: 0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4; above 5 -> 6.
+    Within each binade the grid is uniform, so ``round(a / step) * step`` with
+    torch's half-to-even ``round`` lands on the code with the even index:
+    0.25->0, 0.75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4; above 5 -> 6.
+    Division and multiplication by the power-of-two step are exact.
     """
-    a = y.abs()
-    idx = (
-        (a > 0.25).to(torch.uint8)
-        + (a >= 0.75)
-        + (a > 1.25)
-        + (a >= 1.75)
-        + (a > 2.5)
-        + (a >= 3.5)
-        + (a > 5.0)
-    )
-    return idx.to(torch.uint8)
+    a = y.abs().clamp(max=6.0)
+    step = _grid_step(a)
+    return torch.round(a / step) * step
 
 
 def _round_sr(y: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """E2M1 magnitude index under stochastic rounding (§1.5).
+    """E2M1 magnitude of |y| under stochastic rounding (§1.5).
 
     |y| is clamped to 6, then rounded up to the next grid value with probability
     ``(|y| - lo) / (hi - lo)``, otherwise down to ``lo``, so ``E[q] = clamp(|y|, 0, 6)``.
+    At exactly 6 the probability is 0, so nothing rounds past the grid.
     """
     a = y.abs().clamp(max=6.0)
-    lo = torch.bucketize(a, _GRID, right=True) - 1  # grid[lo] <= a < grid[lo + 1]
-    hi = (lo + 1).clamp(max=7)
-    lo_v, hi_v = _GRID[lo], _GRID[hi]
-    gap = hi_v - lo_v
-    p_up = torch.where(gap > 0, (a - lo_v) / torch.where(gap > 0, gap, 1.0), 0.0)
+    step = _grid_step(a)
+    units = a / step
+    lo = torch.floor(units)
     u = torch.rand(a.shape, generator=generator, dtype=_F32)
-    return (lo + (u < p_up).long()).to(torch.uint8)
+    return (lo + (u < units - lo).to(_F32)) * step
+
+
+def _magnitude_codes(mag: torch.Tensor) -> torch.Tensor:
+    """Grid magnitude (0, 0.5, ..., 6) -> its 3-bit code 0..7."""
+    code = torch.where(mag < 2.0, mag * 2.0, torch.where(mag < 4.0, mag + 2.0, mag * 0.5 + 4.0))
+    return code.to(torch.uint8)
+
+
+def _encode(
+    xf: torch.Tensor, tile: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TE's scale arithmetic for [B, rows, cols] fp32 with one global amax per matrix.
+
+    Returns the scaled elements ``y = x * enc_b`` (not yet rounded), the E4M3 block
+    scales [B, rows/tr, cols/16] and the fp32 amaxes [B].
+    """
+    if not bool(torch.isfinite(xf).all()):
+        raise ValueError("nvfp4.quantize: input contains non-finite values (NaN or inf)")
+    absx = xf.abs()
+    b = xf.shape[0]
+    amax = absx.reshape(b, -1).amax(dim=1) if xf.numel() else torch.zeros(b, dtype=_F32)
+    s_enc = global_encode_scale(amax)
+    s_dec = _ONE / s_enc
+    block_amax = _tiled(absx, tile[0]).amax(dim=(2, 4))
+    # One fp32 multiply by the folded constant, then RN-even to E4M3, saturating at 448.
+    folded = (s_enc * _ONE_SIXTH)[:, None, None]
+    s_b = (block_amax * folded).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    enc_b = torch.minimum(_ONE / (s_b.to(_F32) * s_dec[:, None, None]), _FLT_MAX)
+    y = (_tiled(xf, tile[0]) * enc_b[:, :, None, :, None]).reshape(xf.shape)
+    return y, s_b, amax
+
+
+def _check_tile(tile: tuple[int, int]) -> tuple[int, int]:
+    tile = (int(tile[0]), int(tile[1]))
+    if tile not in _TILES:
+        raise ValueError(f"tile must be one of {_TILES}, got {tile}")
+    return tile
 
 
 def quantize(
@@ -149,9 +199,7 @@ def quantize(
     Raises ValueError for a non-2-D input, unsupported tile, shape not divisible by
     the tile, or any non-finite element.
     """
-    tile = (int(tile[0]), int(tile[1]))
-    if tile not in _TILES:
-        raise ValueError(f"tile must be one of {_TILES}, got {tile}")
+    tile = _check_tile(tile)
     if x.ndim != 2:
         raise ValueError(f"quantize expects a 2-D tensor [rows, cols], got shape {tuple(x.shape)}")
     rows, cols = x.shape
@@ -160,22 +208,44 @@ def quantize(
             f"shape {(rows, cols)} must be divisible by the tile {tile} "
             f"(cols by 16{', rows by 16' if tile[0] == 16 else ''})"
         )
-    xf = x.detach().to(_F32)
-    if not bool(torch.isfinite(xf).all()):
-        raise ValueError("nvfp4.quantize: input contains non-finite values (NaN or inf)")
-
-    absx = xf.abs()
-    amax = absx.max() if xf.numel() else torch.zeros((), dtype=_F32)
-    s_enc = global_encode_scale(amax)
-    s_dec = _ONE / s_enc
-    tr = tile[0]
-    block_amax = absx.reshape(rows // tr, tr, cols // _BLOCK, _BLOCK).amax(dim=(1, 3))
-    # One fp32 multiply by the folded constant, then RN-even to E4M3, saturating at 448.
-    s_b = (block_amax * (s_enc * _ONE_SIXTH)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    enc_b = torch.minimum(_ONE / (s_b.to(_F32) * s_dec), _FLT_MAX)
-    y = xf * _expand(enc_b, tr)
-
-    mag = _round_sr(y, generator) if stochastic else _round_rn(y)
+    y, s_b, amax = _encode(x.detach().to(_F32)[None], tile)
+    y = y[0]
+    mag = _magnitude_codes(_round_sr(y, generator) if stochastic else _round_rn(y))
     codes = mag | ((y < 0).to(torch.uint8) << 3)  # exact -0.0 is not < 0 -> code 0
     data = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return NVFP4Tensor(data=data.contiguous(), scale=s_b, amax=amax.clone(), tile=tile)
+    return NVFP4Tensor(data=data.contiguous(), scale=s_b[0], amax=amax[0].clone(), tile=tile)
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    tile: tuple[int, int] = (1, 16),
+    stochastic: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``quantize(x).dequantize()`` without packing, for the emulated GEMMs: fp32, x's shape.
+
+    Two differences from :func:`quantize`, both for GEMM operands:
+
+    * ``x`` may have leading batch dims ``[..., rows, cols]``; every matrix gets
+      its own global amax (one per expert in a grouped GEMM).
+    * Shapes need not be whole tiles: rows and cols are zero-padded to the tile
+      and cropped after. Zeros never change an amax, so every complete tile
+      quantizes exactly as :func:`quantize` would, and a partial tile as if the
+      kernel had padded it.
+
+    The values equal ``quantize(m, tile, ...).dequantize()`` of each matrix ``m``
+    bit for bit (given the same random numbers when ``stochastic``).
+    """
+    tile = _check_tile(tile)
+    if x.ndim < 2:
+        raise ValueError(f"fake_quantize expects [..., rows, cols], got shape {tuple(x.shape)}")
+    *lead, rows, cols = x.shape
+    xf = x.detach().to(_F32).reshape(-1, rows, cols)
+    pad_rows, pad_cols = -rows % tile[0], -cols % _BLOCK
+    if pad_rows or pad_cols:
+        xf = torch.nn.functional.pad(xf, (0, pad_cols, 0, pad_rows))
+    y, s_b, amax = _encode(xf, tile)
+    mag = _round_sr(y, generator) if stochastic else _round_rn(y)
+    values = mag.copysign(y)
+    out = _decode(values, s_b.to(_F32), amax, tile)
+    return out[:, :rows, :cols].reshape(*lead, rows, cols)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -11,7 +12,12 @@ from factory.graph.model import HybridLM
 from factory.planner.plan import Plan, plan
 from factory.schemas.blueprint import Blueprint
 
+if TYPE_CHECKING:
+    from factory.precision.apply import PrecisionRuntime
+
 __all__ = ["Compiled", "compile"]
+
+PrecisionBackend = Literal["auto", "emulate", "te", "off"]
 
 
 @dataclass
@@ -20,6 +26,8 @@ class Compiled:
     plan: Plan
     blueprint: Blueprint
     """The blueprint the model was built from (the proxy's, when proxy=True)."""
+    precision: PrecisionRuntime | None = None
+    """The installed precision policy (None with precision="off" or an all-BF16 policy)."""
 
 
 def compile(
@@ -28,6 +36,7 @@ def compile(
     proxy: bool = False,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    precision: PrecisionBackend = "auto",
 ) -> Compiled:
     """Build the model of ``blueprint``.
 
@@ -35,6 +44,12 @@ def compile(
     Ultra graph is checked on a laptop. ``proxy=True`` builds
     :func:`factory.proxy.derive_proxy`'s small model of the same blueprint.
     ``seed`` fixes the initialisation. The router stays in fp32 whatever ``dtype``.
+
+    ``precision`` applies the blueprint's precision table to the graph:
+    ``"emulate"`` quantizes in PyTorch (exact emulation, any device), ``"te"``
+    maps onto Transformer Engine (CUDA, ``pip install factory[gpu]``), ``"auto"``
+    takes TE where it is installed and the model is on CUDA, else emulation, and
+    ``"off"`` leaves every linear unquantized.
     """
     if proxy:
         from factory.proxy import derive_proxy
@@ -65,7 +80,27 @@ def compile(
             state = read_state_dict(Path(blueprint.model.init.upcycle_from))
             upcycle(model, state, torch.Generator().manual_seed(seed + 1))
         _cast_keeping_router_fp32(model, dtype)
-    return Compiled(model=model, plan=plan(blueprint), blueprint=blueprint)
+    runtime = _apply_precision(model, blueprint, device, precision, seed)
+    return Compiled(model=model, plan=plan(blueprint), blueprint=blueprint, precision=runtime)
+
+
+def _apply_precision(
+    model: HybridLM,
+    blueprint: Blueprint,
+    device: torch.device,
+    backend: PrecisionBackend,
+    seed: int,
+) -> PrecisionRuntime | None:
+    prec = blueprint.precision
+    if backend == "off" or {prec.recipe, *prec.overrides.values()} == {"bf16"}:
+        return None
+    from factory.precision import te_backend
+
+    if backend == "te" or (backend == "auto" and te_backend.usable(device)):
+        return te_backend.apply_te(model, blueprint)
+    from factory.precision.apply import apply_precision
+
+    return apply_precision(model, blueprint, seed=seed)
 
 
 def _cast_keeping_router_fp32(model: HybridLM, dtype: torch.dtype) -> None:

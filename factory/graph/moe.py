@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from factory.graph.mlp import MLP
-from factory.kernels.moe_dispatch import Dispatch, grouped_mlp, route_tokens
+from factory.kernels.moe_dispatch import Dispatch, ExpertLinear, grouped_mlp, route_tokens
 from factory.schemas.model import MoEConfig, RouterConfig
 
 __all__ = ["MoE", "RoutedExperts", "Router"]
@@ -103,6 +103,8 @@ class RoutedExperts(nn.Module):
             else None
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
+        self.linear: ExpertLinear | None = None
+        """Runs the expert GEMMs when set (``factory.precision`` installs quantized ones)."""
 
     def forward(self, x: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor) -> torch.Tensor:
         return grouped_mlp(
@@ -113,6 +115,7 @@ class RoutedExperts(nn.Module):
             activation=self.activation,
             gate=self.gate_proj,
             weights=weights,
+            linear=self.linear,
         )
 
 

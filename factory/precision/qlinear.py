@@ -1,0 +1,144 @@
+"""The quantized linear: one autograd function that quantizes each GEMM's operands.
+
+``quantized_matmul(x, w, quantizer)`` computes ``x @ wᵀ`` for ``x [.., M, K]`` and
+``w [.., N, K]`` (leading dims batch the experts of a grouped GEMM), with
+operands quantized per GEMM as :mod:`factory.precision.quantizers` describes:
+
+* fprop: ``y  = input(x) @ weight(w)ᵀ``
+* dgrad: ``dx = grad(dy) @ dgrad_weight(w)``
+* wgrad: ``dw = dyᵀ' @ xᵀ'ᵀ`` with ``(dyᵀ', xᵀ') = wgrad(dy, x)``
+
+On CPU this is the emulation: the quantizers return dequantized fp32 values and
+the matmuls run in fp32; the result is cast back to the input's dtype. Master
+weights and their gradients stay in the parameters' dtype (fp32 in training, as
+in the paper, §4.1). ``fwd``/``bwd`` switch quantization of the forward GEMM and
+of the two backward GEMMs independently (``switch_to_bf16`` with scope
+``forward`` keeps the backward quantized).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from factory.precision.quantizers import GemmQuantizer
+
+__all__ = ["QuantizedExpertLinear", "QuantizedLinear", "quantized_matmul"]
+
+_F32 = torch.float32
+
+
+class _QuantizedMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        quantizer: GemmQuantizer,
+        fwd: bool,
+        bwd: bool,
+    ) -> torch.Tensor:
+        xf, wf = x.to(_F32), w.to(_F32)
+        w_fprop = quantizer.weight(wf) if fwd else None
+        x_op = quantizer.input(xf) if fwd else xf
+        y = x_op @ (w_fprop if w_fprop is not None else wf).transpose(-1, -2)
+        ctx.save_for_backward(x, w, w_fprop)
+        ctx.quantizer, ctx.bwd = quantizer, bwd
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        x, w, w_fprop = ctx.saved_tensors
+        q: GemmQuantizer = ctx.quantizer
+        xf, wf, dyf = x.to(_F32), w.to(_F32), dy.to(_F32)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            if ctx.bwd:
+                dx = q.grad(dyf) @ q.dgrad_weight(wf, w_fprop)
+            else:
+                dx = dyf @ wf
+            dx = dx.to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            if ctx.bwd:
+                dy_t, x_t = q.wgrad(dyf, xf)
+                dw = dy_t @ x_t.transpose(-1, -2)
+            else:
+                dw = dyf.transpose(-1, -2) @ xf
+            dw = dw.to(w.dtype)
+        return dx, dw, None, None, None
+
+
+def quantized_matmul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    quantizer: GemmQuantizer,
+    fwd: bool = True,
+    bwd: bool = True,
+) -> torch.Tensor:
+    """``x @ wᵀ`` with quantized operands; ``x [.., M, K]``, ``w [N, K]`` or ``[B, N, K]``.
+
+    With a 2-D ``w``, every leading dim of ``x`` is folded into M (tokens): the
+    scales of a linear layer cover the whole micro-batch, as in TE.
+    """
+    if w.ndim == 2:
+        lead = x.shape[:-1]
+        y = _QuantizedMatmul.apply(x.reshape(1, -1, x.shape[-1]), w[None], quantizer, fwd, bwd)
+        return y.reshape(*lead, w.shape[0])
+    return _QuantizedMatmul.apply(x, w, quantizer, fwd, bwd)
+
+
+class QuantizedLinear(nn.Linear):
+    """``nn.Linear`` whose GEMMs run through a quantizer; same parameters, same state dict.
+
+    Built from an existing linear by :meth:`from_linear`, which shares its
+    parameters, so swapping a model's linears changes no weights or checkpoint keys.
+    The bias is added in high precision after the GEMM.
+    """
+
+    quantizer: GemmQuantizer
+    quantize_forward: bool
+    quantize_backward: bool
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, quantizer: GemmQuantizer) -> QuantizedLinear:
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.in_features, module.out_features = linear.in_features, linear.out_features
+        module.weight = linear.weight
+        module.bias = linear.bias
+        module.quantizer = quantizer
+        module.quantize_forward = module.quantize_backward = True
+        module.train(linear.training)
+        return module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not (self.quantize_forward or self.quantize_backward):
+            return F.linear(x, self.weight, self.bias)
+        y = quantized_matmul(
+            x, self.weight, self.quantizer, self.quantize_forward, self.quantize_backward
+        )
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.quantizer.recipe}"
+
+
+class QuantizedExpertLinear:
+    """The GEMM hook of a grouped expert layer: one quantizer per projection.
+
+    ``RoutedExperts`` calls it as ``linear(name, x [E, C, in], w [E, out, in])``;
+    projections without a quantizer (BF16 by policy) run a plain batched matmul.
+    """
+
+    def __init__(self, quantizers: dict[str, GemmQuantizer]) -> None:
+        self.quantizers = quantizers
+        self.quantize_forward = self.quantize_backward = True
+
+    def __call__(self, name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        quantizer = self.quantizers.get(name)
+        if quantizer is None or not (self.quantize_forward or self.quantize_backward):
+            return torch.bmm(x, w.transpose(1, 2))
+        return quantized_matmul(x, w, quantizer, self.quantize_forward, self.quantize_backward)

@@ -1,0 +1,267 @@
+"""GEMM operand quantizers: what each recipe does to the operands of fprop, dgrad and wgrad.
+
+A linear ``y = x Wᵀ`` (x [M, K], W [N, K]) runs three GEMMs, each reducing over
+a different dimension, so each operand is quantized in blocks along that
+dimension (nvfp4.md §2.2):
+
+========  ==========================  ==========================  =========
+GEMM      operand 1                   operand 2                   reduces
+========  ==========================  ==========================  =========
+fprop     ``input(x)``, along K       ``weight(W)``, along K      K
+dgrad     ``grad(dy)``, along N       ``dgrad_weight(W)``, N      N
+wgrad     ``wgrad(dy, x)[0]``: dyᵀ    ``wgrad(dy, x)[1]``: xᵀ     M
+========  ==========================  ==========================  =========
+
+Every method takes and returns fp32 tensors with leading batch dims (one matrix
+per expert in a grouped GEMM, each with its own scales) and returns
+*dequantized* values: the emulated GEMM is then a plain fp32 matmul, which
+equals the hardware's per-block scaled accumulation up to fp32 summation order.
+``wgrad`` returns the transposed operands ``dyᵀ [.., N, M']`` and ``xᵀ [.., K, M']``;
+``M'`` may exceed M by zero padding (the Hadamard transform needs whole tiles),
+which leaves ``dyᵀ @ x`` unchanged.
+
+One quantizer instance serves one module: delayed scaling keeps its amax
+history there, MoR its statistics, NVFP4 its stochastic-rounding generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from factory.kernels import fp8, hadamard, mor, nvfp4
+from factory.schemas.precision import FP8Options, MoROptions, NVFP4Options
+
+__all__ = [
+    "FP8Quantizer",
+    "GemmQuantizer",
+    "MXFP8Quantizer",
+    "MoRQuantizer",
+    "NVFP4Quantizer",
+    "make_quantizer",
+]
+
+_TILE = 16
+
+
+def _t(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(-1, -2)
+
+
+def _per_matrix(fn, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - any tensor -> tensor map
+    """Apply a per-tensor quantizer to every matrix of ``[..., rows, cols]``."""
+    if x.ndim == 2:
+        return fn(x)
+    flat = x.reshape(-1, *x.shape[-2:])
+    return torch.stack([fn(m) for m in flat]).reshape(x.shape)
+
+
+class GemmQuantizer:
+    """The interface; subclasses implement one recipe. See the module docstring."""
+
+    recipe: str = ""
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dgrad_weight(self, w: torch.Tensor, w_fprop: torch.Tensor | None) -> torch.Tensor:
+        """The weight operand of dgrad; ``w_fprop`` is fprop's quantized weight if it ran."""
+        return w_fprop if w_fprop is not None else self.weight(w)
+
+    def grad(self, dy: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def wgrad(self, dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+
+class NVFP4Quantizer(GemmQuantizer):
+    """The NVFP4 paper's recipe (§2.2): 1x16 RN activations, 16x16 RN weights (so fprop and
+    dgrad use identical weight values), 1x16 SR gradients, and a 16x16 random Hadamard
+    transform along the token dimension of both wgrad inputs."""
+
+    recipe = "nvfp4"
+
+    def __init__(self, options: NVFP4Options, seed: int = 0) -> None:
+        self.options = options
+        self.weight_2d = options.weight_tile == "16x16"
+        self.signs = hadamard.random_signs(_TILE, options.hadamard_seed)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _grad_q(self, g: torch.Tensor) -> torch.Tensor:
+        sr = self.options.stochastic_rounding
+        return nvfp4.fake_quantize(g, (1, 16), stochastic=sr, generator=self.generator)
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        return nvfp4.fake_quantize(x, (1, 16))
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        return nvfp4.fake_quantize(w, (16, 16) if self.weight_2d else (1, 16))
+
+    def dgrad_weight(self, w: torch.Tensor, w_fprop: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_2d:  # a 16x16 tile is its own transpose: reuse fprop's values
+            return super().dgrad_weight(w, w_fprop)
+        return _t(nvfp4.fake_quantize(_t(w), (1, 16)))  # 1x16 blocks along N instead
+
+    def grad(self, dy: torch.Tensor) -> torch.Tensor:
+        return self._grad_q(dy)
+
+    def wgrad(self, dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dy_t, x_t = _t(dy), _t(x)
+        if self.options.hadamard:
+            pad = -dy_t.shape[-1] % _TILE  # rotate whole 16-token tiles; zero tokens add nothing
+            dy_t = hadamard.rht(F.pad(dy_t, (0, pad)), self.signs)
+            x_t = hadamard.rht(F.pad(x_t, (0, pad)), self.signs)
+        return self._grad_q(dy_t), nvfp4.fake_quantize(x_t, (1, 16))
+
+
+class FP8Quantizer(GemmQuantizer):
+    """Transformer Engine's FP8 recipes: E4M3 forward, E5M2 gradients under ``hybrid``.
+
+    * ``tensorwise``: one current scale per tensor (per expert in a grouped GEMM).
+      Transposing does not change a per-tensor quantization, so wgrad's operands
+      are the transposes of the fprop/dgrad ones.
+    * ``delayed``: one amax history per role (input, weight, gradient) and module;
+      the scale lags by a step. wgrad reuses the scale its tensor got in fprop or
+      dgrad, as TE's single cast produces both layouts. A grouped GEMM's experts
+      share one history.
+    * ``blockwise``: 1x128 blocks along the reduction dim for inputs and
+      gradients (re-blocked along the tokens for wgrad), 128x128 for weights,
+      whose values are then the same in fprop and dgrad.
+    """
+
+    recipe = "fp8"
+
+    def __init__(self, options: FP8Options) -> None:
+        self.options = options
+        self.fwd_fmt: fp8.FP8Format = "e4m3"
+        self.bwd_fmt: fp8.FP8Format = "e5m2" if options.format == "hybrid" else "e4m3"
+        if options.scaling == "delayed":
+            kw = {
+                "history_len": options.amax_history_len,
+                "amax_compute": options.amax_compute,
+                "margin": options.margin,
+            }
+            self.delayed = {
+                "input": fp8.DelayedScaling(fmt=self.fwd_fmt, **kw),
+                "weight": fp8.DelayedScaling(fmt=self.fwd_fmt, **kw),
+                "grad": fp8.DelayedScaling(fmt=self.bwd_fmt, **kw),
+            }
+            self.used_scale: dict[str, torch.Tensor] = {}
+
+    def _q(self, x: torch.Tensor, role: str, block: tuple[int, int]) -> torch.Tensor:
+        fmt = self.bwd_fmt if role == "grad" else self.fwd_fmt
+        scaling = self.options.scaling
+        if scaling == "tensorwise":
+            return _per_matrix(lambda m: fp8.quantize_tensorwise(m, fmt).dequantize(), x)
+        if scaling == "blockwise":
+            return _per_matrix(lambda m: fp8.quantize_blockwise(m, block, fmt).dequantize(), x)
+        state = self.delayed[role]
+        self.used_scale[role] = state.scale
+        return state.quantize(x).dequantize()
+
+    def _again(self, x: torch.Tensor, role: str) -> torch.Tensor:
+        """The transposed copy of a tensor quantized earlier in this step (delayed scaling)."""
+        fmt = self.bwd_fmt if role == "grad" else self.fwd_fmt
+        return fp8.quantize_with_scale(x, self.used_scale[role], fmt).dequantize()
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        return self._q(x, "input", (1, 128))
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        return self._q(w, "weight", (128, 128))
+
+    def grad(self, dy: torch.Tensor) -> torch.Tensor:
+        return self._q(dy, "grad", (1, 128))
+
+    def wgrad(self, dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scaling = self.options.scaling
+        if scaling == "blockwise":
+            return self._q(_t(dy), "grad", (1, 128)), self._q(_t(x), "input", (1, 128))
+        if scaling == "delayed" and "input" in self.used_scale:
+            return _t(self._again(dy, "grad")), _t(self._again(x, "input"))
+        return _t(self.grad(dy)), _t(self.input(x))
+
+
+class MXFP8Quantizer(GemmQuantizer):
+    """OCP MXFP8 (TE ``MXFP8BlockScaling``): E4M3 elements, one E8M0 scale per 32 elements
+    along the reduction dim of every GEMM. Blocks are 1D, so dgrad quantizes the weight
+    again along N (its values differ from fprop's) and wgrad re-blocks along the tokens."""
+
+    recipe = "mxfp8"
+
+    @staticmethod
+    def _q(x: torch.Tensor) -> torch.Tensor:
+        return fp8.quantize_mxfp8(x, "e4m3").dequantize()
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        return self._q(x)
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        return self._q(w)
+
+    def dgrad_weight(self, w: torch.Tensor, w_fprop: torch.Tensor | None) -> torch.Tensor:
+        return _t(self._q(_t(w)))
+
+    def grad(self, dy: torch.Tensor) -> torch.Tensor:
+        return self._q(dy)
+
+    def wgrad(self, dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._q(_t(dy)), self._q(_t(x))
+
+
+@dataclass
+class MoRQuantizer(GemmQuantizer):
+    """Mixture of Representations: every operand, per tensor or block, is FP8 (E4M3, current
+    scaling) where its measured error is under the threshold and BF16 elsewhere. ``stats``
+    counts the units kept in FP8 across all calls. Gradients use E4M3 too: the threshold
+    is calibrated for it, and BF16 is the fallback that E5M2's range would otherwise buy."""
+
+    options: MoROptions
+    stats: mor.MoRStats = field(default_factory=mor.MoRStats)
+    recipe = "mor"
+
+    def _q(self, x: torch.Tensor) -> torch.Tensor:
+        def one(m: torch.Tensor) -> torch.Tensor:
+            o = self.options
+            result = mor.choose(m, o.threshold, o.granularity, o.block_size, "e4m3")
+            self.stats.update(result)
+            return result.out
+
+        return _per_matrix(one, x)
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        return self._q(x)
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        return self._q(w)
+
+    def grad(self, dy: torch.Tensor) -> torch.Tensor:
+        return self._q(dy)
+
+    def wgrad(self, dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._q(_t(dy)), self._q(_t(x))
+
+
+def make_quantizer(
+    recipe: str,
+    nvfp4_options: NVFP4Options | None = None,
+    fp8_options: FP8Options | None = None,
+    mor_options: MoROptions | None = None,
+    seed: int = 0,
+) -> GemmQuantizer:
+    """The quantizer of one module for a recipe name of the precision schema (not bf16)."""
+    if recipe == "nvfp4":
+        return NVFP4Quantizer(nvfp4_options or NVFP4Options(), seed)
+    if recipe == "fp8":
+        return FP8Quantizer(fp8_options or FP8Options())
+    if recipe == "mxfp8":
+        return MXFP8Quantizer()
+    if recipe == "mor":
+        return MoRQuantizer(mor_options or MoROptions())
+    raise ValueError(f"no quantizer for recipe {recipe!r} (bf16 runs unquantized)")

@@ -1,0 +1,154 @@
+"""The fast path: the same precision table on Transformer Engine (CUDA, optional).
+
+``pip install factory[gpu]`` brings ``transformer_engine``; it is imported only
+here, and only when used. :func:`apply_te` swaps every quantized linear of the
+table for a ``te.Linear`` holding the same weights, run under the TE recipe of
+its format (``precision.*`` options map onto the recipe's fields):
+
+=========  ====================================================================
+nvfp4      ``NVFP4BlockScaling(disable_rht=not hadamard,
+           disable_stochastic_rounding=not stochastic_rounding,
+           disable_2d_quantization=weight_tile != "16x16")``
+fp8        ``Float8CurrentScaling`` / ``DelayedScaling(amax_history_len,
+           amax_compute_algo, margin)`` / ``Float8BlockScaling``, format
+           HYBRID or E4M3
+mxfp8      ``MXFP8BlockScaling(fp8_format=E4M3)``
+mor        no TE recipe: stays on the emulated path
+=========  ====================================================================
+
+Grouped expert GEMMs keep the emulated quantized path (correct on CUDA, not
+fast); mapping them to ``te.GroupedLinear`` needs its per-expert split sizes
+from the dispatcher and is left for the GPU-kernel work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from factory.precision.apply import PrecisionRuntime, apply_precision, module_path
+from factory.precision.qlinear import QuantizedLinear
+from factory.schemas.blueprint import Blueprint
+from factory.schemas.precision import PrecisionConfig
+
+__all__ = ["TELinear", "apply_te", "available", "te_recipe", "usable"]
+
+
+def available() -> bool:
+    """Whether ``transformer_engine.pytorch`` can be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec("transformer_engine.pytorch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def usable(device: torch.device) -> bool:
+    """TE is installed and the model lives on a CUDA device."""
+    return device.type == "cuda" and torch.cuda.is_available() and available()
+
+
+def te_recipe(recipe: str, precision: PrecisionConfig) -> Any | None:
+    """The TE recipe object for one of our formats, or None where TE has none (mor)."""
+    r = importlib.import_module("transformer_engine.common.recipe")
+    if recipe == "nvfp4":
+        o = precision.nvfp4
+        return r.NVFP4BlockScaling(
+            disable_rht=not o.hadamard,
+            disable_stochastic_rounding=not o.stochastic_rounding,
+            disable_2d_quantization=o.weight_tile != "16x16",
+        )
+    if recipe == "mxfp8":
+        return r.MXFP8BlockScaling(fp8_format=r.Format.E4M3)
+    if recipe == "fp8":
+        o8 = precision.fp8
+        fmt = r.Format.HYBRID if o8.format == "hybrid" else r.Format.E4M3
+        if o8.scaling == "delayed":
+            return r.DelayedScaling(
+                fp8_format=fmt,
+                amax_history_len=o8.amax_history_len,
+                amax_compute_algo=o8.amax_compute,
+                margin=o8.margin,
+            )
+        if o8.scaling == "blockwise":
+            return r.Float8BlockScaling(fp8_format=r.Format.E4M3)
+        return r.Float8CurrentScaling(fp8_format=fmt)
+    return None
+
+
+def _autocast(te: Any, recipe: Any) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """TE's quantization context: ``te.autocast`` (TE >= 2.8) or ``te.fp8_autocast``."""
+    if hasattr(te, "autocast"):
+        return lambda: te.autocast(enabled=True, recipe=recipe)
+    return lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+
+
+class TELinear(nn.Module):
+    """Our linear's parameters computed by a ``te.Linear`` under one TE recipe.
+
+    The parameters stay ours (shared with the TE module, which is deliberately
+    not a registered child), so the state dict keeps the checkpoint's keys and
+    the optimizer sees the same tensors.
+    """
+
+    def __init__(self, linear: nn.Linear, te: Any, recipe: Any) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        inner = te.Linear(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            params_dtype=linear.weight.dtype,
+            device=linear.weight.device,
+        )
+        inner.weight = self.weight
+        if self.bias is not None:
+            inner.bias = self.bias
+        self._te = (inner,)
+        self._context = _autocast(te, recipe)
+        self.quantize_forward = self.quantize_backward = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.quantize_forward:
+            return torch.nn.functional.linear(x, self.weight, self.bias)
+        with self._context():
+            return self._te[0](x)
+
+
+def apply_te(model: nn.Module, blueprint: Blueprint) -> PrecisionRuntime:
+    """Install the precision table with TE linears where TE has the format.
+
+    The emulated quantizers are installed first (experts, MoR); each quantized
+    ``nn.Linear`` with a TE recipe is then replaced by a :class:`TELinear`.
+    """
+    te = importlib.import_module("transformer_engine.pytorch")
+    runtime = apply_precision(model, blueprint)
+    recipes: dict[str, Any] = {}
+    ops: list[Any] = []
+    for op in runtime.ops:
+        if not isinstance(op, QuantizedLinear):
+            ops.append(op)
+    for row in runtime.table:
+        if row.recipe == "bf16" or ".experts." in row.name:
+            continue
+        if row.recipe not in recipes:
+            recipes[row.recipe] = te_recipe(row.recipe, blueprint.precision)
+        recipe = recipes[row.recipe]
+        path = module_path(row.name)
+        linear = model.get_submodule(path)
+        if recipe is None:
+            ops.append(linear)
+            continue
+        replacement = TELinear(linear, te, recipe)
+        parent, _, attr = path.rpartition(".")
+        setattr(model.get_submodule(parent), attr, replacement)
+        ops.append(replacement)
+    runtime.ops = ops
+    return runtime
