@@ -12,6 +12,14 @@ BENCHMARKS = {
         "benchmarks.train_step",
         "CPU proxy fwd+bwd+AdamW tokens/s vs transformers NemotronH",
     ),
+    "precision_overhead": (
+        "benchmarks.precision_overhead",
+        "CPU proxy step time with the emulated NVFP4 policy over unquantized",
+    ),
+    "nvfp4_replication": (
+        "benchmarks.nvfp4_replication",
+        "Super CPU proxy trained in NVFP4 (with/without Hadamard, SR) vs BF16: loss gap",
+    ),
     "data_pipeline": (
         "benchmarks.data_pipeline",
         "data build throughput vs DataTrove and vs the tokenizer alone",

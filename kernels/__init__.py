@@ -8,7 +8,8 @@ What lives here:
 * ``factory.kernels.moe_dispatch``: token-to-expert routing and grouped expert
   MLPs without a Python loop over experts.
 * ``factory.kernels.nvfp4``: NVFP4 quantize/dequantize, bit-exact to
-  Transformer Engine's arithmetic, with nearest or stochastic rounding.
+  Transformer Engine's arithmetic, with nearest or stochastic rounding, and
+  ``fake_quantize`` (the dequantized values of batched GEMM operands).
 * ``factory.kernels.hadamard``: the 16x16 random Hadamard transform applied
   tile-wise to weight-gradient GEMM inputs.
 * ``factory.kernels.fp8`` and ``factory.kernels.mor``: FP8 (current, delayed,

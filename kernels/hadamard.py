@@ -59,9 +59,10 @@ def _apply(x: torch.Tensor, m: torch.Tensor, along: int) -> torch.Tensor:
     along = along % x.ndim
     if x.shape[along] % _TILE:
         raise ValueError(f"size {x.shape[along]} of dim {along} is not a multiple of {_TILE}")
-    moved = x.movedim(along, -1).to(torch.float32)
-    tiles = moved.reshape(*moved.shape[:-1], -1, _TILE)
-    out = (tiles @ m).reshape(moved.shape)
+    # One [n, 16] @ [16, 16] GEMM over a contiguous copy: a batched matmul over a
+    # transposed view (the wgrad operands) would run one small GEMM per row.
+    moved = x.movedim(along, -1).to(torch.float32).contiguous()
+    out = (moved.reshape(-1, _TILE) @ m).reshape(moved.shape)
     return out.movedim(-1, along).to(x.dtype)
 
 

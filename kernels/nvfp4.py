@@ -89,7 +89,9 @@ def unpack_codes(data: torch.Tensor) -> torch.Tensor:
     """Split packed bytes [rows, n] into codes [rows, 2n]: low nibble first (even index)."""
     if data.dtype != torch.uint8:
         raise ValueError(f"packed NVFP4 data must be uint8, got {data.dtype}")
-    return torch.stack((data & 0x0F, data >> 4), dim=-1).reshape(*data.shape[:-1], -1)
+    return torch.stack((data & 0x0F, data >> 4), dim=-1).reshape(
+        *data.shape[:-1], 2 * data.shape[-1]
+    )
 
 
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -234,12 +236,16 @@ def fake_quantize(
       kernel had padded it.
 
     The values equal ``quantize(m, tile, ...).dequantize()`` of each matrix ``m``
-    bit for bit (given the same random numbers when ``stochastic``).
+    bit for bit (given the same random numbers when ``stochastic``), except that
+    an exact ``-0.0`` input stays ``-0.0`` where :func:`quantize`'s code 0
+    decodes to ``+0.0``; the two compare equal.
     """
     tile = _check_tile(tile)
     if x.ndim < 2:
         raise ValueError(f"fake_quantize expects [..., rows, cols], got shape {tuple(x.shape)}")
     *lead, rows, cols = x.shape
+    if x.numel() == 0:  # e.g. an expert that got no tokens
+        return torch.zeros(x.shape, dtype=_F32)
     xf = x.detach().to(_F32).reshape(-1, rows, cols)
     pad_rows, pad_cols = -rows % tile[0], -cols % _BLOCK
     if pad_rows or pad_cols:

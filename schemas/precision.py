@@ -1,8 +1,9 @@
 """The ``precision`` section: which number format each linear layer computes in.
 
-This issue types and validates the policy; ``factory.kernels`` and the
-policy resolver (the precision issue) turn it into numerics. Module names in
-``overrides`` are the graph's names, listed by ``factory.naming``.
+This module types and validates the policy; ``factory.precision`` resolves it
+to a per-module table and installs it on the compiled graph, with the numerics
+of ``factory.kernels``. Module names in ``overrides`` are the graph's names,
+listed by ``factory.naming``.
 """
 
 from __future__ import annotations

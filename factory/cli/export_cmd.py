@@ -48,7 +48,7 @@ def export_hf_cmd(
     except ExportError as exc:
         typer.echo(f"{target}: model: {exc}", err=True)
         raise typer.Exit(EXIT_INVALID) from None
-    compiled = factory.compile(bp, seed=seed)
+    compiled = factory.compile(bp, seed=seed, precision="off")  # weights only
     if weights is not None:
         load_weights(compiled.model, weights)
     export_hf(compiled.model, compiled.blueprint, out)

@@ -51,6 +51,10 @@ def compile(
     takes TE where it is installed and the model is on CUDA, else emulation, and
     ``"off"`` leaves every linear unquantized.
     """
+    if precision == "te":
+        from factory.precision.te_backend import require_te
+
+        require_te()  # fail before building anything
     if proxy:
         from factory.proxy import derive_proxy
 
@@ -97,7 +101,7 @@ def _apply_precision(
     from factory.precision import te_backend
 
     if backend == "te" or (backend == "auto" and te_backend.usable(device)):
-        return te_backend.apply_te(model, blueprint)
+        return te_backend.apply_te(model, blueprint, seed=seed)
     from factory.precision.apply import apply_precision
 
     return apply_precision(model, blueprint, seed=seed)

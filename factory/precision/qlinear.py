@@ -41,9 +41,10 @@ class _QuantizedMatmul(torch.autograd.Function):
     ) -> torch.Tensor:
         xf, wf = x.to(_F32), w.to(_F32)
         w_fprop = quantizer.weight(wf) if fwd else None
-        x_op = quantizer.input(xf) if fwd else xf
-        y = x_op @ (w_fprop if w_fprop is not None else wf).transpose(-1, -2)
-        ctx.save_for_backward(x, w, w_fprop)
+        x_fprop = quantizer.input(xf) if fwd else None
+        y = (x_fprop if fwd else xf) @ (w_fprop if fwd else wf).transpose(-1, -2)
+        # x_fprop is kept only for recipes whose wgrad reuses it (per-tensor FP8).
+        ctx.save_for_backward(x, w, w_fprop, x_fprop if quantizer.reuses_casts else None)
         ctx.quantizer, ctx.bwd = quantizer, bwd
         return y.to(x.dtype)
 
@@ -51,19 +52,20 @@ class _QuantizedMatmul(torch.autograd.Function):
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        x, w, w_fprop = ctx.saved_tensors
+        x, w, w_fprop, x_fprop = ctx.saved_tensors
         q: GemmQuantizer = ctx.quantizer
         xf, wf, dyf = x.to(_F32), w.to(_F32), dy.to(_F32)
-        dx = dw = None
+        dx = dw = dy_q = None
         if ctx.needs_input_grad[0]:
             if ctx.bwd:
-                dx = q.grad(dyf) @ q.dgrad_weight(wf, w_fprop)
+                dy_q = q.grad(dyf)
+                dx = dy_q @ q.dgrad_weight(wf, w_fprop)
             else:
                 dx = dyf @ wf
             dx = dx.to(x.dtype)
         if ctx.needs_input_grad[1]:
             if ctx.bwd:
-                dy_t, x_t = q.wgrad(dyf, xf)
+                dy_t, x_t = q.wgrad(dyf, xf, dy_q, x_fprop)
                 dw = dy_t @ x_t.transpose(-1, -2)
             else:
                 dw = dyf.transpose(-1, -2) @ xf

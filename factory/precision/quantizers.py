@@ -26,6 +26,7 @@ history there, MoR its statistics, NVFP4 its stochastic-rounding generator.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -50,7 +51,7 @@ def _t(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(-1, -2)
 
 
-def _per_matrix(fn, x: torch.Tensor) -> torch.Tensor:  # noqa: ANN001 - any tensor -> tensor map
+def _per_matrix(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """Apply a per-tensor quantizer to every matrix of ``[..., rows, cols]``."""
     if x.ndim == 2:
         return fn(x)
@@ -62,6 +63,8 @@ class GemmQuantizer:
     """The interface; subclasses implement one recipe. See the module docstring."""
 
     recipe: str = ""
+    reuses_casts: bool = False
+    """wgrad takes the transposes of the fprop/dgrad casts (so fprop's input cast is kept)."""
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -76,14 +79,29 @@ class GemmQuantizer:
     def grad(self, dy: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def wgrad(self, dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def wgrad(
+        self,
+        dy: torch.Tensor,
+        x: torch.Tensor,
+        dy_q: torch.Tensor | None = None,
+        x_q: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(dyᵀ, xᵀ)`` quantized along the tokens. ``dy_q`` / ``x_q`` are this GEMM's
+        dgrad / fprop casts when they ran: a recipe whose transposed cast equals the
+        transpose of that cast (per-tensor scaling) reuses them, as TE's single cast
+        produces both layouts."""
         raise NotImplementedError
 
 
 class NVFP4Quantizer(GemmQuantizer):
     """The NVFP4 paper's recipe (§2.2): 1x16 RN activations, 16x16 RN weights (so fprop and
     dgrad use identical weight values), 1x16 SR gradients, and a 16x16 random Hadamard
-    transform along the token dimension of both wgrad inputs."""
+    transform along the token dimension of both wgrad inputs.
+
+    Two departures from TE, both documented choices: the rotation runs in fp32
+    (TE rounds its output to BF16 before the amax), and the sign vector is drawn
+    from ``hadamard_seed`` (TE hard-codes one); the paper found no difference
+    between fixed and fresh random signs at 1.2B (nvfp4.md §2.3)."""
 
     recipe = "nvfp4"
 
@@ -111,7 +129,13 @@ class NVFP4Quantizer(GemmQuantizer):
     def grad(self, dy: torch.Tensor) -> torch.Tensor:
         return self._grad_q(dy)
 
-    def wgrad(self, dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def wgrad(
+        self,
+        dy: torch.Tensor,
+        x: torch.Tensor,
+        dy_q: torch.Tensor | None = None,
+        x_q: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         dy_t, x_t = _t(dy), _t(x)
         if self.options.hadamard:
             pad = -dy_t.shape[-1] % _TILE  # rotate whole 16-token tiles; zero tokens add nothing
@@ -121,26 +145,33 @@ class NVFP4Quantizer(GemmQuantizer):
 
 
 class FP8Quantizer(GemmQuantizer):
-    """Transformer Engine's FP8 recipes: E4M3 forward, E5M2 gradients under ``hybrid``.
+    """Transformer Engine's FP8 recipes.
 
     * ``tensorwise``: one current scale per tensor (per expert in a grouped GEMM).
-      Transposing does not change a per-tensor quantization, so wgrad's operands
-      are the transposes of the fprop/dgrad ones.
     * ``delayed``: one amax history per role (input, weight, gradient) and module;
-      the scale lags by a step. wgrad reuses the scale its tensor got in fprop or
-      dgrad, as TE's single cast produces both layouts. A grouped GEMM's experts
-      share one history.
+      the scale lags by a step. A grouped GEMM's experts share one history.
     * ``blockwise``: 1x128 blocks along the reduction dim for inputs and
       gradients (re-blocked along the tokens for wgrad), 128x128 for weights,
-      whose values are then the same in fprop and dgrad.
+      whose values are then the same in fprop and dgrad. E4M3 everywhere, as
+      in DeepSeek-V3 and TE's ``Float8BlockScaling``, whatever ``format`` says.
+
+    ``format: hybrid`` means E4M3 forward and E5M2 gradients (per-tensor recipes).
+    Per-tensor scaling does not depend on the layout, so wgrad uses the
+    transposes of the fprop and dgrad casts when they ran (TE casts once into
+    both layouts) and casts afresh only when they did not (e.g. the forward
+    switched to BF16, or x needs no gradient).
     """
 
     recipe = "fp8"
 
     def __init__(self, options: FP8Options) -> None:
         self.options = options
+        self.reuses_casts = options.scaling != "blockwise"
+        blockwise = options.scaling == "blockwise"
         self.fwd_fmt: fp8.FP8Format = "e4m3"
-        self.bwd_fmt: fp8.FP8Format = "e5m2" if options.format == "hybrid" else "e4m3"
+        self.bwd_fmt: fp8.FP8Format = (
+            "e5m2" if options.format == "hybrid" and not blockwise else "e4m3"
+        )
         if options.scaling == "delayed":
             kw = {
                 "history_len": options.amax_history_len,
@@ -152,7 +183,6 @@ class FP8Quantizer(GemmQuantizer):
                 "weight": fp8.DelayedScaling(fmt=self.fwd_fmt, **kw),
                 "grad": fp8.DelayedScaling(fmt=self.bwd_fmt, **kw),
             }
-            self.used_scale: dict[str, torch.Tensor] = {}
 
     def _q(self, x: torch.Tensor, role: str, block: tuple[int, int]) -> torch.Tensor:
         fmt = self.bwd_fmt if role == "grad" else self.fwd_fmt
@@ -161,14 +191,7 @@ class FP8Quantizer(GemmQuantizer):
             return _per_matrix(lambda m: fp8.quantize_tensorwise(m, fmt).dequantize(), x)
         if scaling == "blockwise":
             return _per_matrix(lambda m: fp8.quantize_blockwise(m, block, fmt).dequantize(), x)
-        state = self.delayed[role]
-        self.used_scale[role] = state.scale
-        return state.quantize(x).dequantize()
-
-    def _again(self, x: torch.Tensor, role: str) -> torch.Tensor:
-        """The transposed copy of a tensor quantized earlier in this step (delayed scaling)."""
-        fmt = self.bwd_fmt if role == "grad" else self.fwd_fmt
-        return fp8.quantize_with_scale(x, self.used_scale[role], fmt).dequantize()
+        return self.delayed[role].quantize(x).dequantize()
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
         return self._q(x, "input", (1, 128))
@@ -179,13 +202,18 @@ class FP8Quantizer(GemmQuantizer):
     def grad(self, dy: torch.Tensor) -> torch.Tensor:
         return self._q(dy, "grad", (1, 128))
 
-    def wgrad(self, dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scaling = self.options.scaling
-        if scaling == "blockwise":
+    def wgrad(
+        self,
+        dy: torch.Tensor,
+        x: torch.Tensor,
+        dy_q: torch.Tensor | None = None,
+        x_q: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.options.scaling == "blockwise":
             return self._q(_t(dy), "grad", (1, 128)), self._q(_t(x), "input", (1, 128))
-        if scaling == "delayed" and "input" in self.used_scale:
-            return _t(self._again(dy, "grad")), _t(self._again(x, "input"))
-        return _t(self.grad(dy)), _t(self.input(x))
+        dy_q = dy_q if dy_q is not None else self.grad(dy)
+        x_q = x_q if x_q is not None else self.input(x)
+        return _t(dy_q), _t(x_q)
 
 
 class MXFP8Quantizer(GemmQuantizer):
@@ -211,7 +239,13 @@ class MXFP8Quantizer(GemmQuantizer):
     def grad(self, dy: torch.Tensor) -> torch.Tensor:
         return self._q(dy)
 
-    def wgrad(self, dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def wgrad(
+        self,
+        dy: torch.Tensor,
+        x: torch.Tensor,
+        dy_q: torch.Tensor | None = None,
+        x_q: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._q(_t(dy)), self._q(_t(x))
 
 
@@ -244,7 +278,13 @@ class MoRQuantizer(GemmQuantizer):
     def grad(self, dy: torch.Tensor) -> torch.Tensor:
         return self._q(dy)
 
-    def wgrad(self, dy: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def wgrad(
+        self,
+        dy: torch.Tensor,
+        x: torch.Tensor,
+        dy_q: torch.Tensor | None = None,
+        x_q: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._q(_t(dy)), self._q(_t(x))
 
 

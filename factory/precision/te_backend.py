@@ -10,8 +10,9 @@ nvfp4      ``NVFP4BlockScaling(disable_rht=not hadamard,
            disable_stochastic_rounding=not stochastic_rounding,
            disable_2d_quantization=weight_tile != "16x16")``
 fp8        ``Float8CurrentScaling`` / ``DelayedScaling(amax_history_len,
-           amax_compute_algo, margin)`` / ``Float8BlockScaling``, format
-           HYBRID or E4M3
+           amax_compute_algo, margin)`` with format HYBRID or E4M3, or
+           ``Float8BlockScaling`` (E4M3; TE's power-of-two block scales
+           differ from the emulation's amax/448 by less than a factor 2)
 mxfp8      ``MXFP8BlockScaling(fp8_format=E4M3)``
 mor        no TE recipe: stays on the emulated path
 =========  ====================================================================
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -33,19 +35,30 @@ import torch
 from torch import nn
 
 from factory.precision.apply import PrecisionRuntime, apply_precision, module_path
-from factory.precision.qlinear import QuantizedLinear
+from factory.precision.qlinear import QuantizedLinear, quantized_matmul
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.precision import PrecisionConfig
 
-__all__ = ["TELinear", "apply_te", "available", "te_recipe", "usable"]
+__all__ = ["TELinear", "apply_te", "available", "require_te", "te_recipe", "usable"]
 
 
 def available() -> bool:
     """Whether ``transformer_engine.pytorch`` can be imported (without importing it)."""
+    if "transformer_engine.pytorch" in sys.modules:
+        return True
     try:
         return importlib.util.find_spec("transformer_engine.pytorch") is not None
     except (ImportError, ValueError):
         return False
+
+
+def require_te() -> None:
+    """Raise a clear ImportError when TE is missing."""
+    if not available():
+        raise ImportError(
+            "precision='te' needs NVIDIA Transformer Engine, which is not installed: "
+            "pip install 'factory[gpu]' on a CUDA machine, or use precision='emulate'"
+        )
 
 
 def usable(device: torch.device) -> bool:
@@ -75,7 +88,7 @@ def te_recipe(recipe: str, precision: PrecisionConfig) -> Any | None:
                 amax_compute_algo=o8.amax_compute,
                 margin=o8.margin,
             )
-        if o8.scaling == "blockwise":
+        if o8.scaling == "blockwise":  # E4M3 everywhere, as the emulation
             return r.Float8BlockScaling(fp8_format=r.Format.E4M3)
         return r.Float8CurrentScaling(fp8_format=fmt)
     return None
@@ -96,8 +109,9 @@ class TELinear(nn.Module):
     the optimizer sees the same tensors.
     """
 
-    def __init__(self, linear: nn.Linear, te: Any, recipe: Any) -> None:
+    def __init__(self, linear: QuantizedLinear, te: Any, recipe: Any) -> None:
         super().__init__()
+        self.quantizer = linear.quantizer
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
@@ -116,20 +130,25 @@ class TELinear(nn.Module):
         self.quantize_forward = self.quantize_backward = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.quantize_forward:
+        if self.quantize_forward:
+            with self._context():
+                return self._te[0](x)
+        if not self.quantize_backward:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        with self._context():
-            return self._te[0](x)
+        # A forward-only switch to BF16: TE quantizes the backward only inside the forward's
+        # autocast, so this case runs the emulated GEMMs with the same recipe.
+        y = quantized_matmul(x, self.weight, self.quantizer, fwd=False, bwd=True)
+        return y + self.bias if self.bias is not None else y
 
 
-def apply_te(model: nn.Module, blueprint: Blueprint) -> PrecisionRuntime:
+def apply_te(model: nn.Module, blueprint: Blueprint, seed: int = 0) -> PrecisionRuntime:
     """Install the precision table with TE linears where TE has the format.
 
     The emulated quantizers are installed first (experts, MoR); each quantized
     ``nn.Linear`` with a TE recipe is then replaced by a :class:`TELinear`.
     """
     te = importlib.import_module("transformer_engine.pytorch")
-    runtime = apply_precision(model, blueprint)
+    runtime = apply_precision(model, blueprint, seed=seed)
     recipes: dict[str, Any] = {}
     ops: list[Any] = []
     for op in runtime.ops:
@@ -143,6 +162,7 @@ def apply_te(model: nn.Module, blueprint: Blueprint) -> PrecisionRuntime:
         recipe = recipes[row.recipe]
         path = module_path(row.name)
         linear = model.get_submodule(path)
+        assert isinstance(linear, QuantizedLinear), path
         if recipe is None:
             ops.append(linear)
             continue
