@@ -575,3 +575,18 @@ def test_mor_falls_back_to_bf16_above_the_threshold() -> None:
     assert lax.stats.fp8_units == 5
     for g, r in zip(got, want, strict=True):
         assert torch.equal(g, r)
+
+
+def test_the_fprop_weight_is_cast_once_per_update() -> None:
+    """Micro-batches of one step reuse the weight cast; an in-place update recasts."""
+    q = NVFP4Quantizer(NVFP4Options())
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(5))
+    first = q.fprop_weight(w)
+    assert q.fprop_weight(w) is first
+    with torch.no_grad():
+        w.mul_(2.0)  # what an optimizer step does: in place, version bumped
+    second = q.fprop_weight(w)
+    assert second is not first
+    assert torch.equal(second, fake_quantize(w, (16, 16)))
+    other = w.clone()
+    assert q.fprop_weight(other) is not second  # another tensor, same values and version

@@ -40,7 +40,7 @@ class _QuantizedMatmul(torch.autograd.Function):
         bwd: bool,
     ) -> torch.Tensor:
         xf, wf = x.to(_F32), w.to(_F32)
-        w_fprop = quantizer.weight(wf) if fwd else None
+        w_fprop = quantizer.fprop_weight(w) if fwd else None
         x_fprop = quantizer.input(xf) if fwd else None
         y = (x_fprop if fwd else xf) @ (w_fprop if fwd else wf).transpose(-1, -2)
         # x_fprop is kept only for recipes whose wgrad reuses it (per-tensor FP8).
@@ -87,7 +87,7 @@ def quantized_matmul(
     """
     if w.ndim == 2:
         lead = x.shape[:-1]
-        y = _QuantizedMatmul.apply(x.reshape(1, -1, x.shape[-1]), w[None], quantizer, fwd, bwd)
+        y = _QuantizedMatmul.apply(x.reshape(-1, x.shape[-1]), w, quantizer, fwd, bwd)
         return y.reshape(*lead, w.shape[0])
     return _QuantizedMatmul.apply(x, w, quantizer, fwd, bwd)
 

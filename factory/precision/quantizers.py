@@ -66,6 +66,20 @@ class GemmQuantizer:
     reuses_casts: bool = False
     """wgrad takes the transposes of the fprop/dgrad casts (so fprop's input cast is kept)."""
 
+    _cached_source: torch.Tensor | None = None
+    _cached_version: int = -1
+    _cached_weight: torch.Tensor | None = None
+
+    def fprop_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """``weight(w)``, cast once per weight update: later micro-batches of the same step
+        reuse it (as TE casts weights on the first micro-batch only). The cache holds the
+        tensor itself, so the in-place optimizer step, which bumps its version, is seen."""
+        if w is not self._cached_source or w._version != self._cached_version:
+            self._cached_weight = self.weight(w.detach().to(torch.float32))
+            self._cached_source, self._cached_version = w, w._version
+        assert self._cached_weight is not None
+        return self._cached_weight
+
     def input(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
