@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.machine import describe
+from benchmarks.timing import interleaved, load_average, report
 
 BATCH, SEQ, LR = 4, 512, 1e-4
 
@@ -170,23 +169,12 @@ def main(argv: list[str]) -> int:
         name: make_step(model, fwd[name], ids)
         for name, model in (("ours", ours), ("theirs", theirs))
     }
-    load_before = os.getloadavg()[0]
-    for _ in range(args.warmup):
-        for step in steps.values():
-            step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.steps):
-        for name, step in steps.items():
-            times[name].append(step())
-
-    tokens = BATCH * SEQ
-    median = {name: statistics.median(ts) for name, ts in times.items()}
-    for name, seconds in median.items():
-        spread = f"min {min(times[name]):.3f}, max {max(times[name]):.3f}"
-        print(f"{name:7s} median step {seconds:.3f} s ({spread}): {tokens / seconds:,.0f} tokens/s")
+    load_before = load_average()
+    times = interleaved(steps, args.steps, args.warmup)
+    median = report(times, tokens=BATCH * SEQ)
     ratio = median["theirs"] / median["ours"]
     print(f"ratio ours/theirs tokens/s: {ratio:.2f} (goal >= 2), {args.steps} steps each")
-    print(f"1-min load average before/after timing: {load_before:.2f}/{os.getloadavg()[0]:.2f}")
+    print(f"1-min load average before/after timing: {load_before:.2f}/{load_average():.2f}")
     if args.profile:
         profile("ours", steps["ours"], args.rows)
         profile("theirs", steps["theirs"], 0)

@@ -230,25 +230,18 @@ class FP8Quantizer(GemmQuantizer):
         return _t(dy_q), _t(x_q)
 
 
-class MXFP8Quantizer(GemmQuantizer):
-    """OCP MXFP8 (TE ``MXFP8BlockScaling``): E4M3 elements, one E8M0 scale per 32 elements
-    along the reduction dim of every GEMM. Blocks are 1D, so dgrad quantizes the weight
-    again along N (its values differ from fprop's) and wgrad re-blocks along the tokens."""
+class _OneCastQuantizer(GemmQuantizer):
+    """A recipe that casts every operand the same way, blocked along its last dim: ``_q``.
+    wgrad casts the transposes afresh, so its blocks run along the tokens."""
 
-    recipe = "mxfp8"
-
-    @staticmethod
-    def _q(x: torch.Tensor) -> torch.Tensor:
-        return fp8.quantize_mxfp8(x, "e4m3").dequantize()
+    def _q(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
         return self._q(x)
 
     def weight(self, w: torch.Tensor) -> torch.Tensor:
         return self._q(w)
-
-    def dgrad_weight(self, w: torch.Tensor, w_fprop: torch.Tensor | None) -> torch.Tensor:
-        return _t(self._q(_t(w)))
 
     def grad(self, dy: torch.Tensor) -> torch.Tensor:
         return self._q(dy)
@@ -263,8 +256,22 @@ class MXFP8Quantizer(GemmQuantizer):
         return self._q(_t(dy)), self._q(_t(x))
 
 
+class MXFP8Quantizer(_OneCastQuantizer):
+    """OCP MXFP8 (TE ``MXFP8BlockScaling``): E4M3 elements, one E8M0 scale per 32 elements
+    along the reduction dim of every GEMM. Blocks are 1D, so dgrad quantizes the weight
+    again along N (its values differ from fprop's) and wgrad re-blocks along the tokens."""
+
+    recipe = "mxfp8"
+
+    def _q(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8.quantize_mxfp8(x, "e4m3").dequantize()
+
+    def dgrad_weight(self, w: torch.Tensor, w_fprop: torch.Tensor | None) -> torch.Tensor:
+        return _t(self._q(_t(w)))
+
+
 @dataclass
-class MoRQuantizer(GemmQuantizer):
+class MoRQuantizer(_OneCastQuantizer):
     """Mixture of Representations: every operand, per tensor or block, is FP8 (E4M3, current
     scaling) where its measured error is under the threshold and BF16 elsewhere. ``stats``
     counts the units kept in FP8 across all calls. Gradients use E4M3 too: the threshold
@@ -282,24 +289,6 @@ class MoRQuantizer(GemmQuantizer):
             return result.out
 
         return _per_matrix(one, x)
-
-    def input(self, x: torch.Tensor) -> torch.Tensor:
-        return self._q(x)
-
-    def weight(self, w: torch.Tensor) -> torch.Tensor:
-        return self._q(w)
-
-    def grad(self, dy: torch.Tensor) -> torch.Tensor:
-        return self._q(dy)
-
-    def wgrad(
-        self,
-        dy: torch.Tensor,
-        x: torch.Tensor,
-        dy_q: torch.Tensor | None = None,
-        x_q: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._q(_t(dy)), self._q(_t(x))
 
 
 def make_quantizer(
