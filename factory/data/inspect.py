@@ -10,12 +10,12 @@ as zero or ``"unknown"`` instead of failing an inspection command.
 
 from __future__ import annotations
 
-import os
-import tempfile
+import io
 from pathlib import Path
 from typing import Any
 
 from factory.data.manifest import read_manifest
+from factory.io import atomic_write_bytes
 
 __all__ = ["ShareRow", "inspect_table", "write_share_plot"]
 
@@ -125,15 +125,7 @@ def write_share_plot(out: Path, png: Path) -> Path:
             if not labels:
                 ax.text(50, 0, "no data", ha="center", va="center")
         figure.tight_layout()
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{png.name}.", suffix=".tmp", dir=png.parent)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                figure.savefig(handle, format="png", metadata={"Software": None})
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(tmp_name, 0o644)
-            os.replace(tmp_name, png)
-        except BaseException:
-            Path(tmp_name).unlink(missing_ok=True)
-            raise
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", metadata={"Software": None})
+    atomic_write_bytes(png, buffer.getvalue())
     return png
