@@ -20,18 +20,12 @@ from factory.cli.validate_cmd import SetOption
 
 def _build_data(bp, out: Path) -> None:
     """The blueprint's data recipe, packed to the blueprint's sequence length."""
-    import dataclasses
-
-    from factory.data.pipeline import build as build_data
-    from factory.data.recipe_loading import load_recipe
-
-    loaded = load_recipe(bp.data.recipe)
-    recipe = loaded.recipe
-    packing = recipe.packing.model_copy(update={"seq_len": bp.data.seq_len})
-    loaded = dataclasses.replace(loaded, recipe=recipe.model_copy(update={"packing": packing}))
-    build_data(loaded, out)
     import shutil
 
+    from factory.data.pipeline import build as build_data
+    from factory.data.recipe_loading import load_recipe, with_seq_len
+
+    build_data(with_seq_len(load_recipe(bp.data.recipe), bp.data.seq_len), out)
     shutil.rmtree(out / ".work", ignore_errors=True)  # intermediates: not part of a build
 
 

@@ -14,7 +14,7 @@ from factory.loading.validation_errors import diagnostics_from_validation_error
 from factory.loading.yaml_source import read_yaml
 from factory.schemas.data_recipe import DataRecipe
 
-__all__ = ["LoadedRecipe", "load_recipe", "recipe_names", "resolve_recipe"]
+__all__ = ["LoadedRecipe", "load_recipe", "recipe_names", "resolve_recipe", "with_seq_len"]
 
 
 def recipe_names() -> list[str]:
@@ -70,3 +70,10 @@ def load_recipe(name_or_path: str | Path) -> LoadedRecipe:
     if problems:
         raise BlueprintError(problems)
     return loaded
+
+
+def with_seq_len(loaded: LoadedRecipe, seq_len: int) -> LoadedRecipe:
+    """The same recipe packed to ``seq_len``: a blueprint's data section decides it."""
+    packing = loaded.recipe.packing.model_copy(update={"seq_len": seq_len})
+    recipe = loaded.recipe.model_copy(update={"packing": packing})
+    return LoadedRecipe(recipe, loaded.source, loaded.source_map)

@@ -64,14 +64,13 @@ def build_shards(blueprint: Blueprint, out: Path, workers: int = 1) -> Path:
     this again on the same folder reuses the curated intermediates.
     """
     from factory.data.pipeline import build
-    from factory.data.recipe_loading import LoadedRecipe, load_recipe
-    from factory.schemas.data_recipe import DataRecipe
+    from factory.data.recipe_loading import load_recipe, with_seq_len
 
-    loaded = load_recipe(blueprint.data.recipe)
-    data = loaded.recipe.model_dump()
-    data["packing"]["seq_len"] = blueprint.data.seq_len
-    recipe = DataRecipe.model_validate(data)
-    build(LoadedRecipe(recipe, loaded.source, loaded.source_map), out, workers=workers)
+    build(
+        with_seq_len(load_recipe(blueprint.data.recipe), blueprint.data.seq_len),
+        out,
+        workers=workers,
+    )
     return out
 
 
