@@ -33,6 +33,7 @@ def _register() -> None:
         export_cmd,
         plan_cmd,
         schema_cmd,
+        train_cmd,
         validate_cmd,
     )
 

@@ -1,8 +1,7 @@
 """``factory build``: validate and plan a blueprint, and write the build folder.
 
 The folder appears whole or not at all: it is assembled in a staging folder
-and renamed into place. Later issues add the graph, data shards and a smoke
-training run to the same folder.
+and renamed into place. ``factory train`` trains what it describes.
 """
 
 from __future__ import annotations
