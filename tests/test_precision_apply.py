@@ -3,7 +3,7 @@
 The Super proxy (14M parameters, NVFP4 + MXFP8 + BF16 rows, routed experts, MTP) is
 compiled once with the table (``precision="auto"``, i.e. emulation on CPU) and once
 with ``precision="off"``; both run one forward+backward on 2 x 64 tokens. The
-Transformer Engine mapping is tested against a fake ``transformer_engine`` package.
+Transformer Engine mapping is in ``test_precision_te.py``.
 """
 
 from __future__ import annotations
