@@ -11,6 +11,7 @@ dtype (so a BF16 input is rounded to BF16, as TE does).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -25,6 +26,12 @@ def hadamard_matrix(n: int = _TILE) -> torch.Tensor:
 
     ``H @ H.T == I`` (exactly for n = 16, whose entries are ±1/4).
     """
+    return _hadamard(n).clone()  # callers may write to theirs; the cached one stays intact
+
+
+@functools.lru_cache(maxsize=8)
+def _hadamard(n: int) -> torch.Tensor:
+    """Built once per size: every quantized wgrad rotates two operands with it."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"Hadamard size must be a power of two, got {n}")
     h = torch.ones(1, 1, dtype=torch.float64)
@@ -43,7 +50,7 @@ def random_signs(n: int = _TILE, seed: int = 0) -> torch.Tensor:
 
 def _rotation(signs: torch.Tensor | None) -> torch.Tensor:
     """``diag(signs) @ H_16`` (just ``H_16`` without signs)."""
-    h = hadamard_matrix(_TILE)
+    h = _hadamard(_TILE)
     if signs is None:
         return h
     signs = signs.to(torch.float32).reshape(-1)

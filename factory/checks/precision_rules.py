@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from fnmatch import fnmatchcase
 
+from factory.checks.model_rules import uses_low_precision
 from factory.checks.registry import Finding, rule
 from factory.errors import did_you_mean
 from factory.loading.paths import join_path
@@ -86,7 +87,7 @@ def switch_to_bf16_unused(bp: Blueprint) -> Iterator[Finding]:
     prec = bp.precision
     if prec.switch_to_bf16 is None:
         return
-    if {prec.recipe, *prec.overrides.values()} == {"bf16"}:
+    if not uses_low_precision(bp):
         yield Finding(
             "precision.switch_to_bf16",
             f"switch_to_bf16 (after_fraction={prec.switch_to_bf16.after_fraction}) has nothing "

@@ -95,8 +95,9 @@ def _apply_precision(
     backend: PrecisionBackend,
     seed: int,
 ) -> PrecisionRuntime | None:
-    prec = blueprint.precision
-    if backend == "off" or {prec.recipe, *prec.overrides.values()} == {"bf16"}:
+    from factory.checks.model_rules import uses_low_precision
+
+    if backend == "off" or not uses_low_precision(blueprint):
         return None
     from factory.precision import te_backend
 

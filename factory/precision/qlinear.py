@@ -39,10 +39,10 @@ class _QuantizedMatmul(torch.autograd.Function):
         fwd: bool,
         bwd: bool,
     ) -> torch.Tensor:
-        xf, wf = x.to(_F32), w.to(_F32)
+        xf = x.to(_F32)
         w_fprop = quantizer.fprop_weight(w) if fwd else None
         x_fprop = quantizer.input(xf) if fwd else None
-        y = (x_fprop if fwd else xf) @ (w_fprop if fwd else wf).transpose(-1, -2)
+        y = (x_fprop if fwd else xf) @ (w_fprop if fwd else w.to(_F32)).transpose(-1, -2)
         # x_fprop is kept only for recipes whose wgrad reuses it (per-tensor FP8).
         ctx.save_for_backward(x, w, w_fprop, x_fprop if quantizer.reuses_casts else None)
         ctx.quantizer, ctx.bwd = quantizer, bwd
