@@ -77,3 +77,15 @@ def test_bad_precision_and_unknown_keys_exit_2(cli: Cli, tmp_path: Path) -> None
     status, out, err = cli("train", "nano", "--proxy", "--set", "model.hidden_sise=3")
     assert status == 2
     assert "did you mean 'hidden_size'" in out + err
+
+
+def test_te_without_transformer_engine_exits_2(cli: Cli, tmp_path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed here")
+    status, _, err = cli(
+        "train", "nano", "--proxy", "--precision", "te", "--out", str(tmp_path / "x")
+    )
+    assert status == 2 and "factory[gpu]" in err
+    assert not (tmp_path / "x").exists()

@@ -74,6 +74,14 @@ def train(
             f"factory train: --precision must be auto, emulate, te or off, not {precision!r}"
         )
         raise typer.Exit(2)
+    if precision == "te":
+        from factory.precision.te_backend import require_te
+
+        try:
+            require_te()
+        except ImportError as exc:
+            console.print(f"factory train: {exc}", markup=False)
+            raise typer.Exit(2) from None
     loaded = load(target, overrides or [])
     print_diagnostics(loaded.warnings)
     bp = loaded.blueprint
