@@ -1,21 +1,32 @@
 """A data recipe (``data_recipes/*.yaml``): sources, their curation chains, and the shared stages.
 
-Consumed by ``factory.data.pipeline``. Each source reads one path and runs its
-own ``steps`` in a validated order: one formatting step first, then filters.
-Dedup, decontamination, tokenization, mixing and packing are global: dedup is
-across all sources, so a document that appears in two sources survives once.
+Consumed by ``factory.data.pipeline``, which takes these types as they are: a
+step's section is the parameter object its filter or formatter runs with, so
+every threshold is declared once, here, and a key the runtime does not know is
+a validation error. Each source reads one path and runs its own ``steps`` in a
+validated order: one formatting step first, then filters. Dedup,
+decontamination, tokenization, mixing and packing are global: dedup is across
+all sources, so a document that appears in two sources survives once.
+
+Every size and count has an upper bound (stated in its docstring) so that a
+typo such as ``10**400`` fails validation instead of a worker process later.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, WithJsonSchema, model_validator
 
-from factory.schemas.base import Count, PositiveInt, Section
+from factory.schemas.base import Count, Section
 
 __all__ = [
     "CATEGORIES",
+    "FILTER_STEPS",
+    "MAX_NGRAM",
+    "MAX_SEED",
+    "MAX_SEQ_LEN",
+    "MAX_TOKENS",
     "ChatFormat",
     "CudaKernelFilter",
     "DataRecipe",
@@ -46,6 +57,67 @@ Category = Literal[
 ]
 CATEGORIES: tuple[str, ...] = Category.__args__  # type: ignore[attr-defined]
 
+MAX_NGRAM = 256
+"""Longest n-gram any step takes: the n-gram hashing in ``factory.data.dedup`` precomputes
+one constant per word position up to this length."""
+MAX_TOKENS = 10**15
+"""Largest token count: 40x the 25T tokens Nemotron 3 pretrains on."""
+MAX_SEED = 2**63 - 1
+"""Largest seed: seeds feed 64-bit generators (numpy's PCG64) and hashes."""
+MAX_SEQ_LEN = 2**20
+"""Longest packed sample, 1M tokens: Nemotron 3's longest context."""
+MAX_WORDS = 10**9
+"""Most words a heuristic bound can name (a 1e9-word document is some gigabytes of text)."""
+
+
+def _not_too_many_digits(value: object) -> object:
+    """Reject counts written with more digits than any real budget has.
+
+    ``Count`` parses suffixed strings through a float; a string of hundreds of
+    digits would overflow it instead of failing validation.
+    """
+    if isinstance(value, str) and sum(c.isdigit() for c in value) > 20:
+        raise ValueError(f"{value[:24]}... has more digits than any token count up to 1e15")
+    return value
+
+
+TokenCount = Annotated[
+    Count,
+    Field(le=MAX_TOKENS),
+    BeforeValidator(_not_too_many_digits),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS},
+                {"type": "string", "pattern": r"^\s*[0-9][0-9_]*(\.[0-9]+)?\s*[KMBGTkmbgt]?\s*$"},
+            ],
+            "examples": [8192, "25T", "1.5B"],
+        }
+    ),
+]
+"""A token count from 1 to 1e15, which may be written with a K/M/B/T suffix."""
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+Fraction = Annotated[float, Field(ge=0, le=1)]
+Ratio = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+"""A finite, non-negative ratio (no upper bound: it compares counts of different things)."""
+NgramSize = Annotated[int, Field(ge=1, le=MAX_NGRAM)]
+
+
+def _one_threshold_per_size(pairs: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+    sizes = [n for n, _ in pairs]
+    repeated = sorted({n for n in sizes if sizes.count(n) > 1})
+    if repeated:
+        raise ValueError(f"one threshold per n-gram size; {repeated} given more than once")
+    return pairs
+
+
+NgramThresholds = Annotated[
+    tuple[tuple[NgramSize, Fraction], ...],
+    Field(max_length=MAX_NGRAM),
+    AfterValidator(_one_threshold_per_size),
+]
+"""(n, fraction) pairs; a list of pairs rather than a mapping because YAML keys are strings."""
+
 
 class TextFormat(Section):
     """Plain text: the whole field trains."""
@@ -56,7 +128,11 @@ class TextFormat(Section):
 
 
 class ReasoningConfig(Section):
-    """How reasoning traces enter the loss (data.md §1.4)."""
+    """How assistant reasoning is rendered and trained (data.md §1.4; ``factory.data.formatting``).
+
+    Every random choice is a hash of the recipe's ``seed`` and the record key,
+    so a record gets the same treatment whatever the worker count.
+    """
 
     trace: Literal["keep", "mask"] = "keep"
     """keep: the <think> trace trains with the answer; mask: it is in context but not trained."""
@@ -64,12 +140,25 @@ class ReasoningConfig(Section):
     """Remove reasoning from assistant turns before the last user turn."""
     split_turns: bool = False
     """One sample per user turn, training only on that turn's answer."""
-    strip_fraction: float = Field(default=0.0, ge=0, le=1)
-    """Fraction of samples with reasoning removed (reasoning off)."""
-    truncate_fraction: float = Field(default=0.0, ge=0, le=1)
-    """Fraction of samples whose reasoning is cut to a random budget (answer kept)."""
-    truncate_max_chars: PositiveInt = 512
-    """Largest kept reasoning prefix, in characters, for truncated samples."""
+    strip_fraction: Fraction = 0.0
+    """Fraction of samples with reasoning removed (reasoning off); disjoint from truncate_fraction,
+    so strip_fraction + truncate_fraction is at most 1."""
+    truncate_fraction: Fraction = 0.0
+    """Fraction of samples whose reasoning is cut to a random budget (answer kept, </think> not
+    trained)."""
+    truncate_max_chars: Annotated[int, Field(ge=1, le=10**7)] = 512
+    """Largest kept reasoning prefix, in characters, for truncated samples (1..1e7)."""
+
+    @model_validator(mode="after")
+    def _disjoint_shares(self) -> ReasoningConfig:
+        total = self.strip_fraction + self.truncate_fraction
+        if total > 1.0:
+            raise ValueError(
+                f"strip_fraction ({self.strip_fraction}) + truncate_fraction "
+                f"({self.truncate_fraction}) = {total:g} must not exceed 1: they are disjoint "
+                "shares of the samples"
+            )
+        return self
 
 
 class ChatFormat(Section):
@@ -80,36 +169,95 @@ class ChatFormat(Section):
 
 
 class HeuristicFilter(Section):
-    """Quality heuristics with NeMo Curator / Gopher defaults."""
+    """Text quality heuristics with NeMo Curator's and Gopher's published thresholds.
+
+    Words are whitespace-separated tokens, as in Gopher. A document is dropped
+    at the first check it fails, cheapest first, so drop counts read as "why
+    this document went".
+    """
 
     kind: Literal["heuristics"] = "heuristics"
-    min_words: int = Field(default=50, ge=0)
-    max_words: int = Field(default=100_000, ge=1)
-    min_mean_word_length: float = 3.0
-    max_mean_word_length: float = 10.0
-    max_symbol_to_word_ratio: float = 0.1
-    max_duplicate_line_fraction: float = 0.3
-    max_non_alphanumeric_fraction: float = 0.25
-    max_url_ratio: float = 0.2
+    min_words: Annotated[int, Field(ge=0, le=MAX_WORDS)] = 50
+    """Fewest words a document may have (0..1e9)."""
+    max_words: Annotated[int, Field(ge=1, le=MAX_WORDS)] = 100_000
+    """Most words a document may have (1..1e9)."""
+    min_mean_word_length: Ratio = 3.0
+    """Least mean word length, in characters per word."""
+    max_mean_word_length: Ratio = 10.0
+    """Largest mean word length, in characters per word."""
+    max_symbol_to_word_ratio: Ratio = 0.1
+    """Most '#' per word, and most ellipses ('...' or '…') per word; each must be at most this."""
+    max_duplicate_line_fraction: Fraction = 0.3
+    """Most non-empty lines that repeat an earlier line, over all non-empty lines."""
+    max_non_alphanumeric_fraction: Fraction = 0.25
+    """Most characters that are not letters or digits (whitespace included, as in Curator),
+    over all characters."""
+    max_url_ratio: Fraction = 0.2
+    """Most characters inside URLs (a token starting http://, https:// or www.), over all
+    characters."""
+    max_top_ngram_fraction: NgramThresholds = ((2, 0.20), (3, 0.18), (4, 0.16))
+    """[n, fraction] pairs, n in 1..256: per n, at most this fraction of all word characters may
+    be the most frequent word n-gram's characters times its count (an n-gram seen once is no
+    repetition). [] turns the check off."""
+    max_duplicate_ngram_fraction: NgramThresholds = (
+        (5, 0.15),
+        (6, 0.14),
+        (7, 0.13),
+        (8, 0.12),
+        (9, 0.11),
+        (10, 0.10),
+    )
+    """[n, fraction] pairs, n in 1..256: per n, at most this fraction of all word characters may
+    lie inside n-grams that repeat an earlier occurrence. [] turns the check off."""
+
+    @model_validator(mode="after")
+    def _ranges_not_empty(self) -> HeuristicFilter:
+        for low, high in (
+            ("min_words", "max_words"),
+            ("min_mean_word_length", "max_mean_word_length"),
+        ):
+            if getattr(self, low) > getattr(self, high):
+                raise ValueError(
+                    f"{low} ({getattr(self, low)}) must not exceed {high} ({getattr(self, high)}): "
+                    "every document would be dropped"
+                )
+        return self
 
 
 class TrajectoryFilter(Section):
-    """SWE, terminal and search trajectories: finished, tests passed, turns, tool calls."""
+    """Agent trajectories (SWE, terminal, search): finished, tests passed, turns, tool calls.
+
+    Record fields read: ``finished``; ``tests_passed``, or else
+    ``test_results: {passed, failed}``; ``messages`` (one turn each); ``tools``
+    and each assistant message's ``tool_calls``.
+    """
 
     kind: Literal["trajectory"] = "trajectory"
     require_finished: bool = True
+    """Keep only trajectories whose ``finished`` is true: the agent reached its own end, not a
+    step or time limit. Missing counts as unfinished."""
     require_tests_passed: bool = True
-    max_turns: PositiveInt = 100
+    """Keep only trajectories whose ``tests_passed`` is true, or whose ``test_results`` has
+    ``failed == 0`` and ``passed > 0``. Missing counts as failed."""
+    max_turns: Annotated[int, Field(ge=1, le=100_000)] = 100
+    """Most messages (turns) a trajectory may have (1..1e5)."""
     require_well_formed_tool_calls: bool = True
+    """Keep only trajectories whose every tool call names a declared tool and has a JSON object
+    (a mapping, or a string holding one) as its arguments."""
 
 
 class CudaKernelFilter(Section):
-    """CUDA kernels: verified, and faster than their PyTorch reference."""
+    """Generated CUDA kernels: verified, and faster than their PyTorch reference.
+
+    Record fields read: ``verified`` and ``benchmark: {reference_ms, kernel_ms}``.
+    """
 
     kind: Literal["cuda_kernel"] = "cuda_kernel"
     require_verified: bool = True
-    min_speedup: float = Field(default=1.0, gt=0)
-    """Least reference_ms / kernel_ms to keep a kernel."""
+    """Keep only kernels whose ``verified`` is true (outputs matched the PyTorch reference)."""
+    min_speedup: Annotated[float, Field(ge=0, le=1000, allow_inf_nan=False)] = 1.0
+    """Least reference_ms / kernel_ms to keep a kernel (0..1000); 0 turns the speed rule, and
+    the need for a benchmark, off."""
 
 
 Step = Annotated[
@@ -117,6 +265,8 @@ Step = Annotated[
     Field(discriminator="kind"),
 ]
 _FORMATS = ("text", "chat")
+FILTER_STEPS: tuple[type[Section], ...] = (HeuristicFilter, TrajectoryFilter, CudaKernelFilter)
+"""The filter sections; ``factory.data.filters.FILTERS`` gives each its check."""
 
 
 class SourceConfig(Section):
@@ -128,12 +278,12 @@ class SourceConfig(Section):
     """jsonl, jsonl.gz, parquet, a folder of them, a glob, or a `datasets` folder (save_to_disk);
     relative paths are relative to the recipe file."""
     category: Category
-    weight: float | None = Field(default=None, gt=0)
-    """Share of the mixture's tokens, relative to the other sources' weights."""
-    tokens: Count | None = None
-    """Exact token budget for this source instead of a weight."""
-    steps: list[Step] = Field(min_length=1)
-    """Formatting first (text or chat), then filters, in the order written."""
+    weight: Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)] | None = None
+    """Share of the mixture's tokens, relative to the other sources' weights (up to 1e6)."""
+    tokens: TokenCount | None = None
+    """Exact token budget for this source instead of a weight (1..1e15)."""
+    steps: list[Step] = Field(min_length=1, max_length=64)
+    """Formatting first (text or chat), then filters, in the order written (at most 64 steps)."""
 
     @model_validator(mode="after")
     def _valid_chain(self) -> SourceConfig:
@@ -154,12 +304,24 @@ class DedupConfig(Section):
 
     exact: bool = True
     minhash: bool = True
-    shingle_size: PositiveInt = 5
-    """Words per shingle (DataTrove's default)."""
-    bands: PositiveInt = 16
-    rows: PositiveInt = 8
-    """bands x rows hashes; the Jaccard threshold is about (1/bands)^(1/rows) = 0.71."""
-    seed: int = 42
+    shingle_size: NgramSize = 5
+    """Words per shingle (DataTrove's default; 1..256)."""
+    bands: Annotated[int, Field(ge=1, le=4096)] = 16
+    """LSH bands (1..4096); a pair of documents is a candidate when any band matches."""
+    rows: Annotated[int, Field(ge=1, le=4096)] = 8
+    """Hashes per band (1..4096); bands x rows hashes (at most 4096 in all, 16 KiB per document); the Jaccard threshold
+    is about (1/bands)^(1/rows) = 0.71."""
+    seed: Seed = 42
+    """Seeds the MinHash permutations (0..2^63-1)."""
+
+    @model_validator(mode="after")
+    def _signature_size(self) -> DedupConfig:
+        if self.bands * self.rows > 4096:
+            raise ValueError(
+                f"bands ({self.bands}) x rows ({self.rows}) = {self.bands * self.rows} hashes per "
+                "document; at most 4096"
+            )
+        return self
 
 
 class DecontamConfig(Section):
@@ -167,7 +329,8 @@ class DecontamConfig(Section):
 
     benchmarks: list[str] = Field(default_factory=list)
     """jsonl or txt files, relative to the recipe."""
-    ngram: PositiveInt = 13
+    ngram: NgramSize = 13
+    """Words per n-gram (1..256); shorter benchmark items match as their whole word sequence."""
 
 
 class TokenizerConfig(Section):
@@ -178,13 +341,15 @@ class TokenizerConfig(Section):
 
 
 class PackingConfig(Section):
-    seq_len: PositiveInt = 2048
-    window: PositiveInt = 4096
-    """Documents buffered per best-fit-decreasing pass (bounds memory)."""
+    seq_len: Annotated[int, Field(ge=1, le=MAX_SEQ_LEN)] = 2048
+    """Tokens per packed sample (1..2^20)."""
+    window: Annotated[int, Field(ge=1, le=10**7)] = 4096
+    """Documents buffered per best-fit-decreasing pass (bounds memory; 1..1e7)."""
 
 
 class OutputConfig(Section):
-    samples_per_shard: PositiveInt = 256
+    samples_per_shard: Annotated[int, Field(ge=1, le=10**6)] = 256
+    """Packed samples per webdataset tar (1..1e6)."""
     energon: bool = True
     megatron: bool = False
     """Also write Megatron's indexed .bin/.idx of the unpacked documents."""
@@ -195,12 +360,14 @@ class DataRecipe(Section):
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]+$")
     description: str = ""
-    seed: int = 0
-    """Drives mixing and the reasoning augmentations; shards are a function of recipe and seed."""
-    total_tokens: Count | None = None
-    """Tokens of the weighted part of the mixture; null: as many as the weighted sources hold
-    after curation (each source then up- or down-sampled to its weight's share)."""
-    sources: list[SourceConfig] = Field(min_length=1)
+    seed: Seed = 0
+    """Drives mixing and the reasoning augmentations; shards are a function of recipe and seed
+    (0..2^63-1)."""
+    total_tokens: TokenCount | None = None
+    """Tokens of the weighted part of the mixture (1..1e15); null: as many as the weighted
+    sources hold after curation (each source then up- or down-sampled to its weight's share)."""
+    sources: list[SourceConfig] = Field(min_length=1, max_length=10_000)
+    """The inputs (at most 10,000)."""
     dedup: DedupConfig = DedupConfig()
     decontam: DecontamConfig = DecontamConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()

@@ -9,18 +9,22 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from factory.data.document import Document, RawRecord
 from factory.data.filters import (
     FILTERS,
-    CudaKernelParams,
-    HeuristicParams,
-    TrajectoryParams,
     cuda_kernel_reason,
     heuristic_reason,
     ngram_repetition,
     text_quality_reason,
     trajectory_reason,
+)
+from factory.schemas.data_recipe import (
+    FILTER_STEPS,
+    CudaKernelFilter,
+    HeuristicFilter,
+    TrajectoryFilter,
 )
 
 PARAGRAPH = (
@@ -30,24 +34,26 @@ PARAGRAPH = (
     "their parents argued about taxes, weather and the price of bread. When the railway finally "
     "arrived, nobody expected how quickly the old ferry would disappear from daily life."
 )
-DEFAULTS = HeuristicParams()
+DEFAULTS = HeuristicFilter()
 
 
-def _only(**overrides: Any) -> HeuristicParams:
+_OFF: dict[str, Any] = {
+    "min_words": 0,
+    "max_words": 10**9,
+    "min_mean_word_length": 0.0,
+    "max_mean_word_length": 1e9,
+    "max_symbol_to_word_ratio": 1e9,
+    "max_duplicate_line_fraction": 1.0,
+    "max_non_alphanumeric_fraction": 1.0,
+    "max_url_ratio": 1.0,
+    "max_top_ngram_fraction": (),
+    "max_duplicate_ngram_fraction": (),
+}
+
+
+def _only(**overrides: Any) -> HeuristicFilter:
     """Every check off except the ones overridden, to test one definition at a time."""
-    off: dict[str, Any] = {
-        "min_words": 0,
-        "max_words": 10**9,
-        "min_mean_word_length": 0.0,
-        "max_mean_word_length": math.inf,
-        "max_symbol_to_word_ratio": math.inf,
-        "max_duplicate_line_fraction": 1.0,
-        "max_non_alphanumeric_fraction": 1.0,
-        "max_url_ratio": 1.0,
-        "max_top_ngram_fraction": (),
-        "max_duplicate_ngram_fraction": (),
-    }
-    return HeuristicParams(**{**off, **overrides})
+    return HeuristicFilter(**{**_OFF, **overrides})
 
 
 def test_a_normal_paragraph_passes() -> None:
@@ -193,7 +199,7 @@ def _trajectory(**overrides: Any) -> RawRecord:
 
 
 def _traj(record: RawRecord, **params: Any) -> str | None:
-    return trajectory_reason(record, Document("k", "s", "c", ()), TrajectoryParams(**params))
+    return trajectory_reason(record, Document("k", "s", "c", ()), TrajectoryFilter(**params))
 
 
 def _with_call(call: Any) -> RawRecord:
@@ -253,13 +259,13 @@ _field_names = st.sampled_from(
 @given(st.dictionaries(_field_names, _json, max_size=7))
 def test_record_rules_never_raise(data: dict[str, Any]) -> None:
     record, doc = RawRecord("k", "s", "c", data), Document("k", "s", "c", ())
-    relaxed = TrajectoryParams(require_finished=False, require_tests_passed=False)
+    relaxed = TrajectoryFilter(require_finished=False, require_tests_passed=False)
     assert trajectory_reason(record, doc, relaxed) in (
         None,
         "too_many_turns",
         "malformed_tool_call",
     )
-    assert cuda_kernel_reason(record, doc, CudaKernelParams()) in (
+    assert cuda_kernel_reason(record, doc, CudaKernelFilter()) in (
         None,
         "unverified",
         "missing_benchmark",
@@ -271,7 +277,7 @@ def test_record_rules_never_raise(data: dict[str, Any]) -> None:
 
 
 def _kernel(**data: Any) -> str | None:
-    params = data.pop("params", CudaKernelParams())
+    params = data.pop("params", CudaKernelFilter())
     record = RawRecord("cuda:0:1", "cuda", "cuda_kernel", data)
     return cuda_kernel_reason(record, Document("k", "s", "c", ()), params)
 
@@ -281,30 +287,68 @@ def test_cuda_kernel_rules() -> None:
     assert _kernel(verified=True, benchmark=fast) is None
     assert _kernel(verified=False, benchmark=fast) == "unverified"
     assert _kernel(benchmark=fast) == "unverified"
-    assert _kernel(benchmark=fast, params=CudaKernelParams(require_verified=False)) is None
+    assert _kernel(benchmark=fast, params=CudaKernelFilter(require_verified=False)) is None
     assert _kernel(verified=True) == "missing_benchmark"
     for bad in ({"reference_ms": 2.0}, {"reference_ms": 2.0, "kernel_ms": 0}, {"kernel_ms": 1.0}):
         assert _kernel(verified=True, benchmark=bad) == "missing_benchmark"
     slow = {"reference_ms": 1.0, "kernel_ms": 1.25}
     assert _kernel(verified=True, benchmark=slow) == "slow_kernel"
-    assert _kernel(verified=True, benchmark=slow, params=CudaKernelParams(min_speedup=0.8)) is None
-    assert _kernel(verified=True, benchmark=fast, params=CudaKernelParams(min_speedup=2.5)) == (
+    assert _kernel(verified=True, benchmark=slow, params=CudaKernelFilter(min_speedup=0.8)) is None
+    assert _kernel(verified=True, benchmark=fast, params=CudaKernelFilter(min_speedup=2.5)) == (
         "slow_kernel"
     )
-    assert _kernel(verified=True, params=CudaKernelParams(min_speedup=0)) is None
+    assert _kernel(verified=True, params=CudaKernelFilter(min_speedup=0)) is None
 
 
 # --- registry ----------------------------------------------------------------------------
 
 
-def test_registry_binds_parameters_by_recipe_kind() -> None:
-    assert set(FILTERS) == {"heuristics", "trajectory", "cuda_kernel"}
-    check = FILTERS["heuristics"].bind(kind="heuristics", min_words=200)
+def test_registry_binds_the_recipe_steps_themselves() -> None:
+    assert {spec.params for spec in FILTERS.values()} == set(FILTER_STEPS)
+    assert all(FILTERS[kind].params.model_fields["kind"].default == kind for kind in FILTERS)
+    check = FILTERS["heuristics"].bind(HeuristicFilter(min_words=200))
     doc = Document("k", "s", "c", ((PARAGRAPH, True),))
     assert check(RawRecord("k", "s", "c", {}), doc) == "word_count"
-    cuda = FILTERS["cuda_kernel"].bind(kind="cuda_kernel", min_speedup=1.5)
+    cuda = FILTERS["cuda_kernel"].bind(CudaKernelFilter(min_speedup=1.5))
     record = RawRecord(
         "k", "s", "c", {"verified": True, "benchmark": {"reference_ms": 3, "kernel_ms": 2}}
     )
     assert cuda(record, doc) is None
-    assert FILTERS["trajectory"].bind()(record, doc) == "unfinished"
+    assert FILTERS["trajectory"].bind(TrajectoryFilter())(record, doc) == "unfinished"
+
+
+def test_binding_takes_only_the_filters_own_step() -> None:
+    with pytest.raises(TypeError, match="TrajectoryFilter expected"):
+        FILTERS["trajectory"].bind(HeuristicFilter())  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="min_word\n"):  # a typo is an error, not dropped
+        HeuristicFilter.model_validate({"min_word": 200})
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"min_words": 60, "max_words": 59}, "min_words (60) must not exceed max_words (59)"),
+        ({"min_mean_word_length": 5.0, "max_mean_word_length": 4.0}, "min_mean_word_length (5.0)"),
+        ({"max_words": 10**400}, "less than or equal to 1000000000"),
+        ({"max_url_ratio": 1.5}, "less than or equal to 1"),
+        ({"max_symbol_to_word_ratio": math.inf}, "finite number"),
+        ({"max_top_ngram_fraction": [[0, 0.1]]}, "greater than or equal to 1"),
+        ({"max_top_ngram_fraction": [[257, 0.1]]}, "less than or equal to 256"),
+        ({"max_duplicate_ngram_fraction": [[5, 0.1], [5, 0.2]]}, "[5] given more than once"),
+    ],
+)
+def test_heuristic_thresholds_are_validated(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        HeuristicFilter.model_validate(values)
+    assert message in str(info.value)
+
+
+def test_every_threshold_is_a_recipe_field_with_a_description() -> None:
+    """No threshold is a constant in filters.py: each is settable in YAML and documented."""
+    params = HeuristicFilter.model_json_schema()["properties"]
+    for name in ("max_top_ngram_fraction", "max_duplicate_ngram_fraction", "min_words"):
+        assert params[name]["description"]
+    # As YAML writes it: a list of [n, fraction] lists.
+    step = HeuristicFilter.model_validate({**_OFF, "max_top_ngram_fraction": [[2, 0.59]]})
+    assert step.max_top_ngram_fraction == ((2, 0.59),)
+    assert text_quality_reason("aa bb aa bb aa bb cc dd ee ff", step) == "top_2gram"

@@ -10,13 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from factory.data.document import Document, RawRecord
-from factory.data.formatting import (
-    TOOLS_PREAMBLE,
-    Drop,
-    ReasoningPolicy,
-    format_chat,
-    format_text,
-)
+from factory.data.formatting import TOOLS_PREAMBLE, Drop, format_chat, format_text
+from factory.schemas.data_recipe import ReasoningConfig
 
 TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]
 
@@ -29,8 +24,8 @@ def _trained(doc: Document) -> str:
     return "".join(text for text, trains in doc.segments if trains)
 
 
-def _one(record: RawRecord, policy: ReasoningPolicy | None = None) -> Document:
-    out = format_chat(record, policy or ReasoningPolicy(), record.key)
+def _one(record: RawRecord, policy: ReasoningConfig | None = None) -> Document:
+    out = format_chat(record, policy or ReasoningConfig(), record.key)
     assert isinstance(out, list) and len(out) == 1, out
     return out[0]
 
@@ -95,13 +90,13 @@ def test_previous_turn_reasoning_is_dropped() -> None:
     assert doc.text.count("<think></think>\n") == 2
     # Earlier answers still train; only their reasoning is gone.
     assert "answer 0" in _trained(doc) and "answer 1" in _trained(doc)
-    kept = _one(record, ReasoningPolicy(drop_previous_turns=False))
+    kept = _one(record, ReasoningConfig(drop_previous_turns=False))
     assert all(f"thought {i}" in _trained(kept) for i in range(3))
 
 
 def test_split_turns_gives_one_document_per_user_turn() -> None:
     record = _record({"messages": _conversation(3)})
-    docs = format_chat(record, ReasoningPolicy(split_turns=True), record.key)
+    docs = format_chat(record, ReasoningConfig(split_turns=True), record.key)
     assert isinstance(docs, list) and len(docs) == 3
     for i, doc in enumerate(docs):
         assert doc.key == f"src:0:1#{i}" and doc.meta["turn"] == i
@@ -112,17 +107,19 @@ def test_split_turns_gives_one_document_per_user_turn() -> None:
     # Without reasoning there is nothing to gain from splitting.
     plain = [{k: v for k, v in m.items() if k != "reasoning_content"} for m in _conversation(3)]
     assert (
-        len(format_chat(_record({"messages": plain}), ReasoningPolicy(split_turns=True), "k")) == 1
+        len(format_chat(_record({"messages": plain}), ReasoningConfig(split_turns=True), "k")) == 1
     )
 
 
 def test_masked_trace_is_read_but_not_trained() -> None:
-    doc = _one(_record({"messages": _conversation(1)}), ReasoningPolicy(trace="mask"))
+    doc = _one(_record({"messages": _conversation(1)}), ReasoningConfig(trace="mask"))
     assert "<think>\nthought 0\n</think>\n" in doc.text
     assert _trained(doc) == "answer 0<|im_end|>"
 
 
-def _many(n: int, policy: ReasoningPolicy, reverse: bool = False) -> dict[str, Document]:
+def _many(
+    n: int, policy: ReasoningConfig, reverse: bool = False, seed: int = 0
+) -> dict[str, Document]:
     long_thought = "step " * 200  # 1000 characters, longer than any budget below
     keys = [f"src:0:{i}" for i in range(n)]
     out = {}
@@ -131,7 +128,7 @@ def _many(n: int, policy: ReasoningPolicy, reverse: bool = False) -> dict[str, D
             {"role": "user", "content": "q"},
             {"role": "assistant", "content": "the answer", "reasoning_content": long_thought},
         ]
-        (doc,) = format_chat(_record({"messages": messages}, key), policy, key)
+        (doc,) = format_chat(_record({"messages": messages}, key), policy, key, seed)
         out[key] = doc
     return out
 
@@ -141,7 +138,7 @@ def _keys_in(docs: dict[str, Document], mode: str) -> set[str]:
 
 
 def test_strip_and_truncate_fractions_are_hit_and_deterministic() -> None:
-    policy = ReasoningPolicy(strip_fraction=0.10, truncate_fraction=0.03, truncate_max_chars=300)
+    policy = ReasoningConfig(strip_fraction=0.10, truncate_fraction=0.03, truncate_max_chars=300)
     docs = _many(2000, policy)
     modes = [d.meta["reasoning"] for d in docs.values()]
     # Expected 200 +- 13.4 and 60 +- 7.6 (one sigma); the draw is fixed, the bounds are ~5 sigma.
@@ -150,7 +147,7 @@ def test_strip_and_truncate_fractions_are_hit_and_deterministic() -> None:
     assert modes.count("full") == 2000 - modes.count("stripped") - modes.count("truncated")
     again = _many(2000, policy, reverse=True)
     assert {k: d.segments for k, d in again.items()} == {k: d.segments for k, d in docs.items()}
-    reseeded = _many(2000, ReasoningPolicy(strip_fraction=0.10, truncate_fraction=0.03, seed=1))
+    reseeded = _many(2000, ReasoningConfig(strip_fraction=0.10, truncate_fraction=0.03), seed=1)
     assert _keys_in(reseeded, "stripped") != _keys_in(docs, "stripped")
     for doc in docs.values():
         if doc.meta["reasoning"] == "stripped":
@@ -158,7 +155,7 @@ def test_strip_and_truncate_fractions_are_hit_and_deterministic() -> None:
 
 
 def test_truncated_reasoning_keeps_the_answer_and_masks_the_close() -> None:
-    docs = _many(300, ReasoningPolicy(truncate_fraction=1.0, truncate_max_chars=300))
+    docs = _many(300, ReasoningConfig(truncate_fraction=1.0, truncate_max_chars=300))
     budgets = set()
     for doc in docs.values():
         assert doc.meta["reasoning"] == "truncated"
@@ -205,16 +202,20 @@ def test_truncated_reasoning_keeps_the_answer_and_masks_the_close() -> None:
     ],
 )
 def test_invalid_records_are_dropped_with_a_reason(data: dict[str, Any], reason: str) -> None:
-    assert format_chat(_record(data), ReasoningPolicy(), "k") == Drop(reason)
+    assert format_chat(_record(data), ReasoningConfig(), "k") == Drop(reason)
 
 
 def test_policy_validation() -> None:
-    with pytest.raises(ValueError):
-        ReasoningPolicy(trace="drop")  # type: ignore[arg-type]
-    with pytest.raises(ValueError):
-        ReasoningPolicy(strip_fraction=0.7, truncate_fraction=0.5)
-    with pytest.raises(ValueError):
-        ReasoningPolicy(truncate_fraction=-0.1)
+    with pytest.raises(ValueError, match="trace"):
+        ReasoningConfig(trace="drop")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"strip_fraction \(0.7\) \+ truncate_fraction \(0.5\)"):
+        ReasoningConfig(strip_fraction=0.7, truncate_fraction=0.5)
+    with pytest.raises(ValueError, match="truncate_fraction"):
+        ReasoningConfig(truncate_fraction=-0.1)
+    with pytest.raises(ValueError, match="truncate_max_chars"):
+        ReasoningConfig(truncate_max_chars=10**400)
+    with pytest.raises(ValueError, match="Extra inputs"):
+        ReasoningConfig(seed=1)  # type: ignore[call-arg]  # the recipe's seed, not the policy's
 
 
 # --- property: segments re-form the rendered conversation; only assistant text trains ----
@@ -286,7 +287,7 @@ def test_segments_rebuild_the_conversation(
             m.pop("tool_calls", None)
     tools = TOOLS if with_tools else None
     data: dict[str, Any] = {"messages": messages, **({"tools": tools} if tools else {})}
-    policy = ReasoningPolicy(trace=trace, drop_previous_turns=drop)  # type: ignore[arg-type]
+    policy = ReasoningConfig(trace=trace, drop_previous_turns=drop)  # type: ignore[arg-type]
     out = format_chat(_record(data), policy, "k")
     if not any(m["role"] == "assistant" for m in messages):
         assert out == Drop("all_masked")
@@ -322,5 +323,5 @@ _message_like = st.fixed_dictionaries(
 @settings(max_examples=200, deadline=None)
 @given(st.lists(_message_like | _json_values, max_size=4), _json_values)
 def test_arbitrary_records_never_raise(messages: list[Any], tools: Any) -> None:
-    out = format_chat(_record({"messages": messages, "tools": tools}), ReasoningPolicy(), "k")
+    out = format_chat(_record({"messages": messages, "tools": tools}), ReasoningConfig(), "k")
     assert isinstance(out, Drop | list)

@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from factory.schemas.data_recipe import MAX_NGRAM
+
 # Signatures only compare equal between runs that hash words the same way, so
 # WORD_HASH belongs in anything that persists signatures or index state.
 try:
@@ -65,7 +67,7 @@ DEFAULT_SEED = 1  # DataTrove's MinhashConfig seed
 
 _BLOCK = 2048  # shingles per broadcast block: 2048 x 128 x 4 B = 1 MiB stays in cache
 _POSITION_SEED = 0x5EED_D0C5  # fixed: shingle hashes must not depend on the MinHash seed
-_MAX_NGRAM = 256
+_MAX_NGRAM = MAX_NGRAM  # the recipe schema bounds every n-gram size by it, at validation time
 
 # ASCII fast path: lowercase letters, keep [a-z0-9_], everything else becomes a space.
 _ASCII_TABLE = bytes(

@@ -1,17 +1,19 @@
 """Document filters: text quality heuristics, trajectory rules, CUDA-kernel rules.
 
 Every filter has the same shape, ``check(record, document, params) -> reason | None``
-(None keeps the document), and is registered by the ``kind`` it has in a recipe
-step (``FILTERS``), so adding a filter family never touches the pipeline.
-A check returns the *first* failing reason, so drop counts read as "why this
-document went", not as overlapping flags.
+(None keeps the document), where ``params`` is the recipe step itself (its
+section in ``schemas/data_recipe.py``, which declares and documents every
+threshold). Filters are registered by the ``kind`` they have in a recipe step
+(``FILTERS``), so adding a filter family never touches the pipeline. A check
+returns the *first* failing reason, so drop counts read as "why this document
+went", not as overlapping flags.
 
 Text heuristics use NeMo Curator's and Gopher's published thresholds (reference
-data.md §2.1). The definitions are ours and are stated per parameter; words are
-whitespace-separated tokens, as in Gopher. The checks run cheapest first, and
-the n-gram statistics, the only super-linear work, are computed on integer
-word ids with numpy (one sort per n) rather than with Python tuples: this stage
-runs over every pretraining byte.
+data.md §2.1); the definitions are ours and are stated per field of
+``HeuristicFilter``. The checks run cheapest first, and the n-gram statistics,
+the only super-linear work, are computed on integer word ids with numpy (one
+sort per n) rather than with Python tuples: this stage runs over every
+pretraining byte.
 """
 
 from __future__ import annotations
@@ -19,20 +21,23 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
 from factory.data.document import Document, RawRecord
 from factory.data.formatting import call_parts, declared_tools
+from factory.schemas.data_recipe import (
+    FILTER_STEPS,
+    CudaKernelFilter,
+    HeuristicFilter,
+    TrajectoryFilter,
+)
 
 __all__ = [
     "FILTERS",
-    "CudaKernelParams",
     "FilterSpec",
-    "HeuristicParams",
-    "TrajectoryParams",
     "cuda_kernel_reason",
     "heuristic_reason",
     "ngram_repetition",
@@ -44,54 +49,6 @@ __all__ = [
 # --- text heuristics --------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class HeuristicParams:
-    """Thresholds of the text quality heuristics; defaults are Curator's / Gopher's.
-
-    * ``min_words``..``max_words``: whitespace-separated words.
-    * mean word length (characters per word) within ``[min, max]``.
-    * ``max_symbol_to_word_ratio``: ``#`` per word, and ellipses (``...``/``…``)
-      per word, each at most this.
-    * ``max_duplicate_line_fraction``: non-empty lines that repeat an earlier
-      line, over non-empty lines.
-    * ``max_non_alphanumeric_fraction``: characters that are not letters or
-      digits (whitespace included, as in Curator), over all characters.
-    * ``max_url_ratio``: characters inside URLs (a token starting ``http://``,
-      ``https://`` or ``www.``) over all characters.
-    * ``max_top_ngram_fraction``: per n, word characters of the most frequent
-      word n-gram times its count, over all word characters; an n-gram seen
-      once is not counted (a short text is not "repetitive").
-    * ``max_duplicate_ngram_fraction``: per n, word characters inside n-grams
-      that repeat an earlier occurrence, over all word characters.
-    """
-
-    min_words: int = 50
-    max_words: int = 100_000
-    min_mean_word_length: float = 3.0
-    max_mean_word_length: float = 10.0
-    max_symbol_to_word_ratio: float = 0.1
-    max_duplicate_line_fraction: float = 0.3
-    max_non_alphanumeric_fraction: float = 0.25
-    max_url_ratio: float = 0.2
-    max_top_ngram_fraction: tuple[tuple[int, float], ...] = ((2, 0.20), (3, 0.18), (4, 0.16))
-    max_duplicate_ngram_fraction: tuple[tuple[int, float], ...] = (
-        (5, 0.15),
-        (6, 0.14),
-        (7, 0.13),
-        (8, 0.12),
-        (9, 0.11),
-        (10, 0.10),
-    )
-
-    def __post_init__(self) -> None:
-        for name in ("max_top_ngram_fraction", "max_duplicate_ngram_fraction"):
-            # Lists arrive from YAML; tuples keep the params hashable and frozen.
-            pairs = tuple((int(n), float(t)) for n, t in getattr(self, name))
-            if any(n < 1 for n, _ in pairs):
-                raise ValueError(f"{name}: n-gram sizes must be >= 1")
-            object.__setattr__(self, name, pairs)
-
-
 _NOT_ALNUM = re.compile(r"[\W_]+")  # runs of characters that are not letters or digits
 _URL = re.compile(r"(?:https?://|www\.|WWW\.)\S+")
 # An odd 64-bit multiplier (2^64 / golden ratio) spreads word-id sequences over the hash space.
@@ -100,7 +57,7 @@ _FILLER = np.uint64(2**64 - 1)
 _ASCII_ALNUM = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 
 
-def text_quality_reason(text: str, params: HeuristicParams) -> str | None:
+def text_quality_reason(text: str, params: HeuristicFilter) -> str | None:
     """The first heuristic ``text`` fails, or None if it passes them all."""
     words = text.split()
     n_words = len(words)
@@ -139,7 +96,7 @@ def text_quality_reason(text: str, params: HeuristicParams) -> str | None:
 
 
 def ngram_repetition(words: list[str], sizes: Iterable[int]) -> dict[int, tuple[float, float]]:
-    """``{n: (top fraction, duplicate fraction)}`` of word n-grams, as ``HeuristicParams`` defines them.
+    """``{n: (top fraction, duplicate fraction)}`` of word n-grams, as ``HeuristicFilter`` defines them.
 
     All sizes are computed at once, one row per n, so a document costs a fixed
     handful of numpy calls (one sort) rather than a handful per n: most web
@@ -215,7 +172,7 @@ def ngram_repetition(words: list[str], sizes: Iterable[int]) -> dict[int, tuple[
     return result
 
 
-def heuristic_reason(record: RawRecord, doc: Document, params: HeuristicParams) -> str | None:
+def heuristic_reason(record: RawRecord, doc: Document, params: HeuristicFilter) -> str | None:
     """Text heuristics on the document's full text (what the model will read)."""
     return text_quality_reason(doc.text, params)
 
@@ -223,29 +180,7 @@ def heuristic_reason(record: RawRecord, doc: Document, params: HeuristicParams) 
 # --- trajectories -----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TrajectoryParams:
-    """Rules for agent trajectories (SWE, terminal, search).
-
-    Record fields read:
-
-    * ``finished: bool``: the agent reached its own end (not a step or time
-      limit). Missing counts as unfinished.
-    * ``tests_passed: bool``, or else ``test_results: {passed: int, failed: int}``
-      (passed means ``failed == 0`` and ``passed > 0``). Missing counts as failed.
-    * ``messages``: every message is one turn.
-    * ``tools`` and each assistant message's ``tool_calls``: a call is well formed
-      when its ``name`` is a declared tool and its ``arguments`` are a JSON
-      object (a mapping, or a string holding one).
-    """
-
-    require_finished: bool = True
-    require_tests_passed: bool = True
-    max_turns: int = 100
-    require_well_formed_tool_calls: bool = True
-
-
-def trajectory_reason(record: RawRecord, doc: Document, params: TrajectoryParams) -> str | None:
+def trajectory_reason(record: RawRecord, doc: Document, params: TrajectoryFilter) -> str | None:
     """``unfinished``, ``tests_failed``, ``too_many_turns``, ``malformed_tool_call`` or None."""
     data = record.data
     if params.require_finished and data.get("finished") is not True:
@@ -301,21 +236,7 @@ def _tool_calls_well_formed(data: dict[str, Any], messages: list[Any]) -> bool:
 # --- CUDA kernels -----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class CudaKernelParams:
-    """Rules for generated CUDA kernels.
-
-    Record fields read: ``verified: bool`` (the kernel's outputs matched the
-    PyTorch reference) and ``benchmark: {reference_ms: float, kernel_ms: float}``;
-    speed-up is ``reference_ms / kernel_ms``. ``min_speedup <= 0`` turns the
-    speed rule, and the need for a benchmark, off.
-    """
-
-    require_verified: bool = True
-    min_speedup: float = 1.0
-
-
-def cuda_kernel_reason(record: RawRecord, doc: Document, params: CudaKernelParams) -> str | None:
+def cuda_kernel_reason(record: RawRecord, doc: Document, params: CudaKernelFilter) -> str | None:
     """``unverified``, ``missing_benchmark``, ``slow_kernel`` or None."""
     data = record.data
     if params.require_verified and data.get("verified") is not True:
@@ -346,23 +267,25 @@ def _positive(value: Any) -> bool:
 
 
 Check = Callable[[RawRecord, Document], str | None]
+P = TypeVar("P", HeuristicFilter, TrajectoryFilter, CudaKernelFilter)
 
 
 @dataclass(frozen=True)
-class FilterSpec:
-    """A filter family: its parameter type and its check."""
+class FilterSpec(Generic[P]):
+    """A filter family: its recipe step type (which is its parameter type) and its check."""
 
-    params: type
-    check: Callable[[RawRecord, Document, Any], str | None]
+    params: type[P]
+    check: Callable[[RawRecord, Document, P], str | None]
 
-    def bind(self, **values: Any) -> Check:
-        """A two-argument check with parameters from ``values``.
+    def bind(self, params: P) -> Check:
+        """A two-argument check running with ``params``, a validated recipe step.
 
-        Names the parameter type does not have (a recipe step's ``kind``, say)
-        are ignored, so a schema section can be passed as ``**section.model_dump()``.
+        Only the step type itself is accepted: parameters come from one
+        declaration, so a key the filter does not know has already failed
+        validation (``extra="forbid"``) and cannot be silently dropped here.
         """
-        known = {f.name for f in fields(self.params)}
-        params = self.params(**{k: v for k, v in values.items() if k in known})
+        if not isinstance(params, self.params):
+            raise TypeError(f"{self.params.__name__} expected, got {type(params).__name__}")
         check = self.check
 
         def bound(record: RawRecord, doc: Document) -> str | None:
@@ -371,9 +294,14 @@ class FilterSpec:
         return bound
 
 
-FILTERS: dict[str, FilterSpec] = {
-    "heuristics": FilterSpec(HeuristicParams, heuristic_reason),
-    "trajectory": FilterSpec(TrajectoryParams, trajectory_reason),
-    "cuda_kernel": FilterSpec(CudaKernelParams, cuda_kernel_reason),
+FILTERS: dict[str, FilterSpec[Any]] = {
+    spec.params.model_fields["kind"].default: spec
+    for spec in (
+        FilterSpec(HeuristicFilter, heuristic_reason),
+        FilterSpec(TrajectoryFilter, trajectory_reason),
+        FilterSpec(CudaKernelFilter, cuda_kernel_reason),
+    )
 }
 """Filter families by the ``kind`` they have in a recipe step."""
+if {spec.params for spec in FILTERS.values()} != set(FILTER_STEPS):  # pragma: no cover
+    raise ImportError("every filter step of schemas/data_recipe.py needs a check here")

@@ -47,16 +47,16 @@ import contextlib
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from factory.data.document import Document, RawRecord
+from factory.schemas.data_recipe import ReasoningConfig
 
 __all__ = [
     "IM_END",
     "IM_START",
     "TOOLS_PREAMBLE",
     "Drop",
-    "ReasoningPolicy",
     "call_parts",
     "declared_tools",
     "format_chat",
@@ -85,35 +85,6 @@ class Drop:
 
 
 @dataclass(frozen=True)
-class ReasoningPolicy:
-    """How assistant reasoning is rendered and trained (see module docstring).
-
-    ``trace="mask"`` keeps the think block in the text (the model reads it)
-    but out of the loss. ``strip_fraction`` and ``truncate_fraction`` are
-    disjoint shares of the documents that carry reasoning.
-    """
-
-    trace: Literal["keep", "mask"] = "keep"
-    drop_previous_turns: bool = True
-    split_turns: bool = False
-    strip_fraction: float = 0.0
-    truncate_fraction: float = 0.0
-    truncate_max_chars: int = 512
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.trace not in ("keep", "mask"):
-            raise ValueError(f"trace must be 'keep' or 'mask', not {self.trace!r}")
-        for name in ("strip_fraction", "truncate_fraction"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must lie in [0, 1], not {getattr(self, name)}")
-        if self.strip_fraction + self.truncate_fraction > 1.0:
-            raise ValueError("strip_fraction + truncate_fraction must not exceed 1")
-        if self.truncate_max_chars < 0:
-            raise ValueError("truncate_max_chars must be >= 0")
-
-
-@dataclass(frozen=True)
 class _Turn:
     role: str
     content: str
@@ -129,12 +100,18 @@ def format_text(record: RawRecord, field: str = "text") -> Document | Drop:
     return Document(record.key, record.source, record.category, ((text, True),), {"format": "text"})
 
 
-def format_chat(record: RawRecord, policy: ReasoningPolicy, rng_key: str) -> list[Document] | Drop:
+def format_chat(
+    record: RawRecord, policy: ReasoningConfig, rng_key: str, seed: int = 0
+) -> list[Document] | Drop:
     """Render a ``messages`` record into one document, or one per user turn.
 
     Reads ``messages`` (``role``, ``content``, assistant ``reasoning_content``
-    and ``tool_calls``) and ``tools``. ``rng_key`` seeds the strip/truncate
-    draw (normally the record key); split documents draw with ``rng_key#i``.
+    and ``tool_calls``) and ``tools``. ``policy`` is the recipe's chat step's
+    ``reasoning`` section; ``trace="mask"`` keeps the think block in the text
+    (the model reads it) but out of the loss, and ``strip_fraction`` and
+    ``truncate_fraction`` are disjoint shares of the documents that carry
+    reasoning. ``seed`` (the recipe's) and ``rng_key`` (normally the record
+    key) drive the strip/truncate draw; split documents draw with ``rng_key#i``.
     """
     parsed = _parse(record.data)
     if isinstance(parsed, Drop):
@@ -155,7 +132,7 @@ def format_chat(record: RawRecord, policy: ReasoningPolicy, rng_key: str) -> lis
 
     documents = []
     for train_from, keep_from, end, key, meta in plans:
-        segments, mode_meta = _render(turns[:end], train_from, keep_from, policy, key)
+        segments, mode_meta = _render(turns[:end], train_from, keep_from, policy, seed, key)
         if not any(trains for _, trains in segments):
             continue  # e.g. a trailing user turn with no answer
         doc_key = f"{record.key}#{meta['turn']}" if split else record.key
@@ -283,14 +260,19 @@ def _unit(seed: int, key: str, salt: str) -> float:
 
 
 def _render(
-    turns: list[_Turn], train_from: int, keep_from: int, policy: ReasoningPolicy, key: str
+    turns: list[_Turn],
+    train_from: int,
+    keep_from: int,
+    policy: ReasoningConfig,
+    seed: int,
+    key: str,
 ) -> tuple[tuple[tuple[str, bool], ...], dict[str, Any]]:
     """Segments of one document; assistant turns at index >= ``train_from`` train
     and those at index >= ``keep_from`` keep their reasoning."""
     kept = [len(t.reasoning) for i, t in enumerate(turns) if i >= keep_from and t.reasoning]
     mode, budget = "none", None
     if kept:
-        draw = _unit(policy.seed, key, "reasoning")
+        draw = _unit(seed, key, "reasoning")
         if draw < policy.strip_fraction:
             mode = "stripped"
         elif draw < policy.strip_fraction + policy.truncate_fraction:
@@ -299,7 +281,7 @@ def _render(
             top = min(policy.truncate_max_chars, max(kept) - 1)
             low = min(1, top)
             mode = "truncated"
-            budget = low + int(_unit(policy.seed, key, "budget") * (top - low + 1))
+            budget = low + int(_unit(seed, key, "budget") * (top - low + 1))
         else:
             mode = "full"
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from factory.data.document import Document, RawRecord
 from factory.data.filters import FILTERS
-from factory.data.formatting import Drop, ReasoningPolicy, format_chat, format_text
+from factory.data.formatting import Drop, format_chat, format_text
 from factory.schemas.data_recipe import ChatFormat, SourceConfig, TextFormat
 
 __all__ = ["Chain", "build_chain"]
@@ -33,12 +33,11 @@ def build_chain(source: SourceConfig, seed: int) -> Chain:
 
     else:
         assert isinstance(first, ChatFormat)
-        policy = ReasoningPolicy(**first.reasoning.model_dump(), seed=seed)
+        policy = first.reasoning
 
         def fmt(record: RawRecord) -> list[Document] | Drop:
-            return format_chat(record, policy, record.key)
+            return format_chat(record, policy, record.key, seed)
 
-    filters = tuple(
-        (step.kind, FILTERS[step.kind].bind(**step.model_dump(exclude={"kind"}))) for step in rest
-    )
+    # The steps are the filters' parameters as validated: nothing is copied or dropped.
+    filters = tuple((step.kind, FILTERS[step.kind].bind(step)) for step in rest)
     return Chain(first.kind, fmt, filters)
