@@ -38,8 +38,7 @@ def make_step(model: torch.nn.Module, micro_batches: list[torch.Tensor], mtp_sca
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         for ids in micro_batches:
-            logits = model(ids)
-            loss = language_model_loss(logits, ids, mtp_loss_scale=mtp_scale).total
+            loss = language_model_loss(model(ids), ids, mtp_loss_scale=mtp_scale).total
             (loss / len(micro_batches)).backward()
         optimizer.step()
         return time.perf_counter() - start

@@ -73,7 +73,10 @@ def build_models() -> tuple[torch.nn.Module, torch.nn.Module]:
 
 def forwards(ours: torch.nn.Module, theirs: torch.nn.Module) -> dict[str, Forward]:
     """input ids -> logits [B, S, V] for each model."""
-    return {"ours": ours, "theirs": lambda ids: theirs(ids, use_cache=False).logits}
+    return {
+        "ours": lambda ids: ours(ids).logits,
+        "theirs": lambda ids: theirs(ids, use_cache=False).logits,
+    }
 
 
 def max_logit_diff(

@@ -11,20 +11,23 @@ passes every rule of ``factory.checks`` without a finding. The rule:
   the first two (no ``*``: the first min(len, 8) layers), append the stack's last
   layer unless the proxy already ends with it, then one layer of each type still
   missing. MTP is kept as written: the ``/`` segments or ``model.mtp`` as is.
-* **Attention.** r = heads / kv_heads is kept: kv_heads = 1 if r >= 8 else
-  min(kv_heads, 2); heads = r * kv_heads; head_dim is the multiple of 8 (>= 8)
-  nearest heads * head_dim * s / proxy heads.
-* **Mamba.** head_dim 16, state_size 16, chunk_size 16, groups min(groups, 2);
-  heads is the multiple of groups (>= groups) nearest d_inner * s / 16, of
-  lcm(groups, 16) under a quantised recipe (in_proj must be 16-aligned there).
-  Other fields are kept.
-* **MLP and MoE.** Every intermediate width (dense, expert, shared) is the
-  multiple of 8 (>= 8) nearest width * s. Experts: 32 if there were >= 32
-  (else all); top_k = round(top_k * experts / num_experts), at least 2 when the
-  source routes to 2 or more, which keeps top_k / num_experts to rounding;
-  latent_size = width * latent / hidden keeps d / latent. The router is kept,
-  its groups reduced to the largest divisor of the expert count not above them
-  and group_top_k capped at the groups.
+* **Layer sections.** Each layer type shrinks its own section
+  (``LayerType.shrink`` in ``factory.layers``):
+
+  - attention: r = heads / kv_heads is kept: kv_heads = 1 if r >= 8 else
+    min(kv_heads, 2); heads = r * kv_heads; head_dim is the multiple of 8
+    (>= 8) nearest heads * head_dim * s / proxy heads;
+  - Mamba: head_dim 16, state_size 16, chunk_size 16, groups min(groups, 2);
+    heads is the multiple of groups (>= groups) nearest d_inner * s / 16, of
+    lcm(groups, 16) under a quantised recipe (in_proj must be 16-aligned there);
+    other fields are kept;
+  - MLP and MoE: every intermediate width (dense, expert, shared) is the
+    multiple of 8 (>= 8) nearest width * s. Experts: 32 if there were >= 32
+    (else all); top_k = round(top_k * experts / num_experts), at least 2 when
+    the source routes to 2 or more, which keeps top_k / num_experts to
+    rounding; latent_size = width * latent / hidden keeps d / latent. The router
+    is kept, its groups reduced to the largest divisor of the expert count not
+    above them and group_top_k capped at the groups.
 * **Rest.** vocab_size min(vocab, 4096) (the small tokenizer), max_seq_len
   min(max_seq_len, 4096), init std kept (no checkpoint or upcycling source: their
   weights have the full-size shapes). Precision: recipe, options, overrides and
@@ -59,26 +62,17 @@ parameters         22,871,792                  14,132,768
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from factory.checks.model_rules import uses_low_precision
 from factory.schemas.blueprint import Blueprint
+from factory.spec.layer_type import LAYER_TYPES, ProxyScale
+from factory.spec.rounding import half_up
 
 __all__ = ["derive_proxy", "proxy_pattern"]
 
-PROXY_EXPERTS = 32
 PROXY_STEPS, PROXY_GLOBAL_BATCH, PROXY_MICRO_BATCH, PROXY_SEQ_LEN = 300, 8, 2, 256
 PROXY_VOCAB, PROXY_MAX_SEQ_LEN, PROXY_CHECKPOINT_INTERVAL = 4096, 4096, 100
-
-
-def _half_up(x: float) -> int:
-    return math.floor(x + 0.5)
-
-
-def _nearest(x: float, multiple: int) -> int:
-    """The positive multiple of ``multiple`` nearest ``x`` (ties up)."""
-    return max(multiple, multiple * _half_up(x / multiple))
 
 
 def proxy_pattern(main: str) -> str:
@@ -97,12 +91,26 @@ def proxy_pattern(main: str) -> str:
 
 
 def _scale_layers(count: int, proxy_layers: int, layers: int) -> int:
-    return max(1, _half_up(count * proxy_layers / layers)) if count else 0
+    return max(1, half_up(count * proxy_layers / layers)) if count else 0
+
+
+def _shrink_sections(bp: Blueprint, model: dict[str, Any], width: int) -> None:
+    """Each layer type shrinks its own section (``factory.layers``)."""
+    src = bp.model
+    proxy = ProxyScale(
+        width=width,
+        source_width=src.hidden_size,
+        scale=width / src.hidden_size,
+        quantized=uses_low_precision(bp),
+    )
+    for kind in LAYER_TYPES.values():
+        source = getattr(src, kind.section) if kind.section is not None else None
+        if source is not None:
+            kind.shrink(model[kind.section], source, proxy)
 
 
 def derive_proxy(bp: Blueprint, width: int = 256) -> Blueprint:
     """A CPU-sized blueprint of ``bp``'s family; the rule is the module docstring."""
-    s = width / bp.model.hidden_size
     src = bp.model
     data: dict[str, Any] = bp.model_dump(exclude_unset=True)
     model: dict[str, Any] = data["model"]
@@ -113,43 +121,7 @@ def derive_proxy(bp: Blueprint, width: int = 256) -> Blueprint:
     model["vocab_size"] = min(src.vocab_size, PROXY_VOCAB)
     model["max_seq_len"] = min(src.max_seq_len, PROXY_MAX_SEQ_LEN)
     model["init"] = {"std": src.init.std}
-
-    if (att := src.attention) is not None:
-        ratio = att.heads // att.kv_heads
-        kv_heads = 1 if ratio >= 8 else min(att.kv_heads, 2)
-        heads = ratio * kv_heads
-        head_dim = _nearest(att.heads * att.head_dim * s / heads, 8)
-        model["attention"].update(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
-
-    if (mamba := src.mamba) is not None:
-        groups = min(mamba.groups, 2)
-        step = math.lcm(groups, 16) if uses_low_precision(bp) else groups
-        heads = _nearest(mamba.d_inner * s / 16, step)
-        model["mamba"].update(heads=heads, head_dim=16, groups=groups, state_size=16, chunk_size=16)
-
-    if (mlp := src.mlp) is not None:
-        model["mlp"]["intermediate_size"] = _nearest(mlp.intermediate_size * s, 8)
-
-    if (moe := src.moe) is not None:
-        experts = PROXY_EXPERTS if moe.num_experts >= PROXY_EXPERTS else moe.num_experts
-        # At least two experts per token (when the source routes to two or more): with one,
-        # normalised sigmoid weights are constant and the LM loss never trains the router.
-        top_k = max(min(2, moe.top_k), _half_up(moe.top_k * experts / moe.num_experts))
-        router_groups = max(g for g in range(1, moe.router.num_groups + 1) if experts % g == 0)
-        model["moe"].update(
-            num_experts=experts,
-            top_k=top_k,
-            expert_intermediate_size=_nearest(moe.expert_intermediate_size * s, 8),
-        )
-        if moe.shared_expert_intermediate_size:
-            shared = _nearest(moe.shared_expert_intermediate_size * s, 8)
-            model["moe"]["shared_expert_intermediate_size"] = shared
-        if moe.latent_size is not None:
-            model["moe"]["latent_size"] = _half_up(width * moe.latent_size / src.hidden_size)
-        router = model["moe"].setdefault("router", {})
-        router.update(
-            num_groups=router_groups, group_top_k=min(moe.router.group_top_k, router_groups)
-        )
+    _shrink_sections(bp, model, width)
 
     hp, layers = bp.precision.high_precision, src.num_layers
     data.setdefault("precision", {})["high_precision"] = {

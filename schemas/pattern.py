@@ -11,10 +11,15 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-__all__ = ["LAYER_SYMBOLS", "HybridPattern", "PatternError"]
+import factory.layers  # noqa: F401  (registers the built-in layer types)
+from factory.spec.layer_type import LAYER_TYPES
 
-LAYER_SYMBOLS: dict[str, str] = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
-"""Layer symbols this factory builds, mapped to the layer-type names used everywhere else."""
+__all__ = ["HybridPattern", "PatternError", "layer_symbols"]
+
+
+def layer_symbols() -> dict[str, str]:
+    """Registered layer symbols mapped to their layer-type names (``factory.layers``)."""
+    return {symbol: kind.name for symbol, kind in LAYER_TYPES.items()}
 
 PIPE = "|"
 MTP_SEPARATOR = "/"
@@ -51,19 +56,22 @@ class HybridPattern:
     def parse(cls, text: str) -> HybridPattern:
         if not text or not text.strip():
             raise PatternError("the pattern is empty")
+        known = layer_symbols()
         for position, char in enumerate(text):
-            if char in LAYER_SYMBOLS or char in (PIPE, MTP_SEPARATOR):
+            if char in known or char in (PIPE, MTP_SEPARATOR):
                 continue
             if char in _MEGATRON_ONLY:
                 raise PatternError(
                     f"symbol {char!r} at position {position} ({_MEGATRON_ONLY[char]}) is "
-                    "Megatron's but not built by factory; use M * - E | /",
+                    "Megatron's but not built by factory; use "
+                    + " ".join(known)
+                    + " | /",
                     position,
                 )
+            legend = ", ".join(f"{symbol} ({name})" for symbol, name in known.items())
             raise PatternError(
                 f"unknown symbol {char!r} at position {position}; "
-                "known symbols: M (Mamba-2), * (attention), - (MLP), E (MoE), "
-                "| (pipeline), / (MTP)",
+                f"known symbols: {legend}, | (pipeline), / (MTP)",
                 position,
             )
         main, *mtp = text.split(MTP_SEPARATOR)
@@ -99,12 +107,13 @@ class HybridPattern:
 
     def layer_types(self) -> list[str]:
         """Layer-type names of the main stack, in order."""
-        return [LAYER_SYMBOLS[c] for c in self.main]
+        names = layer_symbols()
+        return [names[c] for c in self.main]
 
     def counts(self) -> dict[str, int]:
         """Number of main-stack layers of each type (types absent from the pattern are 0)."""
         found = Counter(self.main)
-        return {name: found.get(symbol, 0) for symbol, name in LAYER_SYMBOLS.items()}
+        return {name: found.get(symbol, 0) for symbol, name in layer_symbols().items()}
 
     def symbols(self) -> set[str]:
         """Every layer symbol used anywhere, MTP segments included."""

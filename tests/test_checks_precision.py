@@ -57,8 +57,8 @@ CASES = [
     ),
     (
         "precision.override_globs",
-        {"precision.overrides": {"layers.9.*": "bf16"}},
-        "precision.overrides['layers.9.*']",
+        {"precision.overrides": {"backbone.layers.9.*": "bf16"}},
+        "precision.overrides['backbone.layers.9.*']",
         ("26",),
         "error",
     ),
@@ -118,7 +118,7 @@ def test_every_precision_rule_has_a_firing_case():
             "precision.recipe": "nvfp4",
             "precision.overrides": {
                 "*.mixer.out_proj": "mxfp8",
-                "layers.3.mixer.experts.*": "bf16",
+                "backbone.layers.3.mixer.experts.*": "bf16",
                 "*shared_experts*": "fp8",
             },
             "precision.switch_to_bf16": {"after_fraction": 0.9},
@@ -144,4 +144,4 @@ def test_blackwell_formats_are_fine_on_blackwell():
 def test_glob_on_a_router_gate_says_it_is_never_quantised():
     bp = make(**{"precision.overrides": {"*.mixer.gate": "fp8"}})
     finding = assert_fires("precision.override_globs", bp, "precision.overrides['*.mixer.gate']")
-    assert "layers.3.mixer.gate" in finding.message
+    assert "backbone.layers.3.mixer.gate" in finding.message

@@ -11,7 +11,7 @@ from blueprint_factory import make
 
 import factory
 from factory.graph.loss import language_model_loss
-from factory.naming import linear_module_names
+from factory.precision.policy import quantizable_gemm_names
 
 PRESETS = ["nano", "super", "ultra", "nemotron_h_8b", "nemotron_nano_9b_v2"]
 
@@ -41,13 +41,14 @@ def test_ultra_on_meta_stays_under_two_gigabytes() -> None:
     assert int(result.stdout.strip()) < 2 * 1024 * 1024  # ru_maxrss is in KiB on Linux
 
 
-def test_parameter_names_follow_the_naming_contract() -> None:
+def test_precision_table_names_are_graph_names() -> None:
     compiled = factory.compile(factory.load_blueprint("super"), proxy=True)
-    keys = set(compiled.model.state_dict())
-    for name in linear_module_names(compiled.blueprint.model):
-        prefix = "" if name.startswith("mtp.") else "backbone."
-        key = prefix + name + ("" if ".experts." in name else ".weight")
-        assert key in keys, key
+    model = compiled.model
+    for name in quantizable_gemm_names(compiled.blueprint.model):
+        if ".experts." in name:
+            assert isinstance(model.get_parameter(name), torch.nn.Parameter), name
+        else:
+            assert isinstance(model.get_submodule(name), torch.nn.Linear), name
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +56,27 @@ def super_proxy() -> factory.graph.compile.Compiled:
     return factory.compile(factory.load_blueprint("super"), proxy=True, seed=7)
 
 
-def test_forward_returns_logits_with_extras(super_proxy) -> None:
+def test_forward_returns_a_typed_output(super_proxy) -> None:
     model = super_proxy.model.train()
     ids = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(0))
-    logits = model(ids)
-    assert logits.shape == (2, 32, 4096)
-    assert len(logits.extras.mtp_logits) == 2  # depth 2, one repeated block
-    assert all(t.shape == logits.shape for t in logits.extras.mtp_logits)
-    assert logits.extras.aux_loss is not None and logits.extras.aux_loss > 0
+    out = model(ids)
+    assert out.logits.shape == (2, 32, 4096)
+    assert len(out.mtp_logits) == 2  # depth 2, one repeated block
+    assert all(t.shape == out.logits.shape for t in out.mtp_logits)
+    assert out.aux_loss is not None and out.aux_loss > 0
+    moe_layers = [
+        f"backbone.layers.{i}"
+        for i, c in enumerate(super_proxy.blueprint.model.layout.main)
+        if c == "E"
+    ]
+    assert list(out.tokens_per_expert) == [*moe_layers, "mtp.layers.1"]
+    top_k = super_proxy.blueprint.model.moe.top_k
+    for name, load in out.tokens_per_expert.items():
+        # every token routes top_k times; the repeated MTP block sums its two depths
+        depths = 2 if name.startswith("mtp.") else 1
+        assert int(load.sum()) == 2 * 32 * top_k * depths, name
     model.eval()
-    assert model(ids).extras.aux_loss is None
+    assert model(ids).aux_loss is None
 
 
 def test_every_trainable_parameter_gets_a_gradient(super_proxy) -> None:
@@ -83,15 +95,15 @@ def test_loss_scales_the_mtp_term(super_proxy) -> None:
     model = super_proxy.model.eval()
     ids = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        logits = model(ids)
-    plain = language_model_loss(logits, ids, mtp_loss_scale=0.0)
-    scaled = language_model_loss(logits, ids, mtp_loss_scale=0.3)
+        out = model(ids)
+    plain = language_model_loss(out, ids, mtp_loss_scale=0.0)
+    scaled = language_model_loss(out, ids, mtp_loss_scale=0.3)
     assert len(scaled.mtp) == 2
     expected = plain.total + 0.3 * torch.stack(scaled.mtp).mean()
     assert torch.allclose(scaled.total, expected)
     # depth 1 predicts token i+2: its loss is the CE of its logits against ids shifted by 2
     ce = torch.nn.functional.cross_entropy(
-        logits.extras.mtp_logits[0][:, :-2].flatten(0, 1), ids[:, 2:].flatten()
+        out.mtp_logits[0][:, :-2].flatten(0, 1), ids[:, 2:].flatten()
     )
     assert torch.allclose(scaled.mtp[0], ce)
 
@@ -110,13 +122,11 @@ def test_same_seed_same_weights_other_seed_other_weights() -> None:
 def test_expert_bias_moves_towards_balance() -> None:
     model = factory.compile(make(), seed=0).model.train()
     ids = torch.randint(0, 1024, (2, 64), generator=torch.Generator().manual_seed(3))
-    model(ids)
-    gate = model.backbone.layers[3].mixer.gate
-    load = gate.tokens_per_expert.clone()
-    model.update_expert_biases()
-    bias = gate.e_score_correction_bias
-    assert torch.all(bias[load > load.mean()] < 0) and torch.all(bias[load < load.mean()] > 0)
-    assert gate.tokens_per_expert.sum() == 0
+    load = model(ids).tokens_per_expert
+    model.update_expert_biases(load)
+    layer = load["backbone.layers.3"].float()
+    bias = model.backbone.layers[3].mixer.gate.e_score_correction_bias
+    assert torch.all(bias[layer > layer.mean()] < 0) and torch.all(bias[layer < layer.mean()] > 0)
 
 
 def test_capacity_factor_drops_overflow_tokens_only() -> None:
@@ -125,7 +135,7 @@ def test_capacity_factor_drops_overflow_tokens_only() -> None:
     for factor in (None, 100.0, 0.25):
         model = factory.compile(make(**{"model.moe.capacity_factor": factor}), seed=0).model.eval()
         with torch.no_grad():
-            outputs[factor] = model(ids)
+            outputs[factor] = model(ids).logits
     assert torch.allclose(outputs[None], outputs[100.0])
     assert not torch.allclose(outputs[None], outputs[0.25])
 
@@ -163,4 +173,4 @@ def test_bf16_keeps_the_router_in_fp32() -> None:
     assert model.backbone.layers[3].mixer.gate.weight.dtype == torch.float32
     assert model.backbone.layers[0].mixer.in_proj.weight.dtype == torch.bfloat16
     ids = torch.randint(0, 1024, (1, 16))
-    assert model(ids).dtype == torch.bfloat16
+    assert model(ids).logits.dtype == torch.bfloat16

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from reference_models import SUPER_PATTERN, VOCAB, nano, super_, ultra
 
-from factory.planner.flops import FLOPS_KEYS, flops_per_token, megatron_flops_per_sequence
+from factory.planner.flops import flops_keys, flops_per_token, megatron_flops_per_sequence
 from factory.planner.params import count_params
 from factory.schemas.model import ModelConfig
 
@@ -75,7 +75,7 @@ def test_exact_nano_mamba_from_checkpoint_shapes() -> None:
 
 def test_exact_splits_and_sums() -> None:
     flops = flops_per_token(super_(SUPER_PATTERN + "/*E/*E"), 4096)
-    assert tuple(flops.by_layer_type) == FLOPS_KEYS
+    assert tuple(flops.by_layer_type) == flops_keys()
     assert sum(flops.by_layer_type.values()) == flops.exact == 3 * flops.exact_forward
     assert sum(flops.megatron_by_layer_type.values()) == flops.megatron
     assert flops.to_dict()["seq_len"] == 4096

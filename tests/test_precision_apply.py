@@ -19,7 +19,7 @@ import factory
 from factory.graph.compile import Compiled
 from factory.graph.moe import RoutedExperts
 from factory.loading.load import load_blueprint
-from factory.precision.apply import PrecisionRuntime, apply_precision, module_path
+from factory.precision.apply import PrecisionRuntime, apply_precision
 from factory.precision.policy import resolve_policy
 from factory.precision.qlinear import QuantizedExpertLinear, QuantizedLinear
 from factory.precision.quantizers import (
@@ -40,13 +40,14 @@ EXPERTS = ".experts."
 
 def loss_of(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Next-token cross-entropy of the main head and every MTP depth, plus the aux loss."""
-    logits = model(ids)
+    out = model(ids)
+    logits = out.logits
     vocab = logits.shape[-1]
     loss = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
-    for k, mtp in enumerate(logits.extras.mtp_logits, start=2):
+    for k, mtp in enumerate(out.mtp_logits, start=2):
         loss = loss + F.cross_entropy(mtp[:, :-k].reshape(-1, vocab), ids[:, k:].reshape(-1))
-    if logits.extras.aux_loss is not None:
-        loss = loss + logits.extras.aux_loss
+    if out.aux_loss is not None:
+        loss = loss + out.aux_loss
     return logits, loss
 
 
@@ -105,9 +106,9 @@ def test_auto_on_cpu_installs_exactly_the_table(quantized: Compiled) -> None:
     for index, row in enumerate(table):
         if EXPERTS in row.name:
             owner, projection = row.name.rsplit(".", 1)
-            hooks.setdefault(module_path(owner), {})[projection] = row.recipe
+            hooks.setdefault(owner, {})[projection] = row.recipe
             continue
-        module = model.get_submodule(module_path(row.name))
+        module = model.get_submodule(row.name)
         if row.recipe == "bf16":
             assert type(module) is nn.Linear, row.name
             continue
@@ -132,7 +133,7 @@ def test_auto_on_cpu_installs_exactly_the_table(quantized: Compiled) -> None:
         for projection in quantized_names:
             q = experts.linear.quantizers[projection]
             assert type(q) is QUANTIZER_CLASS[recipes[projection]]
-            assert q is runtime.quantizers[f"{path.removeprefix('backbone.')}.{projection}"]
+            assert q is runtime.quantizers[f"{path}.{projection}"]
 
     quantized_linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     expert_hooks = [
@@ -151,7 +152,7 @@ def test_the_table_follows_the_super_policy(quantized: Compiled) -> None:
     last = quantized.blueprint.precision.high_precision.last
     assert last > 0
     for row in runtime.table:
-        index = int(row.name.split(".")[1]) if row.name.startswith("layers.") else None
+        index = row.layer
         high_precision = row.name.startswith("mtp.") or (
             index is not None and index >= layers - last
         )
@@ -255,7 +256,7 @@ def test_switch_to_bf16_flips_at_the_token_count(
     compiled.model.eval()
     plain.model.eval()
     with torch.no_grad():
-        assert torch.equal(compiled.model(ids[:, :16]), plain.model(ids[:, :16]))
+        assert torch.equal(compiled.model(ids[:, :16]).logits, plain.model(ids[:, :16]).logits)
 
 
 def test_switch_at_the_end_of_training() -> None:
@@ -308,7 +309,7 @@ def test_mor_table_reports_its_fp8_fraction(quantized: Compiled) -> None:
     # the calls), the input once per call: 3 units over two calls. Gaussian data
     # has ~2.6% FP8 error (kept in FP8); a tensor of 272s next to one 448 has scale 1 and
     # every 272 halfway between the E4M3 neighbours 256 and 288: 5.9% error, so BF16.
-    linear = compiled.model.get_submodule(module_path(mor_rows[0]))
+    linear = compiled.model.get_submodule(mor_rows[0])
     with torch.no_grad():
         linear(torch.randn(8, linear.in_features, generator=torch.Generator().manual_seed(0)))
         assert runtime.mor_fp8_fraction() == 1.0

@@ -7,7 +7,6 @@ import json
 import pytest
 
 import factory
-from factory.naming import layer_index_of
 from factory.precision.policy import flops_share, resolve_policy
 
 
@@ -16,7 +15,7 @@ def test_published_split(name: str, last: int) -> None:
     bp = factory.load_blueprint(name)
     layers = bp.model.num_layers
     for row in resolve_policy(bp):
-        index = layer_index_of(row.name)
+        index = row.layer
         leaf = row.name.rsplit(".", 1)[-1]
         if row.name.startswith("mtp."):
             expected = "bf16"  # MTP layers
@@ -39,22 +38,22 @@ def test_high_precision_beats_overrides_and_later_globs_win() -> None:
         [
             "precision.recipe=fp8",
             "precision.high_precision.first=1",
-            "precision.overrides={'*.mixer.in_proj': mxfp8, 'layers.2.*': nvfp4}",
+            "precision.overrides={'*.mixer.in_proj': mxfp8, 'backbone.layers.2.*': nvfp4}",
         ],
     )
     table = {row.name: row for row in resolve_policy(bp)}
-    assert table["layers.0.mixer.in_proj"].recipe == "bf16"
-    assert table["layers.0.mixer.in_proj"].reason == "high_precision"
-    assert table["layers.2.mixer.in_proj"].recipe == "nvfp4"  # the later glob wins
-    assert table["layers.4.mixer.in_proj"].recipe == "mxfp8"
-    assert table["layers.5.mixer.q_proj"].recipe == "fp8"
+    assert table["backbone.layers.0.mixer.in_proj"].recipe == "bf16"
+    assert table["backbone.layers.0.mixer.in_proj"].reason == "high_precision"
+    assert table["backbone.layers.2.mixer.in_proj"].recipe == "nvfp4"  # the later glob wins
+    assert table["backbone.layers.4.mixer.in_proj"].recipe == "mxfp8"
+    assert table["backbone.layers.5.mixer.q_proj"].recipe == "fp8"
 
 
 def test_flops_shares_sum_to_one_and_count_experts_top_k_times() -> None:
     bp = factory.load_blueprint("nano")
     table = resolve_policy(bp)
     assert sum(flops_share(table).values()) == pytest.approx(1.0)
-    up = next(r for r in table if r.name == "layers.1.mixer.experts.up_proj")
+    up = next(r for r in table if r.name == "backbone.layers.1.mixer.experts.up_proj")
     assert up.flops_per_token == 2 * 2688 * 1856 * 6
 
 
@@ -63,4 +62,4 @@ def test_cli_prints_the_table(cli) -> None:
     assert status == 0, err
     doc = json.loads(out)
     assert set(doc["flops_share"]) == {"bf16", "mxfp8", "nvfp4"}
-    assert doc["modules"][0]["module"] == "layers.0.mixer.in_proj"
+    assert doc["modules"][0]["module"] == "backbone.layers.0.mixer.in_proj"

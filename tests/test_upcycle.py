@@ -74,7 +74,7 @@ def dense(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
 @pytest.fixture(scope="module")
 def dense_logits(dense: tuple[Any, Path]) -> torch.Tensor:
     with torch.no_grad():
-        return dense[0](tokens())
+        return dense[0](tokens()).logits
 
 
 def upcycled(
@@ -120,7 +120,7 @@ def test_upcycled_model_reproduces_dense_logits(
 ) -> None:
     moe_model = upcycled(dense[1], pattern, **section).eval()
     with torch.no_grad():
-        logits = moe_model(tokens())
+        logits = moe_model(tokens()).logits
     assert logits.abs().max() > 0.1  # not trivially zero
     assert torch.allclose(logits, dense_logits, atol=1e-5, rtol=0)
 
@@ -135,7 +135,7 @@ def test_swiglu_upcycles_to_swiglu_experts(tmp_path: Path) -> None:
     dense_gate = model.backbone.layers[3].mixer.gate_proj.weight
     assert torch.equal(experts.gate_proj[6], dense_gate[64:96])
     with torch.no_grad():
-        assert torch.allclose(moe_model(tokens()), model(tokens()), atol=1e-5, rtol=0)
+        assert torch.allclose(moe_model(tokens()).logits, model(tokens()).logits, atol=1e-5, rtol=0)
 
 
 def test_shards_copies_router_and_shared_expert(dense: tuple[Any, Path]) -> None:
@@ -194,10 +194,10 @@ def test_training_breaks_symmetry_through_gradients(
     assert torch.equal(experts.up_proj[:4], experts.up_proj[4:])  # two identical copies
     before = mixer.gate.weight.detach().clone()
     ids = tokens()
-    logits = model(ids)  # training mode adds no noise: still the dense model
-    assert torch.allclose(logits.detach(), dense_logits, atol=1e-5, rtol=0)
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-    (loss + logits.extras.aux_loss).backward()
+    out = model(ids)  # training mode adds no noise: still the dense model
+    assert torch.allclose(out.logits.detach(), dense_logits, atol=1e-5, rtol=0)
+    loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    (loss + out.aux_loss).backward()
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     assert not torch.equal(mixer.gate.weight, before)  # the router moves
     assert not torch.equal(experts.up_proj[:4], experts.up_proj[4:])  # copies saw other tokens

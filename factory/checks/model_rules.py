@@ -14,14 +14,13 @@ from collections.abc import Iterator
 from factory.checks.registry import Finding, rule
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.model import ModelConfig
-from factory.schemas.pattern import LAYER_SYMBOLS, MTP_SEPARATOR, PIPE, HybridPattern, PatternError
+from factory.schemas.pattern import MTP_SEPARATOR, PIPE, HybridPattern, PatternError
+from factory.spec.layer_type import LAYER_TYPES
 
 __all__ = ["LOW_PRECISION", "used_symbols", "uses_low_precision"]
 
 LOW_PRECISION = frozenset({"fp8", "mxfp8", "nvfp4", "mor"})
 """Recipes that run GEMMs through Transformer Engine's quantised kernels."""
-
-_SECTION_OF = {"*": "attention", "M": "mamba", "-": "mlp", "E": "moe"}
 
 
 def used_symbols(model: ModelConfig) -> set[str]:
@@ -30,7 +29,7 @@ def used_symbols(model: ModelConfig) -> set[str]:
     Characters of a malformed ``model.mtp.pattern`` are ignored here; the
     ``model.mtp_pattern`` rule reports them.
     """
-    return (set(model.layout.main) | set(model.mtp_pattern)) & set(LAYER_SYMBOLS)
+    return (set(model.layout.main) | set(model.mtp_pattern)) & set(LAYER_TYPES)
 
 
 def uses_low_precision(bp: Blueprint) -> bool:
@@ -49,11 +48,12 @@ def layer_sections(bp: Blueprint) -> Iterator[Finding]:
     """Every layer type in the pattern (main or MTP) has its config section."""
     model = bp.model
     for symbol in sorted(used_symbols(model)):
-        section = _SECTION_OF[symbol]
-        if getattr(model, section) is None:
+        kind = LAYER_TYPES[symbol]
+        section = kind.section
+        if section is not None and getattr(model, section) is None:
             yield Finding(
                 f"model.{section}",
-                f"the pattern has {_count(model, symbol)} {symbol!r} ({LAYER_SYMBOLS[symbol]}) "
+                f"the pattern has {_count(model, symbol)} {symbol!r} ({kind.name}) "
                 f"layers but model.{section} is not set",
             )
 
@@ -62,8 +62,9 @@ def layer_sections(bp: Blueprint) -> Iterator[Finding]:
 def unused_sections(bp: Blueprint) -> Iterator[Finding]:
     """A layer section that no layer uses is probably a pattern typo."""
     used = used_symbols(bp.model)
-    for symbol, section in _SECTION_OF.items():
-        if getattr(bp.model, section) is not None and symbol not in used:
+    for symbol, kind in LAYER_TYPES.items():
+        section = kind.section
+        if section is not None and getattr(bp.model, section) is not None and symbol not in used:
             yield Finding(
                 f"model.{section}",
                 f"model.{section} is set but the pattern has no {symbol!r} layers; it is ignored",

@@ -1,9 +1,9 @@
 """Rules on the ``precision`` section against the model and pipeline.
 
 The high-precision layer counts follow Megatron's ``--first-last-layers-bf16``
-(``/work/shared/reference/nvfp4.md`` §4.5); override globs are checked
-against ``factory.naming`` so that a typo cannot silently leave a layer in
-the default format.
+(``docs/precision.md``); override globs are checked against the model spec's
+GEMM names so that a typo cannot silently leave a layer in the default
+format.
 """
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ from factory.checks.model_rules import uses_low_precision
 from factory.checks.registry import Finding, rule
 from factory.errors import did_you_mean
 from factory.loading.paths import join_path
-from factory.naming import excluded_module_names, generalized_names, linear_module_names
+from factory.precision.policy import (
+    excluded_gemm_names,
+    generalized_gemm_names,
+    quantizable_gemm_names,
+)
 from factory.schemas.blueprint import Blueprint
 
 __all__: list[str] = []
@@ -66,15 +70,15 @@ def override_globs(bp: Blueprint) -> Iterator[Finding]:
     """Every override glob matches at least one quantisable linear module."""
     if not bp.precision.overrides:
         return
-    names = linear_module_names(bp.model)
+    names = quantizable_gemm_names(bp.model)
     for glob in bp.precision.overrides:
         if any(fnmatchcase(name, glob) for name in names):
             continue
-        excluded = [name for name in excluded_module_names(bp.model) if fnmatchcase(name, glob)]
+        excluded = [name for name in excluded_gemm_names(bp.model) if fnmatchcase(name, glob)]
         if excluded:
             hint = f"; it matches {excluded[0]!r}, which is never quantised (stays BF16/FP32)"
         else:
-            hint = did_you_mean(glob, generalized_names(bp.model))
+            hint = did_you_mean(glob, generalized_gemm_names(bp.model))
         yield Finding(
             join_path("precision.overrides", glob),
             f"override {glob!r} matches none of the {len(names)} linear modules{hint}",

@@ -1,6 +1,6 @@
 """Hugging Face checkpoints: write and read ``config.json`` + ``model.safetensors``.
 
-Tensor names are the released Nemotron 3 checkpoints' (architecture.md §6.3):
+Tensor names are the released Nemotron 3 checkpoints' (``docs/architecture.md``):
 ``backbone.*``, ``lm_head.weight``, ``mtp.layers.*``, and one tensor per
 routed expert (``mixer.experts.{e}.up_proj.weight``), which transformers merges
 into its 3D expert weights on load. Our graph already uses these names, so the
@@ -19,26 +19,33 @@ from factory.exports.hf_config import hf_config
 from factory.graph.model import HybridLM
 from factory.io import staged_directory
 from factory.schemas.blueprint import Blueprint
+from factory.spec.model import model_spec
 
 __all__ = ["export_hf", "load_hf_state_dict", "to_checkpoint_state_dict"]
 
-_EXPERTS = re.compile(r"^(.*\.mixer\.experts)\.(up_proj|down_proj|gate_proj)$")
 _PER_EXPERT = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj|gate_proj)\.weight$")
 
 
 def to_checkpoint_state_dict(model: HybridLM) -> dict[str, torch.Tensor]:
-    """Our state dict with 3D expert weights split into per-expert matrices; tied head dropped."""
+    """Our state dict under the checkpoint's names, read from the model spec: a tensor with an
+    expert dimension becomes one matrix per expert (``experts.{e}.up_proj.weight``), a tied
+    head is dropped, and tensors NemotronH always has but this model lacks are zeros."""
+    spec = model_spec(model.cfg)
+    state = model.state_dict()
     out: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        match = _EXPERTS.match(name)
-        if match:
-            prefix, proj = match.groups()
-            for e, matrix in enumerate(tensor.unbind(0)):
-                out[f"{prefix}.{e}.{proj}.weight"] = matrix.contiguous()
-        elif name == "lm_head.weight" and model.cfg.tie_embeddings:
+    for tensor in spec.tensors():
+        value = state[tensor.name]
+        if tensor.tied_to is not None:
             continue
+        if tensor.expert_dim is not None:
+            owner, _, projection = tensor.name.rpartition(".")
+            for e, matrix in enumerate(value.unbind(tensor.expert_dim)):
+                out[f"{owner}.{e}.{projection}.weight"] = matrix.contiguous()
         else:
-            out[name] = tensor.contiguous()
+            out[tensor.name] = value.contiguous()
+    for layer in spec.layers:
+        for name, shape in layer.type.hf_zero_tensors(model.cfg, f"{layer.prefix}.mixer"):
+            out[name] = torch.zeros(shape, dtype=torch.float32)  # the router's dtype
     return out
 
 

@@ -1,81 +1,39 @@
-"""One residual block per pattern symbol, and the registry that maps symbols to mixers.
+"""One residual block per layer of the model spec: ``x + mixer(norm(x))``.
 
-Every layer is ``x + mixer(norm(x))``: there is no separate MLP sub-block, each
-pattern character is one whole residual block (as in Megatron's hybrid model
-and the Hugging Face checkpoints, whose keys are ``layers.{i}.norm`` and
-``layers.{i}.mixer.*``). A new layer type registers a builder here and needs
-no change anywhere else in the graph.
+There is no separate MLP sub-block: each pattern character is one whole
+residual block, as in Megatron's hybrid model and the Hugging Face checkpoints
+(``layers.{i}.norm``, ``layers.{i}.mixer.*``). The mixer comes from the layer
+type registered for the symbol (``factory.layers``), so a new layer type needs
+no change here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from factory.graph.attention import Attention
-from factory.graph.mamba import Mamba2Mixer
-from factory.graph.mlp import MLP
-from factory.graph.moe import MoE
 from factory.graph.norms import RMSNorm
+from factory.graph.outputs import RoutedOutput
 from factory.schemas.model import ModelConfig
+from factory.spec.model import LayerSpec
 
-__all__ = ["MIXERS", "Block", "build_mixer"]
-
-MixerBuilder = Callable[[ModelConfig], nn.Module]
-MIXERS: dict[str, MixerBuilder] = {}
-
-
-def register(symbol: str) -> Callable[[MixerBuilder], MixerBuilder]:
-    def wrap(builder: MixerBuilder) -> MixerBuilder:
-        MIXERS[symbol] = builder
-        return builder
-
-    return wrap
-
-
-def _required(section: object, symbol: str) -> object:
-    if section is None:  # the model rules reject this before compile; keep a clear message
-        raise ValueError(f"pattern symbol {symbol!r} needs its model section")
-    return section
-
-
-@register("M")
-def _mamba(cfg: ModelConfig) -> nn.Module:
-    return Mamba2Mixer(cfg.hidden_size, _required(cfg.mamba, "M"), cfg.norm_eps)  # type: ignore[arg-type]
-
-
-@register("*")
-def _attention(cfg: ModelConfig) -> nn.Module:
-    rope = (cfg.rope_base, cfg.rope_fraction) if cfg.position_embedding == "rope" else None
-    return Attention(cfg.hidden_size, _required(cfg.attention, "*"), rope)  # type: ignore[arg-type]
-
-
-@register("-")
-def _mlp(cfg: ModelConfig) -> nn.Module:
-    mlp = _required(cfg.mlp, "-")
-    return MLP(cfg.hidden_size, mlp.intermediate_size, mlp.activation, mlp.bias)  # type: ignore[attr-defined]
-
-
-@register("E")
-def _moe(cfg: ModelConfig) -> nn.Module:
-    mlp_bias = cfg.mlp.bias if cfg.mlp is not None else False
-    return MoE(cfg.hidden_size, _required(cfg.moe, "E"), mlp_bias)  # type: ignore[arg-type]
-
-
-def build_mixer(cfg: ModelConfig, symbol: str) -> nn.Module:
-    return MIXERS[symbol](cfg)
+__all__ = ["Block"]
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: ``x + mixer(norm(x))``."""
+    """Pre-norm residual block. ``forward`` returns the new hidden state and, for a routing
+    mixer, its :class:`RoutedOutput`."""
 
-    def __init__(self, cfg: ModelConfig, symbol: str) -> None:
+    def __init__(self, cfg: ModelConfig, layer: LayerSpec) -> None:
         super().__init__()
-        self.symbol = symbol
+        self.symbol = layer.symbol
+        self.path = layer.prefix
+        """The block's path in the graph (``backbone.layers.3``), which keys its router stats."""
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mixer = build_mixer(cfg, symbol)
+        self.mixer = layer.type.build(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mixer(self.norm(x))
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutedOutput | None]:
+        out = self.mixer(self.norm(x))
+        if isinstance(out, RoutedOutput):
+            return x + out.y, out
+        return x + out, None

@@ -11,6 +11,7 @@ from factory.graph.init import initialize
 from factory.graph.model import HybridLM
 from factory.planner.plan import Plan, plan
 from factory.schemas.blueprint import Blueprint
+from factory.spec.model import model_spec
 
 if TYPE_CHECKING:
     from factory.precision.apply import PrecisionRuntime
@@ -66,9 +67,7 @@ def compile(
         model = model.to_empty(device=device)
         if blueprint.model.tie_embeddings:  # to_empty makes new tensors; re-tie them
             model.lm_head.weight = model.backbone.embeddings.weight
-        for buffer in model.buffers():
-            buffer.zero_()
-        initialize(model, blueprint.model.init.std, torch.Generator().manual_seed(seed))
+        initialize(model, model_spec(blueprint.model), seed)
         if blueprint.model.init.checkpoint:
             from pathlib import Path
 
@@ -83,7 +82,7 @@ def compile(
 
             state = read_state_dict(Path(blueprint.model.init.upcycle_from))
             upcycle(model, state, torch.Generator().manual_seed(seed + 1))
-        _cast_keeping_router_fp32(model, dtype)
+        _cast_keeping_fp32(model, dtype)
     runtime = _apply_precision(model, blueprint, device, precision, seed)
     return Compiled(model=model, plan=plan(blueprint), blueprint=blueprint, precision=runtime)
 
@@ -108,12 +107,12 @@ def _apply_precision(
     return apply_precision(model, blueprint, seed=seed)
 
 
-def _cast_keeping_router_fp32(model: HybridLM, dtype: torch.dtype) -> None:
+def _cast_keeping_fp32(model: HybridLM, dtype: torch.dtype) -> None:
+    """Cast to ``dtype``, except the tensors the spec keeps in fp32 (the router)."""
     if dtype == torch.float32:
         return
-    from factory.graph.moe import Router
-
-    routers = [m for m in model.modules() if isinstance(m, Router)]
     model.to(dtype)
-    for router in routers:
-        router.float()
+    state = model.state_dict(keep_vars=True)
+    for tensor in model_spec(model.cfg).tensors():
+        if tensor.fp32:
+            state[tensor.name].data = state[tensor.name].data.float()

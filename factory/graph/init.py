@@ -1,63 +1,86 @@
-"""Parameter initialisation.
+"""Parameter initialisation, read from the model spec's per-tensor rules.
 
-Linear, embedding, router and expert weights draw from N(0, std). The
-projections that write into the residual stream (attention o_proj, Mamba
-out_proj, MLP/expert down_proj) use std / sqrt(2 * layers), Megatron's
-"scaled init", so the residual variance does not grow with depth. Norm weights
-are 1, biases 0, the expert bias 0, and the Mamba SSM parameters follow
-Mamba-2's own rule.
+Linear, embedding, router and expert weights draw from N(0, std). Weights that
+write into the residual stream (the layer types mark them ``scaled_normal``)
+use std / sqrt(2 * layers), Megatron's scaled init, so the residual variance
+does not grow with depth. Norm weights are 1, biases 0, the expert bias 0, and
+the Mamba SSM parameters follow Mamba-2's own rule.
+
+Each tensor draws from its own generator, seeded by the run's seed and the
+tensor's name: a tensor's initial value does not depend on the order modules
+were built in, on which other tensors exist, or on how the model will be
+sharded.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from factory.graph.mamba import Mamba2Mixer
-from factory.graph.model import HybridLM
-from factory.graph.moe import RoutedExperts, Router
-from factory.graph.norms import GatedGroupRMSNorm, RMSNorm
+from factory.spec.model import ModelSpec
+from factory.spec.tensors import TensorSpec
 
-__all__ = ["initialize"]
+__all__ = ["initial_value", "initialize"]
 
-_RESIDUAL_WRITERS = ("o_proj", "out_proj", "down_proj", "fc2_latent_proj")
+Rule = Callable[[TensorSpec, torch.Generator, float], torch.Tensor]
+
+
+def _normal(spec: TensorSpec, gen: torch.Generator, std: float) -> torch.Tensor:
+    return torch.randn(spec.shape, generator=gen).mul_(std)
+
+
+def _conv_uniform(spec: TensorSpec, gen: torch.Generator, std: float) -> torch.Tensor:
+    """PyTorch's default conv init: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = 1 x kernel for
+    a depthwise conv (the bias rule carries the kernel width)."""
+    fan_in = int(spec.init.args[0]) if spec.init.args else spec.shape[1] * spec.shape[2]
+    bound = 1 / math.sqrt(fan_in)
+    return torch.rand(spec.shape, generator=gen) * 2 * bound - bound
+
+
+def _dt_bias(spec: TensorSpec, gen: torch.Generator, std: float) -> torch.Tensor:
+    """dt log-uniform in [dt_min, dt_max] (floored), stored through the inverse softplus so
+    that softplus(dt_bias) = dt."""
+    dt_min, dt_max, floor = spec.init.args
+    u = torch.rand(spec.shape, generator=gen)
+    dt = torch.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=floor)
+    return dt + torch.log(-torch.expm1(-dt))
+
+
+_RULES: dict[str, Rule] = {
+    "normal": _normal,
+    "scaled_normal": _normal,  # std already scaled by the caller
+    "zeros": lambda spec, gen, std: torch.zeros(spec.shape),
+    "ones": lambda spec, gen, std: torch.ones(spec.shape),
+    "conv_uniform": _conv_uniform,
+    "a_log": lambda spec, gen, std: torch.log(torch.arange(1, spec.shape[0] + 1).float()),
+    "dt_bias": _dt_bias,
+}
+
+
+def _seed(seed: int, name: str) -> int:
+    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63
+
+
+def initial_value(spec: TensorSpec, seed: int, std: float, layers: int) -> torch.Tensor:
+    """The fp32 initial value of one tensor (drawn on the CPU: the same on any device)."""
+    rule = _RULES.get(spec.init.kind)
+    if rule is None:
+        raise ValueError(f"{spec.name}: unknown init rule {spec.init.kind!r}")
+    if spec.init.kind == "scaled_normal":
+        std = std / math.sqrt(2 * max(layers, 1))
+    return rule(spec, torch.Generator().manual_seed(_seed(seed, spec.name)), std)
 
 
 @torch.no_grad()
-def initialize(model: HybridLM, std: float, generator: torch.Generator) -> None:
-    layers = len(model.cfg.layout.main) + len(model.cfg.mtp_pattern) * model.cfg.mtp_stored_blocks
-    scaled = std / math.sqrt(2 * max(layers, 1))
-
-    def normal(t: torch.Tensor, s: float) -> None:
-        t.copy_(torch.randn(t.shape, generator=generator, dtype=torch.float32).mul_(s).to(t.dtype))
-
-    for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            normal(module.weight, scaled if leaf in _RESIDUAL_WRITERS else std)
-            if getattr(module, "bias", None) is not None:
-                module.bias.zero_()
-        elif isinstance(module, nn.Conv1d):
-            # PyTorch's default conv init (kaiming-uniform over the kernel), drawn from our generator.
-            bound = 1 / math.sqrt(module.weight.shape[1] * module.weight.shape[2])
-            module.weight.copy_(
-                torch.rand(module.weight.shape, generator=generator) * 2 * bound - bound
-            )
-            if module.bias is not None:
-                module.bias.copy_(
-                    torch.rand(module.bias.shape, generator=generator) * 2 * bound - bound
-                )
-        elif isinstance(module, Router):
-            normal(module.weight, std)
-            module.e_score_correction_bias.zero_()
-        elif isinstance(module, RoutedExperts):
-            normal(module.up_proj, std)
-            normal(module.down_proj, scaled)
-            if module.gate_proj is not None:
-                normal(module.gate_proj, std)
-        elif isinstance(module, (RMSNorm, GatedGroupRMSNorm)):
-            module.weight.fill_(1.0)
-        if isinstance(module, Mamba2Mixer):
-            module.reset_ssm_parameters(generator)
+def initialize(model: nn.Module, spec: ModelSpec, seed: int) -> None:
+    """Set every tensor of ``model`` to its spec's initial value."""
+    std, layers = spec.model.init.std, spec.layer_count()
+    state = model.state_dict(keep_vars=True)
+    for tensor in spec.tensors():
+        if tensor.tied_to is None:
+            target = state[tensor.name]
+            target.copy_(initial_value(tensor, seed, std, layers).to(target.dtype))

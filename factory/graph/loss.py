@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from factory.graph.outputs import ModelOutput
+
 __all__ = ["LossBreakdown", "language_model_loss"]
 
 
@@ -25,7 +27,7 @@ def _shifted_ce(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) 
 
 
 def language_model_loss(
-    logits: torch.Tensor,
+    output: ModelOutput,
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor | None = None,
     mtp_loss_scale: float = 0.0,
@@ -37,17 +39,16 @@ def language_model_loss(
     [B, S] marks the tokens that count as labels (1) or not (0), e.g. prompts.
     """
     mask = torch.ones_like(input_ids, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
-    lm = _shifted_ce(logits[:, :-1], input_ids[:, 1:], mask[:, 1:])
-    extras = getattr(logits, "extras", None)
+    lm = _shifted_ce(output.logits[:, :-1], input_ids[:, 1:], mask[:, 1:])
     mtp = []
-    for depth, depth_logits in enumerate(extras.mtp_logits if extras else [], start=1):
+    for depth, depth_logits in enumerate(output.mtp_logits, start=1):
         shift = depth + 1
         if input_ids.shape[1] > shift:
             mtp.append(_shifted_ce(depth_logits[:, :-shift], input_ids[:, shift:], mask[:, shift:]))
     total = lm
     if mtp:
         total = total + mtp_loss_scale * torch.stack(mtp).mean()
-    aux = extras.aux_loss if extras else None
+    aux = output.aux_loss
     if aux is not None:
         total = total + aux
     return LossBreakdown(total=total, lm=lm, mtp=mtp, aux=aux)

@@ -8,8 +8,6 @@ gated group RMSNorm and out_proj.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -62,18 +60,6 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.empty(cfg.heads))
         self.norm = GatedGroupRMSNorm(cfg.d_inner, cfg.groups, norm_eps)
         self.out_proj = nn.Linear(cfg.d_inner, width, bias=cfg.bias)
-
-    @torch.no_grad()
-    def reset_ssm_parameters(self, generator: torch.Generator | None = None) -> None:
-        """Mamba-2's init: A = 1..heads, D = 1, dt log-uniform in [dt_min, dt_max] (floored),
-        stored through the inverse softplus so that softplus(dt_bias) = dt."""
-        cfg = self.cfg
-        self.A_log.copy_(torch.log(torch.arange(1, cfg.heads + 1, dtype=torch.float32)))
-        self.D.fill_(1.0)
-        u = torch.rand(cfg.heads, generator=generator)  # drawn on the CPU: same draw on any device
-        log_lo, log_hi = math.log(cfg.dt_min), math.log(cfg.dt_max)
-        dt = torch.exp(u * (log_hi - log_lo) + log_lo).clamp(min=cfg.dt_init_floor)
-        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg

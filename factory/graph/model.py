@@ -1,15 +1,13 @@
 """The whole language model: embedding, the hybrid stack, final norm, head, and MTP.
 
-``model(input_ids)`` returns the logits ``[B, S, V]``. MTP logits and the MoE
-auxiliary loss ride along on that same tensor as ``logits.extras`` (a
-:class:`ModelExtras`), so callers that only want logits never see them.
+The graph is built from the model spec (``factory.spec``), one block per
+layer, and checked against it: every parameter's name and shape is the
+spec's. ``model(input_ids)`` returns a :class:`~factory.graph.outputs.ModelOutput`.
 Parameter names match the Hugging Face NemotronH checkpoints
 (``backbone.layers.{i}.mixer...``, ``lm_head``, ``mtp.layers.{j}...``).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -18,34 +16,31 @@ from factory.graph.blocks import Block
 from factory.graph.moe import MoE
 from factory.graph.mtp import MultiTokenPrediction
 from factory.graph.norms import RMSNorm
+from factory.graph.outputs import ModelOutput, collect_routing
 from factory.schemas.model import ModelConfig
+from factory.spec.model import ModelSpec, model_spec
 
-__all__ = ["Backbone", "HybridLM", "ModelExtras"]
+__all__ = ["Backbone", "HybridLM", "SpecMismatch", "check_against_spec"]
 
 
-@dataclass
-class ModelExtras:
-    """What a forward pass produces besides the main logits."""
-
-    mtp_logits: list[torch.Tensor] = field(default_factory=list)
-    """One [B, S, V] tensor per MTP depth; depth k at position i predicts token i+k+1."""
-    aux_loss: torch.Tensor | None = None
-    """Sum of the MoE layers' load-balancing losses (training mode only)."""
-    hidden: torch.Tensor | None = None
-    """The main stack's output before the final norm."""
+class SpecMismatch(RuntimeError):
+    """The built graph's tensors differ from the model spec's (a bug in a layer type)."""
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, spec: ModelSpec) -> None:
         super().__init__()
         self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, symbol) for symbol in cfg.layout.main)
+        self.layers = nn.ModuleList(Block(cfg, layer) for layer in spec.main_layers)
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, routed: dict[str, torch.Tensor], aux: list[torch.Tensor]
+    ) -> torch.Tensor:
         hidden = self.embeddings(input_ids)
         for layer in self.layers:
-            hidden = layer(hidden)
+            hidden, out = layer(hidden)
+            collect_routing(routed, aux, layer.path, out)
         return hidden
 
 
@@ -53,27 +48,62 @@ class HybridLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.backbone = Backbone(cfg)
+        spec = model_spec(cfg)
+        self.backbone = Backbone(cfg, spec)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
-        self.mtp = MultiTokenPrediction(cfg) if cfg.mtp_depth else None
+        self.mtp = MultiTokenPrediction(cfg, spec) if cfg.mtp_depth else None
+        check_against_spec(self, spec)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        hidden = self.backbone(input_ids)
+    def forward(self, input_ids: torch.Tensor) -> ModelOutput:
+        routed: dict[str, torch.Tensor] = {}
+        aux: list[torch.Tensor] = []
+        hidden = self.backbone(input_ids, routed, aux)
         logits = self.lm_head(self.backbone.norm_f(hidden))
-        extras = ModelExtras(hidden=hidden)
+        mtp_logits: tuple[torch.Tensor, ...] = ()
         if self.mtp is not None:
-            extras.mtp_logits = self.mtp(hidden, input_ids, self.backbone.embeddings, self.lm_head)
-        if self.training:
-            losses = [m.last_aux_loss for m in self.modules() if isinstance(m, MoE)]
-            losses = [loss for loss in losses if loss is not None]
-            extras.aux_loss = torch.stack(losses).sum() if losses else None
-        logits.extras = extras  # type: ignore[attr-defined]
-        return logits
+            mtp_logits = self.mtp(
+                hidden, input_ids, self.backbone.embeddings, self.lm_head, routed, aux
+            )
+        return ModelOutput(
+            logits=logits,
+            mtp_logits=mtp_logits,
+            aux_loss=torch.stack(aux).sum() if aux else None,
+            tokens_per_expert=routed,
+            hidden=hidden,
+        )
 
-    def update_expert_biases(self) -> None:
-        """Apply the aux-loss-free expert-bias step in every MoE layer (call once per optimizer step)."""
-        for module in self.modules():
-            if isinstance(module, MoE):
-                module.gate.update_expert_bias()
+    @torch.no_grad()
+    def update_expert_biases(self, tokens_per_expert: dict[str, torch.Tensor]) -> None:
+        """Apply the aux-loss-free expert-bias step of every MoE layer, given the tokens each
+        expert received over the optimizer step (summed over its micro-batches)."""
+        for name, load in tokens_per_expert.items():
+            mixer = self.get_submodule(f"{name}.mixer")
+            if isinstance(mixer, MoE):
+                mixer.gate.update_expert_bias(load)
+
+
+def check_against_spec(model: nn.Module, spec: ModelSpec) -> None:
+    """Raise :class:`SpecMismatch` unless ``model``'s state_dict has exactly the spec's tensors,
+    name for name and shape for shape."""
+    built = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    declared = spec.shapes()
+    if built == declared:
+        return
+    missing = sorted(declared.keys() - built.keys())
+    extra = sorted(built.keys() - declared.keys())
+    shapes = sorted(
+        f"{name}: built {built[name]} vs spec {declared[name]}"
+        for name in built.keys() & declared.keys()
+        if built[name] != declared[name]
+    )
+    problems = [
+        *(f"not built: {n}" for n in missing[:5]),
+        *(f"not in the spec: {n}" for n in extra[:5]),
+        *shapes[:5],
+    ]
+    raise SpecMismatch(
+        f"the graph differs from the model spec ({len(missing)} missing, {len(extra)} extra, "
+        f"{len(shapes)} mis-shaped): " + "; ".join(problems)
+    )

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from factory.graph.mlp import MLP
+from factory.graph.outputs import RoutedOutput
 from factory.kernels.moe_dispatch import Dispatch, ExpertLinear, grouped_mlp, route_tokens
 from factory.schemas.model import MoEConfig, RouterConfig
 
@@ -29,26 +30,24 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, width, dtype=torch.float32))
         # A parameter (so it counts and checkpoints like the released models) that no
         # gradient touches: the aux-loss-free rule in update_expert_bias moves it.
-        self.e_score_correction_bias = nn.Parameter(
-            torch.zeros(num_experts, dtype=torch.float32), requires_grad=False
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
+            if cfg.expert_bias
+            else None
         )
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts), persistent=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, d] -> (weights [T, k] fp32, expert indices [T, k], scores [T, E] fp32)."""
         logits = x.float() @ self.weight.float().t()
         scores = logits.sigmoid() if self.cfg.score_function == "sigmoid" else logits.softmax(-1)
-        choice = scores + self.e_score_correction_bias if self.cfg.expert_bias else scores
+        bias = self.e_score_correction_bias
+        choice = scores + bias if bias is not None else scores
         choice = self._limit_groups(choice.detach())
         indices = choice.topk(self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, indices)
         if self.cfg.normalize_top_k and self.top_k > 1:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = weights * self.cfg.scaling_factor
-        if self.training:
-            with torch.no_grad():
-                counts = torch.bincount(indices.flatten(), minlength=self.num_experts)
-                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
         return weights, indices, scores
 
     def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
@@ -80,14 +79,13 @@ class Router(nn.Module):
         return coeff * (fraction * probs.mean(1)).sum(-1).mean()
 
     @torch.no_grad()
-    def update_expert_bias(self) -> None:
-        """Aux-loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones."""
-        load = self.tokens_per_expert
-        if self.cfg.expert_bias and load.sum() > 0:
-            self.e_score_correction_bias += self.cfg.expert_bias_update_rate * torch.sign(
-                load.mean() - load
-            )
-        load.zero_()
+    def update_expert_bias(self, load: torch.Tensor) -> None:
+        """Aux-loss-free balancing (DeepSeek-V3): raise the bias of experts that received fewer
+        than the mean of ``load`` (tokens per expert over the optimizer step), lower the others."""
+        bias = self.e_score_correction_bias
+        if bias is not None and load.sum() > 0:
+            load = load.to(bias.device, torch.float32)
+            bias += self.cfg.expert_bias_update_rate * torch.sign(load.mean() - load)
 
 
 class RoutedExperts(nn.Module):
@@ -135,7 +133,6 @@ class MoE(nn.Module):
         )
         self.fc1_latent_proj = nn.Linear(width, inner, bias=mlp_bias) if cfg.latent_size else None
         self.fc2_latent_proj = nn.Linear(inner, width, bias=mlp_bias) if cfg.latent_size else None
-        self.last_aux_loss: torch.Tensor | None = None
 
     def _drop_over_capacity(self, dispatch: Dispatch, weights: torch.Tensor) -> torch.Tensor:
         """With a capacity factor, each expert keeps its first ceil(cf * T * k / E) assignments
@@ -149,11 +146,11 @@ class MoE(nn.Module):
         kept = dispatch.unpermute(dispatch.rank_in_expert < capacity)
         return weights * kept.to(weights.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> RoutedOutput:
         batch, seq, width = x.shape
         flat = x.reshape(-1, width)
         weights, indices, scores = self.gate(flat)
-        self.last_aux_loss = self.gate.aux_loss(scores, indices, batch) if self.training else None
+        aux = self.gate.aux_loss(scores, indices, batch) if self.training else None
         dispatch = route_tokens(indices, self.cfg.num_experts)
         weights = self._drop_over_capacity(dispatch, weights)
         h = self.fc1_latent_proj(flat) if self.fc1_latent_proj is not None else flat
@@ -162,4 +159,4 @@ class MoE(nn.Module):
             y = self.fc2_latent_proj(y)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
-        return y.view(batch, seq, width)
+        return RoutedOutput(y.view(batch, seq, width), aux, dispatch.tokens_per_expert.detach())

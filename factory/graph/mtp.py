@@ -1,14 +1,9 @@
-"""Multi-token prediction, DeepSeek-V3 style.
+"""Multi-token prediction, DeepSeek-V3 style (the block is described in ``factory.layers.mtp``).
 
 Depth k predicts token t+k+1 from ``eh_proj(concat[enorm(emb(t+k)), hnorm(h))])``,
 where h is the previous depth's output (the main stack's, before its final
 norm, at depth 1), followed by the inner pattern's blocks, a final norm and the
-shared output head.
-
-The module tree mirrors the checkpoints: ``mtp.layers.{j}`` with
-``j = block * len(pattern) + inner``; ``enorm``, ``hnorm`` and ``eh_proj``
-hang off the block's first layer and ``final_layernorm`` off its last. In
-repeated mode one stored block serves every depth (shared weights).
+shared output head. In repeated mode one stored block serves every depth.
 """
 
 from __future__ import annotations
@@ -18,14 +13,16 @@ from torch import nn
 
 from factory.graph.blocks import Block
 from factory.graph.norms import RMSNorm
+from factory.graph.outputs import collect_routing
 from factory.schemas.model import ModelConfig
+from factory.spec.model import LayerSpec, ModelSpec
 
 __all__ = ["MTPLayer", "MultiTokenPrediction"]
 
 
 class MTPLayer(Block):
-    def __init__(self, cfg: ModelConfig, symbol: str, first: bool, last: bool) -> None:
-        super().__init__(cfg, symbol)
+    def __init__(self, cfg: ModelConfig, layer: LayerSpec, first: bool, last: bool) -> None:
+        super().__init__(cfg, layer)
         d = cfg.hidden_size
         if first:
             self.enorm = RMSNorm(d, cfg.norm_eps)
@@ -36,23 +33,28 @@ class MTPLayer(Block):
 
 
 class MultiTokenPrediction(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, spec: ModelSpec) -> None:
         super().__init__()
         self.depth = cfg.mtp_depth
-        self.pattern = cfg.mtp_pattern
         self.blocks = cfg.mtp_stored_blocks
-        size = len(self.pattern)
+        size = len(cfg.mtp_pattern)
         self.layers = nn.ModuleList(
-            MTPLayer(cfg, symbol, first=i == 0, last=i == size - 1)
-            for _ in range(self.blocks)
-            for i, symbol in enumerate(self.pattern)
+            MTPLayer(cfg, layer, first=j % size == 0, last=j % size == size - 1)
+            for j, layer in enumerate(spec.mtp_layers)
         )
 
     def forward(
-        self, hidden: torch.Tensor, input_ids: torch.Tensor, embed: nn.Embedding, head: nn.Module
-    ) -> list[torch.Tensor]:
-        """Logits per depth; depth k's position i predicts token i+k+1 (the last k+1 have no label)."""
-        size = len(self.pattern)
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        embed: nn.Embedding,
+        head: nn.Module,
+        routed: dict[str, torch.Tensor],
+        aux: list[torch.Tensor],
+    ) -> tuple[torch.Tensor, ...]:
+        """Logits per depth; depth k's position i predicts token i+k+1 (the last k+1 have no
+        label). Routing statistics of the inner MoE layers are added to ``routed``/``aux``."""
+        size = len(self.layers) // self.blocks
         logits = []
         ids = input_ids
         for depth in range(self.depth):
@@ -63,6 +65,7 @@ class MultiTokenPrediction(nn.Module):
             first = layers[0]
             hidden = first.eh_proj(torch.cat([first.enorm(embed(ids)), first.hnorm(hidden)], -1))
             for layer in layers:
-                hidden = layer(hidden)
+                hidden, out = layer(hidden)
+                collect_routing(routed, aux, layer.path, out)
             logits.append(head(layers[-1].final_layernorm(hidden)))
-        return logits
+        return tuple(logits)

@@ -1,7 +1,7 @@
 """Training FLOPs per token, two ways: Megatron-LM's formula and our exact count.
 
 ``megatron`` reproduces ``num_floating_point_operations`` (hybrid branch) of
-Megatron-LM term for term (``architecture.md`` §5.4, ``parallelism.md`` §2.2),
+Megatron-LM term for term (``docs/flops.md``),
 so MFU figures compare one to one with what a Megatron run logs, its known
 inaccuracies included: Mamba uses d_in = 2h whatever the real d_inner, the
 conv1d and router are not counted, and MTP layers count like main layers.
@@ -24,15 +24,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from factory.schemas.model import AttentionConfig, MambaConfig, MLPConfig, ModelConfig, MoEConfig
-from factory.schemas.pattern import LAYER_SYMBOLS
+from factory.schemas.model import ModelConfig
+from factory.spec.layer_type import LAYER_TYPES, layer_type
+from factory.spec.model import LayerSpec, model_spec
 
-__all__ = ["FLOPS_KEYS", "FlopsPerToken", "flops_per_token", "megatron_flops_per_sequence"]
-
-FLOPS_KEYS: tuple[str, ...] = ("mamba", "attention", "mlp", "moe", "head", "mtp")
-"""Keys of ``FlopsPerToken.by_layer_type``."""
+__all__ = ["FlopsPerToken", "flops_keys", "flops_per_token", "megatron_flops_per_sequence"]
 
 _TRAIN = 3  # forward + backward (data grads + weight grads)
+
+
+def flops_keys() -> tuple[str, ...]:
+    """Keys of ``FlopsPerToken.by_layer_type``: every registered layer type, 'head', 'mtp'."""
+    return (*(kind.name for kind in LAYER_TYPES.values()), "head", "mtp")
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class FlopsPerToken:
     exact_forward: int
     """Our exact count of the forward pass, per token."""
     by_layer_type: dict[str, int] = field(default_factory=dict)
-    """``exact`` split into 'mamba', 'attention', 'mlp', 'moe' (main stack), 'head' and 'mtp'
+    """``exact`` split by :func:`flops_keys`: the main stack's layer types, 'head' and 'mtp'
     (eh_proj, inner layers and head of every depth); the values sum to ``exact``."""
     megatron_by_layer_type: dict[str, int] = field(default_factory=dict)
     """``megatron`` split as Megatron sees it: MTP inner layers are counted under their own
@@ -64,76 +67,22 @@ class FlopsPerToken:
         }
 
 
-def _swiglu(activation: str) -> bool:
-    return activation == "swiglu"
-
-
 # --------------------------------------------------------------------------- Megatron's formula
-# Each helper returns the forward FLOPs of one layer over one sequence (T = s tokens, S2 = s^2),
-# written as in training.py::hybrid_flops with h*p = heads*kv_channels kept integral.
-
-
-def _megatron_attention(h: int, cfg: AttentionConfig, s: int) -> int:
-    q = cfg.heads * cfg.head_dim  # h * p
-    kv = cfg.kv_heads * cfg.head_dim  # h * p * g / n
-    return 4 * s * h * (q + kv) + 2 * s * s * q
-
-
-def _megatron_mamba(h: int, cfg: MambaConfig, s: int) -> int:
-    d_in = 2 * h  # hard-coded in Megatron, whatever heads * head_dim is
-    n = cfg.state_size
-    in_proj = 2 * s * h * (2 * d_in + 2 * cfg.groups * n + cfg.heads)
-    scan = 7 * s * d_in * n
-    out_proj = 2 * s * d_in * h
-    return in_proj + scan + out_proj
-
-
-def _megatron_mlp(h: int, cfg: MLPConfig, s: int) -> int:
-    # 4 * (ffn / h) * (1.5 if swiglu) * T * h^2, kept integral
-    base = 4 * s * h * cfg.intermediate_size
-    return base * 3 // 2 if _swiglu(cfg.activation) else base
-
-
-def _megatron_moe(h: int, cfg: MoEConfig, s: int) -> int:
-    # Megatron has one global swiglu flag; here the MoE section's own activation sets it.
-    def sw(x: int) -> int:
-        return x * 3 // 2 if _swiglu(cfg.activation) else x
-
-    ff, k = cfg.expert_intermediate_size, cfg.top_k
-    if cfg.latent_size:
-        routed = sw(4 * s * cfg.latent_size * ff * k) + 4 * s * h * cfg.latent_size
-    else:
-        routed = sw(4 * s * h * ff * k)
-    return routed + sw(4 * s * h * cfg.shared_expert_intermediate_size)
-
-
-def _megatron_layer(model: ModelConfig, layer_type: str, s: int) -> int:
-    h = model.hidden_size
-    if layer_type == "attention" and model.attention is not None:
-        return _megatron_attention(h, model.attention, s)
-    if layer_type == "mamba" and model.mamba is not None:
-        return _megatron_mamba(h, model.mamba, s)
-    if layer_type == "mlp" and model.mlp is not None:
-        return _megatron_mlp(h, model.mlp, s)
-    if layer_type == "moe" and model.moe is not None:
-        return _megatron_moe(h, model.moe, s)
-    raise ValueError(f"model has no {layer_type!r} section for its pattern")
-
-
-def _megatron_counts(model: ModelConfig) -> dict[str, int]:
-    """Layer counts as get_hybrid_layer_counts returns them: MTP pattern layers x depth."""
-    counts = model.layout.counts()
-    for symbol in model.mtp_pattern:
-        counts[LAYER_SYMBOLS[symbol]] += model.mtp_depth
-    return counts
 
 
 def _megatron_split(model: ModelConfig, seq_len: int) -> dict[str, int]:
-    """Training FLOPs of one sequence by Megatron's formula, per layer type plus 'head'."""
+    """Training FLOPs of one sequence by Megatron's formula, per layer type plus 'head'.
+
+    Layer counts are get_hybrid_layer_counts': the MTP pattern's layers count once per depth.
+    """
+    counts = dict.fromkeys(model.layout.main + model.mtp_pattern, 0)
+    for symbol in model.layout.main:
+        counts[symbol] += 1
+    for symbol in model.mtp_pattern:
+        counts[symbol] += model.mtp_depth
     split = {
-        layer_type: _TRAIN * count * _megatron_layer(model, layer_type, seq_len)
-        for layer_type, count in _megatron_counts(model).items()
-        if count
+        layer_type(symbol).name: _TRAIN * count * layer_type(symbol).megatron_flops(model, seq_len)
+        for symbol, count in sorted(counts.items(), key=lambda kv: list(LAYER_TYPES).index(kv[0]))
     }
     h, vocab = model.hidden_size, model.vocab_size
     split["head"] = _TRAIN * 2 * seq_len * h * vocab * (1 + model.mtp_depth)
@@ -146,89 +95,26 @@ def megatron_flops_per_sequence(model: ModelConfig, seq_len: int) -> int:
 
 
 # --------------------------------------------------------------------------- exact forward count
-# Each helper returns forward FLOPs per token of one layer at sequence length s.
 
 
-def _linear(d_in: int, d_out: int, bias: bool) -> int:
-    return 2 * d_in * d_out + (d_out if bias else 0)
-
-
-def _mlp_flops(d: int, width: int, activation: str, bias: bool) -> int:
-    """d -> width (x2 when gated) -> d."""
-    up = _linear(d, width, bias) * (2 if _swiglu(activation) else 1)
-    return up + _linear(width, d, bias)
-
-
-def _exact_attention(d: int, cfg: AttentionConfig, s: int) -> int:
-    q = cfg.heads * cfg.head_dim
-    kv = cfg.kv_heads * cfg.head_dim
-    projections = _linear(d, q, cfg.bias) + 2 * _linear(d, kv, cfg.bias) + _linear(q, d, cfg.bias)
-    # Causal: token i (1-based) attends to i keys, so the mean context is (s + 1) / 2.
-    # QK^T and PV each cost 2 * q * context per token: 4 * q * (s + 1) / 2.
-    core = 2 * q * (s + 1)
-    return projections + core
-
-
-def _exact_mamba(d: int, cfg: MambaConfig, s: int) -> int:
-    """in_proj, depthwise conv1d, the SSD chunked scan and out_proj.
-
-    The SSD scan as executed (mamba_ssm's chunked kernels) with chunk length Q,
-    per token: 2*Q*N*groups for the C.B^T block of its chunk row (computed
-    whole, then masked), 2*Q*d_inner to apply that block to the chunk's x,
-    2*N*d_inner for its share of the chunk-end state (x outer B) and
-    2*N*d_inner for the off-diagonal output (C . state). The sequential state
-    passing between chunks is O(d_inner*N) per chunk, i.e. /Q per token, and
-    elementwise, so it is left out. A sequence shorter than Q is one chunk.
-    """
-    n, chunk = cfg.state_size, min(cfg.chunk_size, s)
-    in_proj = _linear(d, cfg.in_proj_dim, cfg.bias)
-    conv = 2 * cfg.conv_kernel * cfg.conv_dim + (cfg.conv_dim if cfg.conv_bias else 0)
-    scan = 2 * chunk * n * cfg.groups + 2 * chunk * cfg.d_inner + 4 * n * cfg.d_inner
-    out_proj = _linear(cfg.d_inner, d, cfg.bias)
-    return in_proj + conv + scan + out_proj
-
-
-def _exact_moe(d: int, cfg: MoEConfig, mlp_bias: bool) -> int:
-    """Router on d, optional latent d->l->d, top_k routed experts at width l (or d), shared."""
-    router = 2 * d * cfg.num_experts  # the only term that depends on num_experts
-    width = cfg.latent_size or d
-    latent = 0
-    if cfg.latent_size:
-        latent = _linear(d, cfg.latent_size, mlp_bias) + _linear(cfg.latent_size, d, mlp_bias)
-    routed = cfg.top_k * _mlp_flops(width, cfg.expert_intermediate_size, cfg.activation, False)
-    shared = 0
-    if cfg.shared_expert_intermediate_size:
-        shared = _mlp_flops(d, cfg.shared_expert_intermediate_size, cfg.activation, mlp_bias)
-    return router + latent + routed + shared
-
-
-def _exact_layer(model: ModelConfig, layer_type: str, s: int) -> int:
-    d = model.hidden_size
-    if layer_type == "attention" and model.attention is not None:
-        return _exact_attention(d, model.attention, s)
-    if layer_type == "mamba" and model.mamba is not None:
-        return _exact_mamba(d, model.mamba, s)
-    if layer_type == "mlp" and model.mlp is not None:
-        cfg = model.mlp
-        return _mlp_flops(d, cfg.intermediate_size, cfg.activation, cfg.bias)
-    if layer_type == "moe" and model.moe is not None:
-        return _exact_moe(d, model.moe, mlp_bias=model.mlp.bias if model.mlp else False)
-    raise ValueError(f"model has no {layer_type!r} section for its pattern")
+def layer_forward_flops(layer: LayerSpec, model: ModelConfig, seq_len: int) -> int:
+    """Forward FLOPs per token of one pass through ``layer``: its tensors' products plus what
+    its layer type declares beyond them."""
+    tensors = sum(tensor.forward_flops() for tensor in layer.tensors)
+    return tensors + layer.type.extra_flops(model, seq_len)
 
 
 def _exact_forward_split(model: ModelConfig, seq_len: int) -> dict[str, int]:
-    """Forward FLOPs per token, keyed by FLOPS_KEYS."""
-    d, vocab = model.hidden_size, model.vocab_size
-    split = dict.fromkeys(FLOPS_KEYS, 0)
-    for layer_type, count in model.layout.counts().items():
-        if count:
-            split[layer_type] = count * _exact_layer(model, layer_type, seq_len)
-    head = 2 * d * vocab  # the embedding lookup is a gather, not a FLOP
+    """Forward FLOPs per token, keyed by :func:`flops_keys`."""
+    spec = model_spec(model)
+    split = dict.fromkeys(flops_keys(), 0)
+    for layer in spec.main_layers:
+        split[layer.type.name] += layer_forward_flops(layer, model, seq_len)
+    head = spec.head.forward_flops()  # the embedding lookup is a gather, not a FLOP
     split["head"] = head
-    if model.mtp_depth:
-        inner = sum(_exact_layer(model, LAYER_SYMBOLS[c], seq_len) for c in model.mtp_pattern)
-        eh_proj = 2 * (2 * d) * d  # concat[enorm(emb), hnorm(h)] -> d
-        split["mtp"] = model.mtp_depth * (eh_proj + inner + head)
+    for layer in spec.mtp_layers:
+        split["mtp"] += layer.applications * layer_forward_flops(layer, model, seq_len)
+    split["mtp"] += model.mtp_depth * head
     return split
 
 

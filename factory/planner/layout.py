@@ -41,6 +41,18 @@ class Layout:
     def layers_on_rank(self, pp_rank: int) -> str:
         return "".join(self.stage_patterns[pp_rank])
 
+    def layer_indices_on_rank(self, pp_rank: int) -> list[int]:
+        """Main-stack indices of the layers ``pp_rank`` runs: segment ``v * pp + r`` of the
+        stack is virtual stage ``v`` of rank ``r``."""
+        indices, start = [], 0
+        for v in range(self.vpp):
+            for rank in range(self.pp):
+                length = len(self.stage_patterns[rank][v])
+                if rank == pp_rank:
+                    indices.extend(range(start, start + length))
+                start += length
+        return indices
+
     def to_dict(self) -> dict[str, object]:
         out = asdict(self)
         out["stage_patterns"] = [list(stages) for stages in self.stage_patterns]

@@ -18,15 +18,17 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from factory.layers import mtp as mtp_block
 from factory.planner.layout import Layout
-from factory.planner.params import LayerParams, layer_params
+from factory.planner.params import LayerParams, tensor_params
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.model import ModelConfig
-from factory.schemas.pattern import LAYER_SYMBOLS
+from factory.spec.activations import BF16, FP32, INT64, TokenShards
+from factory.spec.layer_type import LAYER_TYPES, LayerType, layer_type
+from factory.spec.model import ModelSpec, model_spec
 
 __all__ = ["ActivationMemory", "MemoryPlan", "ParamsOnRank", "RankMemory", "memory_per_rank"]
 
-BF16, FP32, INT64 = 2, 4, 8
 WEIGHT_BYTES = BF16  # bf16 parameters
 GRAD_BYTES = FP32  # fp32 main gradients (Megatron's grad buffer for bf16 training)
 OPTIM_BYTES = 3 * FP32  # fp32 master weights + Adam m and v
@@ -133,14 +135,7 @@ class MemoryPlan:
 # --------------------------------------------------------------------------- parameters
 
 
-def _layers(model: ModelConfig, symbols: str) -> LayerParams:
-    total = LayerParams(0, 0, 0, 0)
-    for symbol in symbols:
-        total += layer_params(model, LAYER_SYMBOLS[symbol])
-    return total
-
-
-def _unsharded_params(model: ModelConfig, layout: Layout, rank: int) -> LayerParams:
+def _unsharded_params(spec: ModelSpec, layout: Layout, rank: int) -> LayerParams:
     """Unsharded parameters on ``rank``: its layers, embedding/head, final norm and MTP.
 
     Megatron places the embedding on the first stage and the head on the last.
@@ -148,30 +143,30 @@ def _unsharded_params(model: ModelConfig, layout: Layout, rank: int) -> LayerPar
     head is tied, and also when MTP runs there (MTP embeds the shifted tokens),
     so an untied model with MTP holds embedding and head on the last rank.
     """
-    d, vocab = model.hidden_size, model.vocab_size
-    own = _layers(model, layout.layers_on_rank(rank))
+    model = spec.model
+    main = spec.main_layers
+    own = tensor_params(t for i in layout.layer_indices_on_rank(rank) for t in main[i].tensors)
     dense, replicated, expert = own.dense, own.replicated, own.expert
     last = layout.pp - 1
     mtp_here = bool(model.mtp_depth) and rank == layout.mtp_on_rank
+    vocab_matrix = spec.embedding.numel
     if rank == 0:
-        dense += vocab * d
+        dense += vocab_matrix
     if rank == last:
-        replicated += d  # final norm
+        replicated += spec.final_norm.numel
         if not model.tie_embeddings or last > 0:
-            dense += vocab * d  # the head, or the tied copy that serves as head
+            dense += vocab_matrix  # the head, or the tied copy that serves as head
         if mtp_here and last > 0 and not model.tie_embeddings:
-            dense += vocab * d  # embedding copy for MTP
+            dense += vocab_matrix  # embedding copy for MTP
     if mtp_here:
-        block = _layers(model, model.mtp_pattern)
-        blocks = model.mtp_stored_blocks
-        dense += blocks * (2 * d * d + block.dense)  # eh_proj [d, 2d] is TP-sharded
-        replicated += blocks * (3 * d + block.replicated)  # enorm, hnorm, final norm
-        expert += blocks * block.expert
+        blocks = tensor_params(t for layer in spec.mtp_layers for t in layer.tensors)
+        dense, replicated = dense + blocks.dense, replicated + blocks.replicated
+        expert += blocks.expert
     return LayerParams(dense, replicated, expert, 0)
 
 
-def _params_on_rank(model: ModelConfig, layout: Layout, rank: int) -> ParamsOnRank:
-    p = _unsharded_params(model, layout, rank)
+def _params_on_rank(spec: ModelSpec, layout: Layout, rank: int) -> ParamsOnRank:
+    p = _unsharded_params(spec, layout, rank)
     return ParamsOnRank(
         dense=math.ceil(p.dense / layout.tp),
         replicated=p.replicated,
@@ -202,103 +197,11 @@ def _optimizer_bytes(params: ParamsOnRank, layout: Layout, instances: int) -> di
 # --------------------------------------------------------------------------- activations
 
 
-@dataclass(frozen=True)
-class _Tokens:
-    """Token counts of one micro-batch on one rank, and how [tokens, width] tensors shard."""
-
-    n: int  # (seq_len / CP) * micro_batch
-    tp: int
-    sp: bool
-    etp: int
-
-    def replicated(self, width: int) -> float:
-        """Elements of an [n, width] tensor that TP replicates unless sequence parallel is on."""
-        return self.n * width / (self.tp if self.sp else 1)
-
-    def sharded(self, width: int) -> float:
-        """Elements of an [n, width] tensor whose width TP splits."""
-        return self.n * width / self.tp
-
-
-def _prologue(t: _Tokens, h: int) -> float:
-    """Pre-norm fused into the first linear (TE LayerNormLinear): its input, its output
-    (the linear's saved input) and the fp32 rstd per token."""
-    return BF16 * 2 * t.replicated(h) + FP32 * t.replicated(1)
-
-
-def _attention_bytes(model: ModelConfig, t: _Tokens, recompute: str) -> float:
-    """Flash attention: Q, K, V and the output O (also linear_proj's input); no s^2 tensor.
-
-    Its fp32 softmax log-sum-exp is the only thing core_attn recompute frees.
-    KV heads are replicated when TP exceeds their number.
-    """
-    cfg = model.attention
-    assert cfg is not None
-    q = cfg.heads * cfg.head_dim
-    kv_local = math.ceil(cfg.kv_heads / t.tp) * cfg.head_dim
-    saved = _prologue(t, model.hidden_size) + BF16 * (2 * t.sharded(q) + 2 * t.n * kv_local)
-    if recompute == "none":
-        saved += FP32 * t.sharded(cfg.heads)
-    return saved
-
-
-def _mamba_bytes(model: ModelConfig, t: _Tokens) -> float:
-    """Megatron's memory-efficient path (mamba_split_conv1d_scan_combined, checkpoint level 1)
-    keeps the packed in_proj output and recomputes conv1d and the scan in backward; the gated
-    norm keeps an fp32 rstd per group and out_proj keeps its input. No selective module exists
-    for Mamba, so selective equals none."""
-    cfg = model.mamba
-    assert cfg is not None
-    return (
-        _prologue(t, model.hidden_size)
-        + BF16 * t.sharded(cfg.in_proj_dim)
-        + FP32 * t.sharded(cfg.groups)
-        + BF16 * t.sharded(cfg.d_inner)
-    )
-
-
-def _ffn_bytes(width_elems: float, activation: str, keep_act_output: bool) -> float:
-    """fc1 output (both halves when gated) and the activation output (fc2's input)."""
-    fc1 = width_elems * (2 if activation == "swiglu" else 1)
-    return BF16 * (fc1 + (width_elems if keep_act_output else 0))
-
-
-def _moe_bytes(model: ModelConfig, t: _Tokens, recompute: str) -> float:
-    """Router scores (fp32), routed tokens x top_k at the expert width, expert intermediates
-    (sharded over ETP), the combined latent (fc2_latent_proj's input) and the shared expert.
-
-    Dispatch: a rank's n/TP tokens (SP) fan out top_k times and the ETP group gathers them, so
-    a rank computes n*top_k*ETP/TP routed tokens at width latent_size (or hidden), with
-    ff/ETP-wide intermediates. moe_act recompute drops the routed activation output.
-    """
-    cfg = model.moe
-    assert cfg is not None
-    h, width = model.hidden_size, cfg.latent_size or model.hidden_size
-    routed = t.n * cfg.top_k * t.etp / t.tp
-    saved = _prologue(t, h) + FP32 * t.replicated(cfg.num_experts) + BF16 * routed * width
-    keep_act = recompute == "none"
-    ff_local = cfg.expert_intermediate_size / t.etp
-    saved += _ffn_bytes(routed * ff_local, cfg.activation, keep_act_output=keep_act)
-    if cfg.latent_size:
-        saved += BF16 * t.replicated(cfg.latent_size)
-    if cfg.shared_expert_intermediate_size:
-        shared = t.sharded(cfg.shared_expert_intermediate_size)
-        saved += _ffn_bytes(shared, cfg.activation, keep_act_output=True)
-    return saved
-
-
-def _layer_bytes(model: ModelConfig, layer_type: str, t: _Tokens, recompute: str) -> int:
+def _layer_bytes(model: ModelConfig, kind: LayerType, t: TokenShards, recompute: str) -> int:
     """Bytes one layer saves for backward per micro-batch on one rank."""
     if recompute == "full":
         return math.ceil(BF16 * t.replicated(model.hidden_size))  # the checkpointed layer input
-    if layer_type == "attention":
-        return math.ceil(_attention_bytes(model, t, recompute))
-    if layer_type == "mamba":
-        return math.ceil(_mamba_bytes(model, t))
-    if layer_type == "mlp" and model.mlp is not None:
-        ffn = _ffn_bytes(t.sharded(model.mlp.intermediate_size), model.mlp.activation, True)
-        return math.ceil(_prologue(t, model.hidden_size) + ffn)
-    return math.ceil(_moe_bytes(model, t, recompute))
+    return math.ceil(kind.activation_bytes(model, t, recompute))
 
 
 def _in_flight(layout: Layout, rank: int) -> float:
@@ -316,16 +219,15 @@ def _in_flight(layout: Layout, rank: int) -> float:
 
 
 def _activations(
-    model: ModelConfig, layout: Layout, rank: int, per_type: dict[str, int], t: _Tokens
+    model: ModelConfig, layout: Layout, rank: int, per_type: dict[str, int], t: TokenShards
 ) -> ActivationMemory:
     h = model.hidden_size
-    layers = sum(per_type[LAYER_SYMBOLS[c]] for c in layout.layers_on_rank(rank))
+    layers = sum(per_type[layer_type(c).name] for c in layout.layers_on_rank(rank))
     embedding = INT64 * t.n + BF16 * t.replicated(h) if rank == 0 else 0
     mtp = 0.0
     if model.mtp_depth and rank == layout.mtp_on_rank:
-        inner = sum(per_type[LAYER_SYMBOLS[c]] for c in model.mtp_pattern)
-        # enorm and hnorm inputs, and eh_proj's [n, 2h] input
-        mtp = model.mtp_depth * (inner + BF16 * t.replicated(4 * h))
+        inner = sum(per_type[layer_type(c).name] for c in model.mtp_pattern)
+        mtp = mtp_block.activation_bytes(model, t, inner)
     head = 0.0
     if rank == layout.pp - 1:
         logits = FP32 * t.sharded(model.vocab_size) * (1 + model.mtp_depth)
@@ -350,21 +252,23 @@ def memory_per_rank(bp: Blueprint, layout: Layout) -> MemoryPlan:
     total (the first such rank on a tie)."""
     model, par = bp.model, bp.parallelism
     seq_local = bp.data.seq_len / layout.cp
-    tokens = _Tokens(
+    tokens = TokenShards(
         n=math.ceil(seq_local * layout.micro_batch_size),
         tp=layout.tp,
         sp=layout.sequence_parallel,
         etp=layout.etp,
     )
-    types = sorted(
-        {LAYER_SYMBOLS[c] for c in model.layout.main + model.mtp_pattern},
-        key=list(LAYER_SYMBOLS.values()).index,
-    )
-    per_type = {name: _layer_bytes(model, name, tokens, par.recompute) for name in types}
+    used = set(model.layout.main + model.mtp_pattern)
+    per_type = {
+        kind.name: _layer_bytes(model, kind, tokens, par.recompute)
+        for symbol, kind in LAYER_TYPES.items()
+        if symbol in used
+    }
+    spec = model_spec(model)
     choice = "distributed_optimizer" if par.distributed_optimizer else "no_distributed_optimizer"
     ranks: list[RankMemory] = []
     for rank in range(layout.pp):
-        params = _params_on_rank(model, layout, rank)
+        params = _params_on_rank(spec, layout, rank)
         weights = WEIGHT_BYTES * params.total
         grads = GRAD_BYTES * params.total
         optimizer = _optimizer_bytes(params, layout, par.distributed_optimizer_instances)

@@ -27,14 +27,7 @@ from factory.precision.quantizers import GemmQuantizer, MoRQuantizer, make_quant
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.precision import SwitchToBF16
 
-__all__ = ["PrecisionRuntime", "apply_precision", "module_path"]
-
-_EXPERTS = ".experts."
-
-
-def module_path(name: str) -> str:
-    """The graph's module path of a policy-table name (main-stack layers live in the backbone)."""
-    return f"backbone.{name}" if name.startswith("layers.") else name
+__all__ = ["PrecisionRuntime", "apply_precision"]
 
 
 @dataclass
@@ -101,11 +94,11 @@ def apply_precision(model: nn.Module, blueprint: Blueprint, seed: int = 0) -> Pr
             row.recipe, precision.nvfp4, precision.fp8, precision.mor, seed=seed + row_index
         )
         runtime.quantizers[row.name] = quantizer
-        if _EXPERTS in row.name:
+        if row.grouped:
             owner, projection = row.name.rsplit(".", 1)
-            expert_hooks.setdefault(module_path(owner), {})[projection] = quantizer
+            expert_hooks.setdefault(owner, {})[projection] = quantizer
             continue
-        path = module_path(row.name)
+        path = row.name
         linear = model.get_submodule(path)
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"{path} is {type(linear).__name__}, expected nn.Linear")

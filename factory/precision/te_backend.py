@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from factory.precision.apply import PrecisionRuntime, apply_precision, module_path
+from factory.precision.apply import PrecisionRuntime, apply_precision
 from factory.precision.qlinear import QuantizedLinear, quantized_matmul
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.precision import PrecisionConfig
@@ -155,12 +155,12 @@ def apply_te(model: nn.Module, blueprint: Blueprint, seed: int = 0) -> Precision
         if not isinstance(op, QuantizedLinear):
             ops.append(op)
     for row in runtime.table:
-        if row.recipe == "bf16" or ".experts." in row.name:
+        if row.recipe == "bf16" or row.grouped:
             continue
         if row.recipe not in recipes:
             recipes[row.recipe] = te_recipe(row.recipe, blueprint.precision)
         recipe = recipes[row.recipe]
-        path = module_path(row.name)
+        path = row.name
         linear = model.get_submodule(path)
         assert isinstance(linear, QuantizedLinear), path
         if recipe is None:

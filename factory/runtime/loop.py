@@ -149,16 +149,19 @@ def _progress_bar(enabled: bool) -> contextlib.AbstractContextManager[Any]:
 
 
 def _forward_backward(
-    model: nn.Module, micro: list[MicroBatch], mtp_scale: float
+    model: nn.Module, micro: list[MicroBatch], mtp_scale: float, load: dict[str, torch.Tensor]
 ) -> tuple[float, float]:
-    """Accumulate one step's gradients; return its (optimised loss, LM loss) as floats."""
+    """Accumulate one step's gradients and its tokens per expert (into ``load``); return the
+    step's (optimised loss, LM loss) as floats."""
     counts = [int(batch.target_mask.sum()) for batch in micro]
     total = lm = 0.0
     for batch, count in zip(micro, counts, strict=True):
         weight = count / max(1, sum(counts))
-        logits = model(batch.input_ids)
+        output = model(batch.input_ids)
+        for name, tokens in output.tokens_per_expert.items():
+            load[name] = load[name] + tokens if name in load else tokens
         losses = language_model_loss(
-            logits, batch.input_ids, batch.loss_mask, mtp_loss_scale=mtp_scale
+            output, batch.input_ids, batch.loss_mask, mtp_loss_scale=mtp_scale
         )
         aux = losses.aux if losses.aux is not None else losses.total.new_zeros(())
         loss = weight * (losses.total - aux) + aux / len(micro)
@@ -219,7 +222,8 @@ def train(
             model.zero_grad(set_to_none=True)
             optimizer.zero_grad(set_to_none=True)
             micro = [next(stream) for _ in range(accumulation)]
-            total, lm = _forward_backward(model, micro, mtp_scale)
+            load: dict[str, torch.Tensor] = {}
+            total, lm = _forward_backward(model, micro, mtp_scale, load)
             tokens_seen += sum(batch.num_tokens for batch in micro)
             masters.grads_to_masters()
             norm_cap = clip if clip is not None else math.inf
@@ -229,7 +233,7 @@ def train(
             if finite:
                 optimizer.step()
                 masters.masters_to_params()
-                model.update_expert_biases()
+                model.update_expert_biases(load)
                 if compiled.precision is not None:
                     switched = compiled.precision.on_tokens(tokens_seen)
             record = StepRecord(

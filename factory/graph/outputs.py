@@ -1,0 +1,50 @@
+"""What the model's forward pass returns: typed, with nothing riding on a tensor.
+
+The training loop reads the losses from :class:`ModelOutput`, and the
+stability monitors read the router statistics: tokens per expert for every
+MoE layer, keyed by the layer's name in the graph.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["ModelOutput", "RoutedOutput", "collect_routing"]
+
+
+class RoutedOutput(NamedTuple):
+    """A routing mixer's output, its load-balancing loss and how many (token, slot) pairs
+    each expert received."""
+
+    y: torch.Tensor
+    aux_loss: torch.Tensor | None
+    tokens_per_expert: torch.Tensor
+
+
+class ModelOutput(NamedTuple):
+    logits: torch.Tensor
+    """[B, S, V]: position i predicts token i+1."""
+    mtp_logits: tuple[torch.Tensor, ...]
+    """One [B, S, V] tensor per MTP depth; depth k at position i predicts token i+k+1."""
+    aux_loss: torch.Tensor | None
+    """Sum of the MoE layers' load-balancing losses (training mode only)."""
+    tokens_per_expert: dict[str, torch.Tensor]
+    """Per MoE layer (``backbone.layers.3``, ``mtp.layers.1``), the [experts] count of
+    (token, slot) pairs routed to each expert in this pass; a repeated MTP block sums its
+    depths."""
+    hidden: torch.Tensor
+    """The main stack's output before the final norm."""
+
+
+def collect_routing(
+    routed: dict[str, torch.Tensor], aux: list[torch.Tensor], name: str, out: RoutedOutput | None
+) -> None:
+    """Add one block's routing statistics to the pass's totals."""
+    if out is None:
+        return
+    previous = routed.get(name)
+    routed[name] = out.tokens_per_expert if previous is None else previous + out.tokens_per_expert
+    if out.aux_loss is not None:
+        aux.append(out.aux_loss)

@@ -1,0 +1,105 @@
+"""``*``: causal grouped-query self-attention (Ainslie et al. 2023, arXiv:2305.13245).
+
+Nemotron-H and Nemotron 3 use no position embedding: the Mamba layers carry
+position. Tensor parallelism splits q, k and v by columns (heads) and o by rows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from factory.spec.activations import BF16, FP32, TokenShards, prologue_bytes
+from factory.spec.layer_type import LayerType, ProxyScale, register_layer_type
+from factory.spec.rounding import nearest_multiple
+from factory.spec.tensors import Init, TensorSpec, linear
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from factory.schemas.model import AttentionConfig, ModelConfig
+
+__all__ = ["SelfAttention"]
+
+
+@register_layer_type
+class SelfAttention(LayerType):
+    symbol = "*"
+    name = "attention"
+    section = "attention"
+    hf_block_type = "full_attention"
+
+    def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
+        cfg: AttentionConfig = self.config(model)
+        d, q, kv = model.hidden_size, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        normal = Init("normal")
+        return [
+            *linear(f"{prefix}.q_proj", d, q, bias=cfg.bias, tp="column", init=normal),
+            *linear(f"{prefix}.k_proj", d, kv, bias=cfg.bias, tp="column", init=normal),
+            *linear(f"{prefix}.v_proj", d, kv, bias=cfg.bias, tp="column", init=normal),
+            *linear(f"{prefix}.o_proj", q, d, bias=cfg.bias, tp="row", init=Init("scaled_normal")),
+        ]
+
+    def extra_flops(self, model: ModelConfig, seq_len: int) -> int:
+        """Causal: token i (1-based) attends to i keys, so the mean context is (s + 1) / 2;
+        QK^T and PV each cost 2 * q_width * context per token."""
+        cfg: AttentionConfig = self.config(model)
+        return 2 * cfg.heads * cfg.head_dim * (seq_len + 1)
+
+    def megatron_flops(self, model: ModelConfig, seq_len: int) -> int:
+        cfg: AttentionConfig = self.config(model)
+        h, s = model.hidden_size, seq_len
+        q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        return 4 * s * h * (q + kv) + 2 * s * s * q
+
+    def activation_bytes(self, model: ModelConfig, tokens: TokenShards, recompute: str) -> float:
+        """Flash attention saves Q, K, V and the output O (also o_proj's input), no s^2
+        tensor; its fp32 log-sum-exp is the only thing core_attn recompute frees. KV heads
+        are replicated when TP exceeds their number."""
+        cfg: AttentionConfig = self.config(model)
+        q = cfg.heads * cfg.head_dim
+        kv_local = math.ceil(cfg.kv_heads / tokens.tp) * cfg.head_dim
+        saved = prologue_bytes(tokens, model.hidden_size) + BF16 * (
+            2 * tokens.sharded(q) + 2 * tokens.n * kv_local
+        )
+        if recompute == "none":
+            saved += FP32 * tokens.sharded(cfg.heads)
+        return saved
+
+    def build(self, model: ModelConfig) -> nn.Module:
+        from factory.graph.attention import Attention
+
+        rope = (
+            (model.rope_base, model.rope_fraction) if model.position_embedding == "rope" else None
+        )
+        return Attention(model.hidden_size, self.config(model), rope)
+
+    def shrink(self, section: dict[str, Any], source: AttentionConfig, proxy: ProxyScale) -> None:
+        """Keep r = heads / kv_heads: kv_heads 1 if r >= 8 else min(kv_heads, 2); head_dim
+        the multiple of 8 nearest the scaled query width over the proxy's heads."""
+        ratio = source.heads // source.kv_heads
+        kv_heads = 1 if ratio >= 8 else min(source.kv_heads, 2)
+        heads = ratio * kv_heads
+        head_dim = nearest_multiple(source.heads * source.head_dim * proxy.scale / heads, 8)
+        section.update(heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+
+    def hf_refusals(self, model: ModelConfig) -> list[str]:
+        if self.config(model).bias:
+            return ["HF NemotronH attention has no biases (model.attention.bias)"]
+        return []
+
+    def hf_config(self, model: ModelConfig) -> dict[str, Any]:
+        cfg: AttentionConfig = self.config(model)
+        return {
+            "num_attention_heads": cfg.heads,
+            "num_key_value_heads": cfg.kv_heads,
+            "head_dim": cfg.head_dim,
+            "attention_bias": False,
+        }
+
+    def from_hf(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "heads": cfg["num_attention_heads"],
+            "kv_heads": cfg["num_key_value_heads"],
+            "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        }

@@ -1,0 +1,161 @@
+"""``M``: the Mamba-2 mixer (Dao & Gu 2024, "Transformers are SSMs", arXiv:2405.21060).
+
+in_proj packs [z, x, B, C, dt]; a depthwise causal conv1d runs over x, B and C;
+the chunked SSD scan with a per-head D skip; a gated RMSNorm per group; out_proj.
+Tensor parallelism splits everything by heads and groups (Megatron's
+``MambaMixer``), so in_proj's five packed segments split one by one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+from factory.spec.activations import BF16, FP32, TokenShards, prologue_bytes
+from factory.spec.layer_type import LayerType, ProxyScale, register_layer_type
+from factory.spec.rounding import nearest_multiple
+from factory.spec.tensors import Init, Role, Split, TensorSpec, conv, linear, norm, vector
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from factory.schemas.model import MambaConfig, ModelConfig
+
+__all__ = ["Mamba"]
+
+
+@register_layer_type
+class Mamba(LayerType):
+    symbol = "M"
+    name = "mamba"
+    section = "mamba"
+    hf_block_type = "linear_attention"
+
+    def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
+        cfg: MambaConfig = self.config(model)
+        d, heads = model.hidden_size, cfg.heads
+        bc = cfg.groups * cfg.state_size
+        by_heads = Split("heads", 0)
+        return [
+            vector(
+                f"{prefix}.dt_bias",
+                heads,
+                Role.SSM,
+                Init("dt_bias", (cfg.dt_min, cfg.dt_max, cfg.dt_init_floor)),
+                by_heads,
+            ),
+            vector(f"{prefix}.A_log", heads, Role.SSM, Init("a_log"), by_heads),
+            vector(f"{prefix}.D", heads, Role.SSM, Init("ones"), by_heads),
+            *linear(
+                f"{prefix}.in_proj",
+                d,
+                cfg.in_proj_dim,
+                bias=cfg.bias,
+                tp="heads",
+                init=Init("normal"),
+                segments=(cfg.d_inner, cfg.d_inner, bc, bc, heads),
+            ),
+            *conv(
+                f"{prefix}.conv1d",
+                cfg.conv_dim,
+                cfg.conv_kernel,
+                bias=cfg.conv_bias,
+                segments=(cfg.d_inner, bc, bc),
+            ),
+            norm(f"{prefix}.norm.weight", cfg.d_inner, by_heads),
+            *linear(
+                f"{prefix}.out_proj",
+                cfg.d_inner,
+                d,
+                bias=cfg.bias,
+                tp="row",
+                init=Init("scaled_normal"),
+            ),
+        ]
+
+    def extra_flops(self, model: ModelConfig, seq_len: int) -> int:
+        """The SSD scan as mamba_ssm's chunked kernels execute it, per token, with chunk
+        length Q: 2*Q*N*groups for the C.B^T block of its chunk row (computed whole, then
+        masked), 2*Q*d_inner to apply it to the chunk's x, and 2*N*d_inner each for the
+        chunk-end state (x outer B) and the off-diagonal output (C . state). The state
+        passing between chunks is elementwise and O(1/Q) per token, so it is left out."""
+        cfg: MambaConfig = self.config(model)
+        n, chunk = cfg.state_size, min(cfg.chunk_size, seq_len)
+        return 2 * chunk * n * cfg.groups + 2 * chunk * cfg.d_inner + 4 * n * cfg.d_inner
+
+    def megatron_flops(self, model: ModelConfig, seq_len: int) -> int:
+        """Megatron-LM's hybrid formula, which takes d_inner = 2h whatever heads x head_dim."""
+        cfg: MambaConfig = self.config(model)
+        h, s = model.hidden_size, seq_len
+        d_in, n = 2 * h, cfg.state_size
+        in_proj = 2 * s * h * (2 * d_in + 2 * cfg.groups * n + cfg.heads)
+        return in_proj + 7 * s * d_in * n + 2 * s * d_in * h
+
+    def activation_bytes(self, model: ModelConfig, tokens: TokenShards, recompute: str) -> float:
+        """Megatron's memory-efficient path keeps the packed in_proj output and recomputes
+        the conv and the scan in backward; the gated norm keeps an fp32 rstd per group and
+        out_proj its input. Mamba has no selective-recompute module: selective = none."""
+        cfg: MambaConfig = self.config(model)
+        return (
+            prologue_bytes(tokens, model.hidden_size)
+            + BF16 * tokens.sharded(cfg.in_proj_dim)
+            + FP32 * tokens.sharded(cfg.groups)
+            + BF16 * tokens.sharded(cfg.d_inner)
+        )
+
+    def build(self, model: ModelConfig) -> nn.Module:
+        from factory.graph.mamba import Mamba2Mixer
+
+        return Mamba2Mixer(model.hidden_size, self.config(model), model.norm_eps)
+
+    def shrink(self, section: dict[str, Any], source: MambaConfig, proxy: ProxyScale) -> None:
+        """head_dim, state and chunk 16, at most 2 groups; heads the multiple of groups
+        nearest d_inner * s / 16 (of lcm(groups, 16) when quantized: in_proj must stay
+        16-aligned for the 1x16 and 16x16 NVFP4 tiles)."""
+        groups = min(source.groups, 2)
+        step = math.lcm(groups, 16) if proxy.quantized else groups
+        heads = nearest_multiple(source.d_inner * proxy.scale / 16, step)
+        section.update(heads=heads, head_dim=16, groups=groups, state_size=16, chunk_size=16)
+
+    def hf_refusals(self, model: ModelConfig) -> list[str]:
+        if self.config(model).dt_limit_max is not None:
+            return ["HF NemotronH has no upper dt clamp (model.mamba.dt_limit_max)"]
+        return []
+
+    def hf_config(self, model: ModelConfig) -> dict[str, Any]:
+        """transformers clamps dt from below at time_step_min where Megatron clamps at
+        dt_limit_min, so time_step_min carries dt_limit_min: HF computes what we trained."""
+        cfg: MambaConfig = self.config(model)
+        return {
+            "mamba_num_heads": cfg.heads,
+            "mamba_head_dim": cfg.head_dim,
+            "ssm_state_size": cfg.state_size,
+            "n_groups": cfg.groups,
+            "conv_kernel": cfg.conv_kernel,
+            "chunk_size": cfg.chunk_size,
+            "expand": 2,
+            "mamba_hidden_act": "silu",
+            "use_conv_bias": cfg.conv_bias,
+            "use_bias": cfg.bias,
+            "mamba_proj_bias": cfg.bias,
+            "time_step_min": cfg.dt_limit_min,
+            "time_step_max": cfg.dt_max,
+            "time_step_floor": cfg.dt_init_floor,
+        }
+
+    def from_hf(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        floor = cfg.get("time_step_min", 0.001)
+        return {
+            "heads": cfg["mamba_num_heads"],
+            "head_dim": cfg["mamba_head_dim"],
+            "state_size": cfg.get("ssm_state_size", 128),
+            "groups": cfg.get("n_groups", 8),
+            "conv_kernel": cfg.get("conv_kernel", 4),
+            "chunk_size": cfg.get("chunk_size", 128),
+            "dt_min": floor if floor > 0 else 0.001,
+            "dt_max": cfg.get("time_step_max", 0.1),
+            "dt_init_floor": cfg.get("time_step_floor", 1e-4),
+            "dt_limit_min": floor,  # what transformers clamps dt to
+            "conv_bias": cfg.get("use_conv_bias", True),
+            "bias": cfg.get("use_bias", False),
+        }

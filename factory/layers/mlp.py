@@ -1,0 +1,93 @@
+"""``-``: the dense MLP, squared-ReLU (Nemotron) or SwiGLU; also the MoE's shared expert.
+
+Tensor parallelism splits up (and gate) by columns and down by rows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from factory.spec.activations import TokenShards, ffn_bytes, prologue_bytes
+from factory.spec.layer_type import LayerType, ProxyScale, register_layer_type
+from factory.spec.rounding import nearest_multiple
+from factory.spec.tensors import Init, TensorSpec, linear
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from factory.schemas.model import MLPConfig, ModelConfig
+
+__all__ = ["DenseMLP", "mlp_tensors", "swiglu_factor"]
+
+
+def mlp_tensors(
+    prefix: str, width: int, hidden: int, activation: str, bias: bool
+) -> list[TensorSpec]:
+    """An MLP width -> hidden -> width: up (and gate when SwiGLU) then down, in module order."""
+    normal = Init("normal")
+    gate = (
+        linear(f"{prefix}.gate_proj", width, hidden, bias=bias, tp="column", init=normal)
+        if activation == "swiglu"
+        else []
+    )
+    return [
+        *linear(f"{prefix}.up_proj", width, hidden, bias=bias, tp="column", init=normal),
+        *gate,
+        *linear(
+            f"{prefix}.down_proj", hidden, width, bias=bias, tp="row", init=Init("scaled_normal")
+        ),
+    ]
+
+
+def swiglu_factor(activation: str, flops: int) -> int:
+    """Megatron's formula counts a gated MLP as 1.5x the two-matrix one."""
+    return flops * 3 // 2 if activation == "swiglu" else flops
+
+
+@register_layer_type
+class DenseMLP(LayerType):
+    symbol = "-"
+    name = "mlp"
+    section = "mlp"
+    hf_block_type = "mlp"
+
+    def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
+        cfg: MLPConfig = self.config(model)
+        return mlp_tensors(
+            prefix, model.hidden_size, cfg.intermediate_size, cfg.activation, cfg.bias
+        )
+
+    def megatron_flops(self, model: ModelConfig, seq_len: int) -> int:
+        cfg: MLPConfig = self.config(model)
+        return swiglu_factor(
+            cfg.activation, 4 * seq_len * model.hidden_size * cfg.intermediate_size
+        )
+
+    def activation_bytes(self, model: ModelConfig, tokens: TokenShards, recompute: str) -> float:
+        cfg: MLPConfig = self.config(model)
+        ffn = ffn_bytes(tokens.sharded(cfg.intermediate_size), cfg.activation, True)
+        return prologue_bytes(tokens, model.hidden_size) + ffn
+
+    def build(self, model: ModelConfig) -> nn.Module:
+        from factory.graph.mlp import MLP
+
+        cfg: MLPConfig = self.config(model)
+        return MLP(model.hidden_size, cfg.intermediate_size, cfg.activation, cfg.bias)
+
+    def shrink(self, section: dict[str, Any], source: MLPConfig, proxy: ProxyScale) -> None:
+        section["intermediate_size"] = nearest_multiple(source.intermediate_size * proxy.scale, 8)
+
+    def hf_refusals(self, model: ModelConfig) -> list[str]:
+        if self.config(model).activation != "relu2":
+            return ["HF NemotronH MLPs are non-gated relu2 (model.mlp.activation)"]
+        return []
+
+    def hf_config(self, model: ModelConfig) -> dict[str, Any]:
+        cfg: MLPConfig = self.config(model)
+        return {"intermediate_size": cfg.intermediate_size, "mlp_bias": cfg.bias}
+
+    def from_hf(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "intermediate_size": cfg.get("intermediate_size", 1),
+            "bias": cfg.get("mlp_bias", False),
+        }

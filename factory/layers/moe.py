@@ -1,0 +1,230 @@
+"""``E``: mixture of experts with an fp32 router, a shared expert and optional LatentMoE.
+
+Routing follows DeepSeek-V3 (arXiv:2412.19437): sigmoid or softmax scores, an
+aux-loss-free expert bias that only ranks experts, optional group-limited
+routing. LatentMoE runs the routed experts in ``latent_size`` between a d ->
+latent and a latent -> d projection, both replicated on every tensor-parallel
+rank as Megatron does; the router always sees the full width. Expert
+parallelism splits the routed experts' first dimension.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from factory.layers.mlp import mlp_tensors, swiglu_factor
+from factory.spec.activations import BF16, FP32, TokenShards, ffn_bytes, prologue_bytes
+from factory.spec.layer_type import LayerType, ProxyScale, register_layer_type
+from factory.spec.rounding import half_up, nearest_multiple
+from factory.spec.tensors import Gemm, Init, Role, TensorSpec, expert_linear, linear
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from factory.schemas.model import ModelConfig, MoEConfig
+
+__all__ = ["PROXY_EXPERTS", "MixtureOfExperts"]
+
+PROXY_EXPERTS = 32
+"""With 64 experts of width 176 the Nano proxy has 40M parameters; 32 keep it near 23M."""
+
+
+def _mlp_bias(model: ModelConfig) -> bool:
+    """The shared expert and latent projections take the dense MLP's bias setting."""
+    return model.mlp.bias if model.mlp is not None else False
+
+
+@register_layer_type
+class MixtureOfExperts(LayerType):
+    symbol = "E"
+    name = "moe"
+    section = "moe"
+    hf_block_type = "moe"
+
+    def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
+        cfg: MoEConfig = self.config(model)
+        d, experts, k = model.hidden_size, cfg.num_experts, cfg.top_k
+        width, ff = cfg.latent_size or d, cfg.expert_intermediate_size
+        router = [
+            TensorSpec(
+                f"{prefix}.gate.weight",
+                (experts, d),
+                Role.ROUTER,
+                Init("normal"),
+                fp32=True,
+                gemm=Gemm(d, experts, quantizable=False),
+            )
+        ]
+        if cfg.router.expert_bias:
+            router.append(
+                TensorSpec(
+                    f"{prefix}.gate.e_score_correction_bias",
+                    (experts,),
+                    Role.ROUTER_BIAS,
+                    Init("zeros"),
+                    fp32=True,
+                    trainable=False,
+                )
+            )
+        routed = [
+            expert_linear(
+                f"{prefix}.experts.up_proj", experts, width, ff, k, "column", Init("normal")
+            )
+        ]
+        if cfg.activation == "swiglu":
+            routed.append(
+                expert_linear(
+                    f"{prefix}.experts.gate_proj", experts, width, ff, k, "column", Init("normal")
+                )
+            )
+        routed.append(
+            expert_linear(
+                f"{prefix}.experts.down_proj", experts, ff, width, k, "row", Init("scaled_normal")
+            )
+        )
+        shared = []
+        if cfg.shared_expert_intermediate_size:
+            shared = mlp_tensors(
+                f"{prefix}.shared_experts",
+                d,
+                cfg.shared_expert_intermediate_size,
+                cfg.activation,
+                _mlp_bias(model),
+            )
+        latent = []
+        if cfg.latent_size:
+            bias = _mlp_bias(model)
+            latent = [
+                *linear(
+                    f"{prefix}.fc1_latent_proj", d, width, bias=bias, tp="none", init=Init("normal")
+                ),
+                *linear(
+                    f"{prefix}.fc2_latent_proj",
+                    width,
+                    d,
+                    bias=bias,
+                    tp="none",
+                    init=Init("scaled_normal"),
+                ),
+            ]
+        return [*router, *routed, *shared, *latent]
+
+    def megatron_flops(self, model: ModelConfig, seq_len: int) -> int:
+        """Megatron has one global SwiGLU flag; here the MoE section's own activation sets it."""
+        cfg: MoEConfig = self.config(model)
+        h, s, ff, k = model.hidden_size, seq_len, cfg.expert_intermediate_size, cfg.top_k
+        if cfg.latent_size:
+            routed = swiglu_factor(cfg.activation, 4 * s * cfg.latent_size * ff * k)
+            routed += 4 * s * h * cfg.latent_size
+        else:
+            routed = swiglu_factor(cfg.activation, 4 * s * h * ff * k)
+        return routed + swiglu_factor(
+            cfg.activation, 4 * s * h * cfg.shared_expert_intermediate_size
+        )
+
+    def activation_bytes(self, model: ModelConfig, tokens: TokenShards, recompute: str) -> float:
+        """Router scores (fp32), routed tokens x top_k at the expert width, expert
+        intermediates (sharded over ETP), the combined latent and the shared expert.
+
+        A rank's n/TP tokens (sequence parallel) fan out top_k times and the ETP group
+        gathers them: n*top_k*ETP/TP routed tokens with ff/ETP-wide intermediates.
+        moe_act recompute drops the routed activation output.
+        """
+        cfg: MoEConfig = self.config(model)
+        h, width = model.hidden_size, cfg.latent_size or model.hidden_size
+        routed = tokens.n * cfg.top_k * tokens.etp / tokens.tp
+        saved = (
+            prologue_bytes(tokens, h)
+            + FP32 * tokens.replicated(cfg.num_experts)
+            + BF16 * routed * width
+        )
+        ff_local = cfg.expert_intermediate_size / tokens.etp
+        saved += ffn_bytes(routed * ff_local, cfg.activation, keep_act_output=recompute == "none")
+        if cfg.latent_size:
+            saved += BF16 * tokens.replicated(cfg.latent_size)
+        if cfg.shared_expert_intermediate_size:
+            shared = tokens.sharded(cfg.shared_expert_intermediate_size)
+            saved += ffn_bytes(shared, cfg.activation, keep_act_output=True)
+        return saved
+
+    def build(self, model: ModelConfig) -> nn.Module:
+        from factory.graph.moe import MoE
+
+        return MoE(model.hidden_size, self.config(model), _mlp_bias(model))
+
+    def shrink(self, section: dict[str, Any], source: MoEConfig, proxy: ProxyScale) -> None:
+        """32 experts if there were >= 32 (else all); top_k scaled with them but at least 2
+        when the source routes to 2 or more: with one expert per token, normalised sigmoid
+        weights are constant and the LM loss never trains the router. Widths scale to the
+        nearest multiple of 8; latent keeps d / latent; router groups shrink to the largest
+        divisor of the expert count not above them."""
+        experts = PROXY_EXPERTS if source.num_experts >= PROXY_EXPERTS else source.num_experts
+        top_k = max(min(2, source.top_k), half_up(source.top_k * experts / source.num_experts))
+        section.update(
+            num_experts=experts,
+            top_k=top_k,
+            expert_intermediate_size=nearest_multiple(
+                source.expert_intermediate_size * proxy.scale, 8
+            ),
+        )
+        if source.shared_expert_intermediate_size:
+            shared = nearest_multiple(source.shared_expert_intermediate_size * proxy.scale, 8)
+            section["shared_expert_intermediate_size"] = shared
+        if source.latent_size is not None:
+            section["latent_size"] = half_up(proxy.width * source.latent_size / proxy.source_width)
+        groups = max(g for g in range(1, source.router.num_groups + 1) if experts % g == 0)
+        section.setdefault("router", {}).update(
+            num_groups=groups, group_top_k=min(source.router.group_top_k, groups)
+        )
+
+    def hf_refusals(self, model: ModelConfig) -> list[str]:
+        cfg: MoEConfig = self.config(model)
+        out = []
+        if cfg.activation != "relu2":
+            out.append("HF NemotronH experts are non-gated relu2 (model.moe.activation)")
+        if cfg.router.score_function != "sigmoid":
+            out.append("HF NemotronH routes with sigmoid scores (model.moe.router.score_function)")
+        if not cfg.shared_expert_intermediate_size:
+            out.append("HF NemotronH MoE always has a shared expert")
+        return out
+
+    def hf_config(self, model: ModelConfig) -> dict[str, Any]:
+        cfg: MoEConfig = self.config(model)
+        router = cfg.router
+        return {
+            "intermediate_size": cfg.expert_intermediate_size,  # NemotronH's fallback width
+            "n_routed_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.top_k,
+            "moe_intermediate_size": cfg.expert_intermediate_size,
+            "moe_shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+            "n_shared_experts": 1,
+            "moe_latent_size": cfg.latent_size,
+            "moe_shared_expert_overlap": False,
+            "routed_scaling_factor": router.scaling_factor,
+            "n_group": router.num_groups,
+            "topk_group": router.group_top_k,
+            "norm_topk_prob": router.normalize_top_k,
+        }
+
+    def from_hf(self, cfg: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "num_experts": cfg["n_routed_experts"],
+            "top_k": cfg["num_experts_per_tok"],
+            "expert_intermediate_size": cfg["moe_intermediate_size"],
+            "shared_expert_intermediate_size": cfg.get("moe_shared_expert_intermediate_size", 0),
+            "latent_size": cfg.get("moe_latent_size"),
+            "router": {
+                "score_function": "sigmoid",
+                "expert_bias": True,
+                "normalize_top_k": cfg.get("norm_topk_prob", True),
+                "scaling_factor": cfg.get("routed_scaling_factor", 1.0),
+                "num_groups": cfg.get("n_group", 1),
+                "group_top_k": cfg.get("topk_group", 1),
+            },
+        }
+
+    def hf_zero_tensors(self, model: ModelConfig, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+        cfg: MoEConfig = self.config(model)
+        if cfg.router.expert_bias:
+            return []
+        return [(f"{prefix}.gate.e_score_correction_bias", (cfg.num_experts,))]

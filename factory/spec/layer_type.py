@@ -1,0 +1,163 @@
+"""The layer-type registry: one registered description per pattern symbol.
+
+A :class:`LayerType` is everything factory knows about one kind of residual
+block (``M``, ``*``, ``-``, ``E``, or one you add): the tensors of its mixer,
+the FLOPs that are not matrix products, the activations it saves for
+backward, its Hugging Face mapping, how the CPU proxy shrinks its config
+section, and how to build its ``nn.Module``. The planner, the graph, the
+precision table, the proxy and the exports all read it; none of them
+re-derives a layer from its name. Registering a new subclass is all it takes
+to add a layer type: ``CONTRIBUTING.md`` walks through it.
+
+This module imports nothing from factory, so the pattern parser can ask it
+which symbols exist without an import cycle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from factory.schemas.model import ModelConfig
+    from factory.spec.activations import TokenShards
+    from factory.spec.tensors import TensorSpec
+
+__all__ = [
+    "LAYER_TYPES",
+    "LayerType",
+    "ProxyScale",
+    "layer_type",
+    "layer_type_named",
+    "register_layer_type",
+    "registry_revision",
+    "unregister_layer_type",
+]
+
+LAYER_TYPES: dict[str, LayerType] = {}
+"""Registered layer types by pattern symbol, in registration order. Change it through
+:func:`register_layer_type` and :func:`unregister_layer_type`, which keep
+:func:`registry_revision` current for caches of what the registry implies."""
+
+_revision = 0
+
+
+def registry_revision() -> int:
+    """A number that changes whenever a layer type is registered or unregistered."""
+    return _revision
+
+
+@dataclass(frozen=True)
+class ProxyScale:
+    """What a layer type needs to shrink its section for the CPU proxy."""
+
+    width: int
+    """The proxy's hidden size."""
+    source_width: int
+    """The source blueprint's hidden size."""
+    scale: float
+    """width / the source's hidden size."""
+    quantized: bool
+    """The precision policy quantizes some GEMM (widths must then stay 16-aligned)."""
+
+
+class LayerType:
+    """Base class of a layer-type description. Subclasses set the class attributes and
+    override what applies; the defaults describe a layer that adds nothing beyond its
+    tensors' GEMMs."""
+
+    symbol: ClassVar[str]
+    """The pattern character."""
+    name: ClassVar[str]
+    """The layer-type name used in plans and reports ('mamba', 'attention', ...)."""
+    section: ClassVar[str | None] = None
+    """The ``model`` section this layer needs (``model.mamba`` ...), or None."""
+    hf_block_type: ClassVar[str | None] = None
+    """Its ``layers_block_type`` in Hugging Face NemotronH; None when NemotronH has none."""
+
+    def config(self, model: ModelConfig) -> Any:
+        """This layer's config section (raises when the blueprint lacks it)."""
+        if self.section is None:
+            return None
+        section = getattr(model, self.section)
+        if section is None:  # the model rules reject this before anything is built
+            raise ValueError(f"pattern symbol {self.symbol!r} needs model.{self.section}")
+        return section
+
+    def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
+        """Every parameter of the mixer under ``prefix`` (``backbone.layers.3.mixer``)."""
+        raise NotImplementedError
+
+    def extra_flops(self, model: ModelConfig, seq_len: int) -> int:
+        """Forward FLOPs per token that are not a tensor's GEMM (attention scores, the scan)."""
+        return 0
+
+    def megatron_flops(self, model: ModelConfig, seq_len: int) -> int:
+        """Forward FLOPs of one layer over one sequence by Megatron-LM's formula."""
+        raise NotImplementedError(f"Megatron-LM has no FLOPs formula for {self.name!r} layers")
+
+    def activation_bytes(self, model: ModelConfig, tokens: TokenShards, recompute: str) -> float:
+        """Bytes one layer saves for backward per micro-batch on one rank, without recompute
+        'full' (the planner handles that: only the layer input is kept)."""
+        raise NotImplementedError
+
+    def build(self, model: ModelConfig) -> nn.Module:
+        """The mixer module (imports torch)."""
+        raise NotImplementedError
+
+    def shrink(self, section: dict[str, Any], source: Any, proxy: ProxyScale) -> None:
+        """Update this layer's section (a dict copy) in place for the CPU proxy."""
+
+    def hf_refusals(self, model: ModelConfig) -> list[str]:
+        """What Hugging Face NemotronH cannot express about this layer."""
+        if self.hf_block_type is None:
+            return [f"{self.name!r} layers ({self.symbol!r}) have no NemotronH equivalent"]
+        return []
+
+    def hf_config(self, model: ModelConfig) -> dict[str, Any]:
+        """This layer's fields of a NemotronH ``config.json``."""
+        return {}
+
+    def from_hf(self, cfg: dict[str, Any]) -> dict[str, Any] | None:
+        """This layer's blueprint section from a NemotronH ``config.json``."""
+        return None
+
+    def hf_zero_tensors(self, model: ModelConfig, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
+        """Tensors a NemotronH checkpoint always has that this blueprint's mixer lacks; the
+        export writes them as zeros (an expert bias that is off adds nothing)."""
+        return []
+
+
+def register_layer_type(cls: type[LayerType]) -> type[LayerType]:
+    """Class decorator: register one instance under ``cls.symbol``."""
+    existing = LAYER_TYPES.get(cls.symbol)
+    if existing is not None and type(existing) is not cls:
+        raise ValueError(
+            f"pattern symbol {cls.symbol!r} is already the {existing.name!r} layer type"
+        )
+    global _revision
+    LAYER_TYPES[cls.symbol] = cls()
+    _revision += 1
+    return cls
+
+
+def unregister_layer_type(symbol: str) -> None:
+    global _revision
+    if LAYER_TYPES.pop(symbol, None) is not None:
+        _revision += 1
+
+
+def layer_type(symbol: str) -> LayerType:
+    try:
+        return LAYER_TYPES[symbol]
+    except KeyError:
+        raise KeyError(f"no layer type is registered for pattern symbol {symbol!r}") from None
+
+
+def layer_type_named(name: str) -> LayerType:
+    for registered in LAYER_TYPES.values():
+        if registered.name == name:
+            return registered
+    raise KeyError(f"no layer type is named {name!r}")
