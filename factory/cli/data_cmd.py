@@ -20,27 +20,13 @@ def build_cmd(
     workers: Annotated[int, typer.Option("--workers", min=1, help="Worker processes.")] = 1,
 ) -> None:
     """Curate a recipe's sources into webdataset shards (resumable: rerun after a crash)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.console import Console
 
     from factory.data.pipeline import build
-    from factory.data.recipe_loading import load_recipe
+    from factory.jobs.progress import RichProgress
 
-    loaded = load_recipe(recipe)
-    columns = (
-        TextColumn("{task.description:>8}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, transient=True) as bar:
-        tasks: dict[str, int] = {}
-
-        def progress(stage: str, done: int, total: int) -> None:
-            if stage not in tasks:
-                tasks[stage] = bar.add_task(stage, total=total)
-            bar.update(tasks[stage], completed=done, total=max(total, done))
-
-        manifest = build(loaded, out, workers=workers, progress=progress)
+    with RichProgress(Console(stderr=True)) as progress:
+        manifest = build(recipe, out, workers=workers, progress=progress)
     tokens = sum(s["after"]["tokens"] for s in manifest["sources"].values())
     typer.echo(
         f"built {out}: {len(manifest['shards'])} shards, {manifest['packing']['samples']} samples, "

@@ -3,5 +3,37 @@
 Stages, in order: read (``readers``) -> format (``formatting``) -> filter
 (``filters``) -> dedup (``dedup``) -> decontaminate (``decontam``) -> tokenize
 (``tokenize``) -> mix (``mixing``) -> pack (``packing``) -> write (``shards``,
-``energon``, ``megatron_index``, ``manifest``). ``pipeline`` runs them.
+``energon``, ``megatron_index``, ``manifest``). ``pipeline`` runs them, and
+:func:`build` (``factory.data.build``) is the one job that does::
+
+    manifest = factory.data.build("nano", Path("data/nano"), workers=8, seq_len=8192)
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["LoadedRecipe", "build", "load_recipe"]
+
+if TYPE_CHECKING:
+    from factory.data.pipeline import build
+    from factory.data.recipe_loading import LoadedRecipe, load_recipe
+
+# Resolved on first use: the pipeline imports numpy, and importing any module
+# of this package (a worker's, say) runs this file first.
+_LAZY = {
+    "build": "factory.data.pipeline",
+    "LoadedRecipe": "factory.data.recipe_loading",
+    "load_recipe": "factory.data.recipe_loading",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'factory.data' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value

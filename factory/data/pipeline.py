@@ -1,4 +1,7 @@
-"""``factory data build``: run the three stages with resume, workers and progress.
+"""``factory.data.build``: run the three stages with resume, workers and progress.
+
+The one data-build job: ``factory data build``, ``factory build`` and
+``factory train`` all call :func:`build`.
 
 Layout of the output folder::
 
@@ -19,17 +22,15 @@ import hashlib
 import json
 import shutil
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from factory.data.recipe_loading import LoadedRecipe
+from factory.data.recipe_loading import LoadedRecipe, load_recipe, with_seq_len
 from factory.data.stage_curate import UnitTask, curate_unit
 from factory.data.unit_io import read_unit_stats, unit_done
+from factory.jobs.progress import Progress, silent
 
 __all__ = ["build", "recipe_hash"]
-
-Progress = Callable[[str, int, int], None]
 
 
 def recipe_hash(loaded: LoadedRecipe) -> str:
@@ -106,15 +107,40 @@ def _run_units(tasks: list[UnitTask], workers: int, progress: Progress) -> None:
 
 
 def build(
-    loaded: LoadedRecipe, out: Path, workers: int = 1, progress: Progress | None = None
+    recipe: str | Path | LoadedRecipe,
+    out: Path,
+    *,
+    workers: int = 1,
+    seq_len: int | None = None,
+    progress: Progress | None = None,
+    keep_work: bool = True,
 ) -> dict[str, Any]:
-    """Build (or finish building) the shards of ``loaded`` in ``out``; return the manifest."""
+    """Build (or finish building) the shards of ``recipe`` in ``out``; return the manifest.
+
+    ``recipe`` is a shipped recipe's name, a recipe YAML path or a loaded
+    recipe (:func:`~factory.data.recipe_loading.load_recipe` raises
+    ``BlueprintError`` with every problem before any work starts).
+    ``seq_len`` packs to that length instead of the recipe's (a blueprint's
+    ``data.seq_len`` decides it). ``workers`` processes curate input files in
+    parallel; the output is byte-identical for any count. ``progress`` gets
+    ``curate``, ``dedup`` and ``shards`` reports. ``keep_work=False`` deletes
+    the ``.work`` intermediates afterwards, which gives up resuming.
+    """
+    loaded = recipe if isinstance(recipe, LoadedRecipe) else load_recipe(recipe)
+    if seq_len is not None:
+        loaded = with_seq_len(loaded, seq_len)
+    manifest = _build(loaded, out, workers, progress or silent)
+    if not keep_work:
+        shutil.rmtree(out / ".work", ignore_errors=True)
+    return manifest
+
+
+def _build(loaded: LoadedRecipe, out: Path, workers: int, progress: Progress) -> dict[str, Any]:
     from factory.data.mixing import plan_mixture
     from factory.data.stage_dedup import dedup_units
     from factory.data.stage_write import MixedStream, tokens_per_source, write_shards
     from factory.data.tokenize import DocumentTokenizer
 
-    progress = progress or (lambda stage, done, total: None)
     recipe = loaded.recipe
     digest = recipe_hash(loaded)
     out.mkdir(parents=True, exist_ok=True)
@@ -149,9 +175,10 @@ def build(
         recipe.packing.window,
         tokenizer.pad_id,
         recipe.output.samples_per_shard,
-        progress=lambda n: progress("shards", n, n),
+        progress=lambda n: progress("shards", n, 0),  # the count is known only at the end
         on_document=megatron.add_document if megatron is not None else None,
     )
+    progress("shards", len(shards), len(shards))
     if megatron is not None:
         megatron.finalize()
     if recipe.output.energon:
