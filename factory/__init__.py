@@ -3,6 +3,12 @@
 The pipeline reads top to bottom: ``factory.schemas`` types a blueprint,
 ``factory.loading`` composes and validates it, ``factory.checks`` applies the
 cross-field rules, and ``factory.planner`` counts parameters, FLOPs and memory.
+The jobs the CLI runs are library calls (``factory.jobs``)::
+
+    bp = factory.load_blueprint("nano")
+    factory.build(bp, out=Path("build/nano"))          # plan, reports and data/
+    factory.train(bp, proxy=True, out=Path("runs/p"))  # train.json, model/, data/
+    factory.data.build("nano", Path("data/nano"))      # curated shards only
 
 ``import factory`` stays light (no torch): ``validate``, ``plan`` and
 ``schema`` run on machines without it.
@@ -13,11 +19,25 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["BlueprintError", "compile", "load_blueprint", "plan"]
+__all__ = [
+    "BlueprintError",
+    "BuildResult",
+    "TrainRefused",
+    "TrainResult",
+    "build",
+    "compile",
+    "data",
+    "load_blueprint",
+    "plan",
+    "train",
+]
 
 if TYPE_CHECKING:
+    from factory import data
     from factory.errors import BlueprintError
     from factory.graph.compile import compile
+    from factory.jobs.build import BuildResult, build
+    from factory.jobs.train import TrainRefused, TrainResult, train
     from factory.loading.load import load_blueprint
     from factory.planner.plan import plan
 
@@ -25,9 +45,15 @@ if TYPE_CHECKING:
 # pydantic-heavy schemas nor, later, torch.
 _LAZY = {
     "BlueprintError": "factory.errors",
+    "BuildResult": "factory.jobs.build",
+    "TrainRefused": "factory.jobs.train",
+    "TrainResult": "factory.jobs.train",
+    "build": "factory.jobs.build",
     "compile": "factory.graph.compile",
+    "data": "factory",  # the subpackage itself: ``factory.data.build``
     "load_blueprint": "factory.loading.load",
     "plan": "factory.planner.plan",
+    "train": "factory.jobs.train",
 }
 
 
@@ -37,6 +63,9 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'factory' has no attribute {name!r}")
     import importlib
 
-    value = getattr(importlib.import_module(module_name), name)
+    if module_name == __name__:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        value = getattr(importlib.import_module(module_name), name)
     globals()[name] = value
     return value

@@ -1,47 +1,39 @@
-"""``factory train``: train a blueprint's model (or its CPU proxy) on its data recipe.
+"""``factory train``: :func:`factory.train` on a blueprint (or its CPU proxy), from the shell.
 
-One process, the blueprint's optimizer, schedule, batch and precision policy
-(``factory.runtime``). The output folder appears whole or not at all:
-
-* ``train.json``: what ran (blueprint, device, precision) and one record per
-  step (loss, learning rate, gradient norm, tokens, seconds);
-* ``model/``: the trained weights as a Hugging Face checkpoint
-  (``config.json`` + ``model.safetensors``, loadable by transformers and by
-  ``factory import hf``);
-* ``data/``: the curated shards it trained on (skipped with ``--data DIR``).
-
-Full-size Nemotron 3 models need a cluster: exported Megatron arguments are the
-way to scale out. This command refuses a model whose fp32 weights, gradients
-and Adam states would not fit this machine's memory, and points at ``--proxy``.
+The job, its output folder and its refusals are documented in
+``factory.jobs.train``; this module parses arguments and prints.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
+import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import Annotated
 
 import typer
 
 from factory.cli.app import app
-from factory.cli.output import print_diagnostics
+from factory.cli.output import EXIT_INVALID, print_diagnostics
 from factory.cli.validate_cmd import SetOption
 
-if TYPE_CHECKING:
-    from rich.console import Console
-
-    from factory.schemas.blueprint import Blueprint
-
-_BYTES_PER_PARAM = 16  # fp32 weight + gradient + two Adam moments
+PRECISION_HELP = "Backend of the precision policy: auto, emulate, te or off (factory.compile's)."
+"""Names the backends for --help, which must not import torch; a test holds it to the Literal."""
 
 
-def _memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return 0
+def parse_precision(value: str) -> str:
+    """``value`` if it is one of ``factory.compile``'s ``PrecisionBackend`` names.
+
+    Read from that ``Literal`` when the option is parsed, not when commands
+    register: the module defining it imports torch, and ``factory validate``
+    must not.
+    """
+    from factory.graph.compile import PrecisionBackend
+
+    backends = typing.get_args(PrecisionBackend)
+    if value not in backends:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(backends)}")
+    return value
 
 
 @app.command()
@@ -58,7 +50,8 @@ def train(
         Path | None, typer.Option("--data", help="Train on shards already built here.")
     ] = None,
     precision: Annotated[
-        str, typer.Option("--precision", help="auto | emulate | te | off")
+        str,
+        typer.Option("--precision", parser=parse_precision, metavar="BACKEND", help=PRECISION_HELP),
     ] = "auto",
     seed: Annotated[int | None, typer.Option("--seed", help="Default: training.seed.")] = None,
     overrides: SetOption = None,
@@ -66,101 +59,36 @@ def train(
     """Train on the blueprint's data recipe; write train.json, model/ and data/."""
     from rich.console import Console
 
+    from factory.jobs.progress import RichProgress
+    from factory.jobs.train import TrainRefused
+    from factory.jobs.train import train as train_job
     from factory.loading.load import load
 
     console = Console(stderr=True)
-    if precision not in ("auto", "emulate", "te", "off"):
-        console.print(
-            f"factory train: --precision must be auto, emulate, te or off, not {precision!r}"
-        )
-        raise typer.Exit(2)
-    if precision == "te":
-        from factory.precision.te_backend import require_te
-
-        try:
-            require_te()
-        except ImportError as exc:
-            console.print(f"factory train: {exc}", markup=False)
-            raise typer.Exit(2) from None
     loaded = load(target, overrides or [])
     print_diagnostics(loaded.warnings)
-    bp = loaded.blueprint
-    if proxy:
-        from factory.proxy import derive_proxy
-
-        bp = derive_proxy(bp)
-    _refuse_if_too_big(bp, proxy, console)
-    destination = out or Path("runs") / bp.meta.name
-    result = _run(bp, destination, data, steps, precision, seed, console)  # type: ignore[arg-type]
-    last = result["records"][-1] if result["records"] else None
-    if result["diverged"]:
-        console.print(f"[red]diverged[/red] at step {len(result['records'])}: see {destination}")
+    try:
+        with RichProgress(console) as progress:
+            result = train_job(
+                loaded.blueprint,
+                out=out,
+                proxy=proxy,
+                steps=steps,
+                data=data,
+                precision=precision,  # type: ignore[arg-type]  # parse_precision checked it
+                seed=seed,
+                progress=progress,
+                show_steps=sys.stderr.isatty(),
+            )
+    except TrainRefused as exc:
+        console.print(f"factory train: {exc}", markup=False)
+        raise typer.Exit(EXIT_INVALID) from None
+    name, records = result.blueprint.meta.name, result.records
+    if result.diverged:
+        console.print(f"[red]diverged[/red] at step {len(records)}: see {result.out}")
         raise typer.Exit(1)
-    if last is not None:
+    if records:
         console.print(
-            f"[green]trained[/green] {bp.meta.name}: {len(result['records'])} steps, "
-            f"loss {last['lm_loss']:.4f} -> {destination}"
+            f"[green]trained[/green] {name}: {len(records)} steps, "
+            f"loss {records[-1].lm_loss:.4f} -> {out or result.out}"
         )
-
-
-def _refuse_if_too_big(bp: Blueprint, proxy: bool, console: Console) -> None:
-    from factory.planner.params import count_params
-
-    params = count_params(bp.model).total
-    need, have = params * _BYTES_PER_PARAM, _memory_bytes()
-    if have and need > have:
-        hint = "" if proxy else "; train its CPU proxy with --proxy"
-        console.print(
-            f"factory train: {bp.meta.name} has {params:,} parameters, whose fp32 weights, "
-            f"gradients and Adam states need {need / 2**30:,.0f} GiB, more than this "
-            f"machine's {have / 2**30:,.0f} GiB{hint}"
-        )
-        raise typer.Exit(2)
-
-
-def _run(
-    bp: Blueprint,
-    destination: Path,
-    data: Path | None,
-    steps: int | None,
-    precision: Literal["auto", "emulate", "te", "off"],
-    seed: int | None,
-    console: Console,
-) -> dict[str, Any]:
-    import dataclasses
-    import shutil
-
-    import torch
-
-    import factory
-    from factory.exports.hf import export_hf
-    from factory.io import staged_directory
-    from factory.runtime.batches import MicroBatches, build_shards
-    from factory.runtime.loop import train as train_loop
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    run_seed = bp.training.seed if seed is None else seed
-    with staged_directory(destination) as staging:
-        shards = data
-        if shards is None:
-            with console.status("curating data"):
-                shards = build_shards(bp, staging / "data")
-            shutil.rmtree(shards / ".work", ignore_errors=True)  # intermediates only
-        compiled = factory.compile(bp, device=device, seed=run_seed, precision=precision)
-        batches = MicroBatches.from_directory(
-            shards, bp.parallelism.micro_batch_size, seed=run_seed
-        )
-        result = train_loop(compiled, batches, steps, progress=sys.stderr.isatty(), seed=run_seed)
-        summary = {
-            "blueprint": bp.meta.name,
-            "device": device,
-            "precision": dict(compiled.precision.recipes()) if compiled.precision else {},
-            "seed": run_seed,
-            "data": str(shards if data is not None else "data/"),
-            "diverged": result.diverged,
-            "records": [dataclasses.asdict(r) for r in result.records],
-        }
-        text = json.dumps(summary, indent=2) + "\n"
-        (staging / "train.json").write_text(text, encoding="utf-8")
-        export_hf(compiled.model, compiled.blueprint, staging / "model")
-    return summary

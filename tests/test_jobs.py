@@ -1,0 +1,150 @@
+"""The jobs as library calls: factory.data.build, factory.build and factory.train."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+
+import factory
+from factory.jobs.progress import RichProgress
+
+Reports = list[tuple[str, int, int]]
+
+
+def _recorder() -> tuple[Reports, typing.Callable[[str, int, int], None]]:
+    seen: Reports = []
+    return seen, lambda stage, done, total: seen.append((stage, done, total))
+
+
+@pytest.fixture(scope="module")
+def proxy_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, Reports]:
+    """nano's recipe packed at the proxy's 256 tokens, as factory.train would build it."""
+    seen, progress = _recorder()
+    out = tmp_path_factory.mktemp("data") / "nano-256"
+    manifest = factory.data.build("nano", out, seq_len=256, progress=progress, keep_work=False)
+    return out, manifest, seen
+
+
+def test_data_build_returns_the_manifest_and_reports_its_stages(proxy_data) -> None:
+    out, manifest, seen = proxy_data
+    assert manifest == json.loads((out / "manifest.json").read_text())
+    assert manifest["packing"]["seq_len"] == 256  # seq_len overrides the recipe's 4096
+    assert not (out / ".work").exists()  # keep_work=False
+    assert seen[0][0] == "curate" and ("dedup", 1, 1) in seen
+    shards = len(manifest["shards"])
+    assert seen[-1] == ("shards", shards, shards)  # the final report ends the stage
+
+
+def test_data_build_refuses_a_length_beyond_the_schema(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cannot pack recipe 'nano'"):
+        factory.data.build("nano", tmp_path / "o", seq_len=2**21)
+    assert not (tmp_path / "o").exists()
+
+
+def test_build_writes_the_folder_and_returns_the_plan(tmp_path: Path) -> None:
+    seen, progress = _recorder()
+    bp = factory.load_blueprint("nano")
+    result = factory.build(bp, out=tmp_path / "nano", progress=progress)
+    assert isinstance(result, factory.BuildResult)
+    assert result.out == (tmp_path / "nano").resolve()
+    assert result.plan.params.total == 31_577_940_288
+    assert json.loads((result.out / "plan.json").read_text()) == result.plan.to_dict()
+    assert result.manifest["packing"]["seq_len"] == bp.data.seq_len
+    assert (result.out / "resolved.yaml").read_text().startswith("# Resolved; ")
+    assert not (result.out / "data" / ".work").exists()
+    stages = [stage for stage, _, _ in seen]
+    assert stages[:4] == ["plan", "plan", "report", "report"] and "curate" in stages
+
+
+def test_train_refuses_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from factory.jobs import train as job
+
+    bp = factory.load_blueprint("nano")
+    with pytest.raises(ValueError, match="precision must be one of auto, emulate, te, off"):
+        factory.train(bp, proxy=True, out=tmp_path / "x", precision="fp3")  # type: ignore[arg-type]
+    monkeypatch.setattr(job, "_memory_bytes", lambda: 2**30)
+    with pytest.raises(job.ModelTooBig, match="31,577,940,288 parameters") as info:
+        factory.train(bp, out=tmp_path / "x")
+    assert isinstance(info.value, factory.TrainRefused)
+    assert info.value.need_bytes == 31_577_940_288 * job.BYTES_PER_PARAM
+    assert not (tmp_path / "x").exists()
+
+
+def test_missing_transformer_engine_is_a_refusal_and_an_import_error(tmp_path: Path) -> None:
+    import importlib.util
+
+    from factory.jobs.train import BackendUnavailable
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed here")
+    bp = factory.load_blueprint("nano")
+    with pytest.raises(BackendUnavailable, match=r"factory\[gpu\]") as info:
+        factory.train(bp, proxy=True, out=tmp_path / "x", precision="te")
+    assert isinstance(info.value, ImportError)
+    assert not (tmp_path / "x").exists()
+
+
+def test_train_on_built_data_reports_every_step(proxy_data, tmp_path: Path) -> None:
+    data = proxy_data[0]
+    seen, progress = _recorder()
+    bp = factory.load_blueprint("nano")
+    result = factory.train(
+        bp, proxy=True, steps=2, data=data, out=tmp_path / "run", progress=progress
+    )
+    assert isinstance(result, factory.TrainResult)
+    assert result.blueprint.meta.name == "nano-proxy" and result.data == data
+    assert [r.step for r in result.records] == [0, 1] and not result.diverged
+    summary = json.loads((result.out / "train.json").read_text())
+    assert summary["seed"] == result.seed == bp.training.seed
+    assert [r["lm_loss"] for r in summary["records"]] == [r.lm_loss for r in result.records]
+    assert (result.out / "model" / "model.safetensors").is_file()
+    assert not (result.out / "data").exists()
+    assert [r for r in seen if r[0] == "train"] == [
+        ("train", 0, 2),
+        ("train", 1, 2),
+        ("train", 2, 2),
+    ]
+    assert [r for r in seen if r[0] != "train"] == [
+        ("compile", 0, 1),
+        ("compile", 1, 1),
+        ("export", 0, 1),
+        ("export", 1, 1),
+    ]
+
+
+def test_rich_progress_ends_each_stage_and_draws_nothing_off_a_terminal() -> None:
+    out = io.StringIO()
+    from rich.console import Console
+
+    with RichProgress(Console(file=out)) as progress:
+        progress("curate", 0, 3)
+        progress("curate", 3, 3)
+        assert not progress.drawing  # a complete stage hands the terminal back
+        progress("shards", 1, 0)  # total not known yet: drawn until the stage ends
+        assert progress.drawing
+        progress("compile", 0, 1)  # a new stage ends the previous one
+        assert progress.drawing
+    assert not progress.drawing
+
+
+def test_precision_help_names_every_backend() -> None:
+    from factory.cli.train_cmd import PRECISION_HELP
+    from factory.graph.compile import PrecisionBackend
+
+    assert all(name in PRECISION_HELP for name in typing.get_args(PrecisionBackend))
+
+
+def test_jobs_resolve_without_importing_torch() -> None:
+    script = (
+        "import sys, factory\n"
+        "factory.train, factory.build, factory.TrainResult, factory.data.build\n"
+        "assert 'torch' not in sys.modules, 'torch'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
