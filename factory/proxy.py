@@ -64,7 +64,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from factory.checks.model_rules import uses_low_precision
+from factory.precision.policy import uses_low_precision
 from factory.schemas.blueprint import Blueprint
 from factory.spec.layer_type import LAYER_TYPES, ProxyScale
 from factory.spec.rounding import half_up

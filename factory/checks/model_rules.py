@@ -12,15 +12,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from factory.checks.registry import Finding, rule
+from factory.precision.policy import LOW_PRECISION, uses_low_precision
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.model import ModelConfig
 from factory.schemas.pattern import MTP_SEPARATOR, PIPE, HybridPattern, PatternError
 from factory.spec.layer_type import LAYER_TYPES
 
-__all__ = ["LOW_PRECISION", "used_symbols", "uses_low_precision"]
-
-LOW_PRECISION = frozenset({"fp8", "mxfp8", "nvfp4", "mor"})
-"""Recipes that run GEMMs through Transformer Engine's quantised kernels."""
+__all__ = ["used_symbols"]
 
 
 def used_symbols(model: ModelConfig) -> set[str]:
@@ -30,12 +28,6 @@ def used_symbols(model: ModelConfig) -> set[str]:
     ``model.mtp_pattern`` rule reports them.
     """
     return (set(model.layout.main) | set(model.mtp_pattern)) & set(LAYER_TYPES)
-
-
-def uses_low_precision(bp: Blueprint) -> bool:
-    """True when the recipe or any override quantises some GEMM."""
-    recipes = {bp.precision.recipe, *bp.precision.overrides.values()}
-    return bool(recipes & LOW_PRECISION)
 
 
 def _count(model: ModelConfig, symbol: str) -> int:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from fnmatch import fnmatchcase
 
-from factory.checks.model_rules import uses_low_precision
 from factory.checks.registry import Finding, rule
 from factory.errors import did_you_mean
 from factory.loading.paths import join_path
@@ -19,6 +18,7 @@ from factory.precision.policy import (
     excluded_gemm_names,
     generalized_gemm_names,
     quantizable_gemm_names,
+    uses_low_precision,
 )
 from factory.schemas.blueprint import Blueprint
 

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from pathlib import Path
+from typing import Literal
 
 import torch
 
 from factory.graph.init import initialize
 from factory.graph.model import HybridLM
+from factory.graph.upcycle import upcycle
+from factory.graph.weights import load_weights, read_state_dict
 from factory.planner.plan import Plan, plan
+from factory.precision import te_backend
+from factory.precision.apply import PrecisionRuntime, apply_precision
+from factory.precision.policy import uses_low_precision
+from factory.proxy import derive_proxy
 from factory.schemas.blueprint import Blueprint
 from factory.spec.model import model_spec
-
-if TYPE_CHECKING:
-    from factory.precision.apply import PrecisionRuntime
 
 __all__ = ["Compiled", "compile"]
 
@@ -53,12 +57,8 @@ def compile(
     ``"off"`` leaves every linear unquantized.
     """
     if precision == "te":
-        from factory.precision.te_backend import require_te
-
-        require_te()  # fail before building anything
+        te_backend.require_te()  # fail before building anything
     if proxy:
-        from factory.proxy import derive_proxy
-
         blueprint = derive_proxy(blueprint)
     with torch.device("meta"):
         model = HybridLM(blueprint.model)
@@ -69,17 +69,8 @@ def compile(
             model.lm_head.weight = model.backbone.embeddings.weight
         initialize(model, model_spec(blueprint.model), seed)
         if blueprint.model.init.checkpoint:
-            from pathlib import Path
-
-            from factory.graph.weights import load_weights
-
             load_weights(model, Path(blueprint.model.init.checkpoint))
         if blueprint.model.init.upcycle_from:
-            from pathlib import Path
-
-            from factory.graph.upcycle import upcycle
-            from factory.graph.weights import read_state_dict
-
             state = read_state_dict(Path(blueprint.model.init.upcycle_from))
             upcycle(model, state, torch.Generator().manual_seed(seed + 1))
         _cast_keeping_fp32(model, dtype)
@@ -94,16 +85,10 @@ def _apply_precision(
     backend: PrecisionBackend,
     seed: int,
 ) -> PrecisionRuntime | None:
-    from factory.checks.model_rules import uses_low_precision
-
     if backend == "off" or not uses_low_precision(blueprint):
         return None
-    from factory.precision import te_backend
-
     if backend == "te" or (backend == "auto" and te_backend.usable(device)):
         return te_backend.apply_te(model, blueprint, seed=seed)
-    from factory.precision.apply import apply_precision
-
     return apply_precision(model, blueprint, seed=seed)
 
 

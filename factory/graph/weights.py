@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from factory.exports.hf import load_hf_state_dict
 from factory.graph.model import HybridLM
 
 __all__ = ["WeightsError", "load_weights"]
@@ -17,8 +18,6 @@ class WeightsError(ValueError):
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """Tensors under our parameter names, from an HF folder, a .safetensors file or a .pt file."""
-    from factory.exports.hf import load_hf_state_dict
-
     if path.is_dir() or path.suffix == ".safetensors":
         return load_hf_state_dict(path)
     if path.suffix in (".pt", ".pth"):

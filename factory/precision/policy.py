@@ -31,13 +31,18 @@ from factory.spec.model import model_spec
 from factory.spec.tensors import Role
 
 __all__ = [
+    "LOW_PRECISION",
     "ModulePrecision",
     "excluded_gemm_names",
     "flops_share",
     "generalized_gemm_names",
     "quantizable_gemm_names",
     "resolve_policy",
+    "uses_low_precision",
 ]
+
+LOW_PRECISION = frozenset({"fp8", "mxfp8", "nvfp4", "mor"})
+"""Recipes that quantize GEMMs (Transformer Engine's low-precision kernels, or their emulation)."""
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
 
@@ -55,6 +60,12 @@ class ModulePrecision:
     """Main-stack layer index; None for MTP layers."""
     grouped: bool = False
     """A grouped routed-expert GEMM (a hook on the experts module, not an nn.Linear)."""
+
+
+def uses_low_precision(bp: Blueprint) -> bool:
+    """True when the recipe or any override quantizes some GEMM."""
+    recipes = {bp.precision.recipe, *bp.precision.overrides.values()}
+    return bool(recipes & LOW_PRECISION)
 
 
 def quantizable_gemm_names(model: ModelConfig) -> list[str]:
@@ -102,9 +113,7 @@ def resolve_policy(bp: Blueprint) -> list[ModulePrecision]:
         if index is not None and index in high and recipe != "bf16":
             recipe, reason = "bf16", "high_precision"
         grouped = tensor.role is Role.EXPERT_LINEAR
-        table.append(
-            ModulePrecision(name, recipe, reason, tensor.forward_flops(), index, grouped)
-        )
+        table.append(ModulePrecision(name, recipe, reason, tensor.forward_flops(), index, grouped))
     return table
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from factory.data.shards import read_shard
 from factory.schemas.blueprint import Blueprint
 
 __all__ = ["MicroBatch", "MicroBatches", "build_shards", "read_samples"]
@@ -80,8 +81,6 @@ def read_samples(directory: Path) -> tuple[np.ndarray, np.ndarray]:
     Shards are read in the manifest's order (sorted file names without one),
     samples in shard order: the same folder always gives the same arrays.
     """
-    from factory.data.shards import read_shard
-
     manifest = directory / "manifest.json"
     if manifest.is_file():
         names = [s["name"] for s in json.loads(manifest.read_text())["shards"]]

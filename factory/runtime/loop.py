@@ -45,6 +45,7 @@ from torch import nn
 from factory.graph.loss import language_model_loss
 from factory.runtime.batches import MicroBatch
 from factory.runtime.schedule import learning_rate
+from factory.schemas.model import MTPConfig
 
 if TYPE_CHECKING:
     from factory.graph.compile import Compiled
@@ -120,8 +121,6 @@ def _mtp_loss_scale(compiled: Compiled) -> float:
     cfg = compiled.blueprint.model
     if not cfg.mtp_depth:
         return 0.0
-    from factory.schemas.model import MTPConfig
-
     return (cfg.mtp or MTPConfig()).loss_scale
 
 

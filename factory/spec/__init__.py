@@ -10,6 +10,7 @@ re-derive the architecture from names.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from factory.spec.layer_type import (
@@ -47,7 +48,5 @@ def __getattr__(name: str) -> Any:
     # model_spec needs the schemas, whose pattern parser needs the layer registry above:
     # resolving it on first use keeps `factory.spec.tensors` importable from the schemas.
     if name in ("LayerSpec", "ModelSpec", "model_spec"):
-        import importlib
-
         return getattr(importlib.import_module("factory.spec.model"), name)
     raise AttributeError(f"module 'factory.spec' has no attribute {name!r}")
