@@ -37,6 +37,7 @@ __all__ = [
     "PackingConfig",
     "ReasoningConfig",
     "SourceConfig",
+    "Step",
     "TextFormat",
     "TokenizerConfig",
     "TrajectoryFilter",
@@ -264,6 +265,7 @@ Step = Annotated[
     TextFormat | ChatFormat | HeuristicFilter | TrajectoryFilter | CudaKernelFilter,
     Field(discriminator="kind"),
 ]
+"""One step of a source's chain, told apart by its ``kind``."""
 _FORMATS = ("text", "chat")
 FILTER_STEPS: tuple[type[Section], ...] = (HeuristicFilter, TrajectoryFilter, CudaKernelFilter)
 """The filter sections; ``factory.data.filters.FILTERS`` gives each its check."""

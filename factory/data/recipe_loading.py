@@ -15,7 +15,7 @@ from factory.loading.paths import join_path
 from factory.loading.shipped import resolve_named_yaml, shipped_names
 from factory.loading.validation_errors import diagnostics_from_validation_error
 from factory.loading.yaml_source import read_yaml
-from factory.schemas.data_recipe import DataRecipe, PackingConfig, SourceConfig
+from factory.schemas.data_recipe import DataRecipe, PackingConfig, Step
 
 __all__ = ["LoadedRecipe", "load_recipe", "recipe_names", "resolve_recipe", "with_seq_len"]
 
@@ -93,8 +93,8 @@ def with_seq_len(loaded: LoadedRecipe, seq_len: int) -> LoadedRecipe:
 
 
 def _step_types() -> dict[str, type[BaseModel]]:
-    """Step sections by their ``kind`` tag (the members of ``SourceConfig.steps``'s union)."""
-    union = typing.get_args(typing.get_args(SourceConfig.model_fields["steps"].annotation)[0])[0]
+    """Step sections by their ``kind`` tag (the members of the ``Step`` union)."""
+    union = typing.get_args(Step)[0]  # Annotated[union, discriminator]
     return {cls.model_fields["kind"].default: cls for cls in typing.get_args(union)}
 
 
