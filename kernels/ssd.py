@@ -20,6 +20,10 @@ Three ways to evaluate it live here:
 
 ``dt`` must already be activated (softplus plus bias, clamped) and positive, and
 ``A`` negative, so ``exp(dt * A)`` is a decay in (0, 1].
+
+Packed sequences: ``seq_idx`` [batch, length] gives the document index of every
+position (non-decreasing along the row). The state is reset where it changes,
+so no document sees another's inputs: as ``mamba_ssm``'s ``seq_idx`` argument.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ def _check_shapes(
     chunk_size: int,
     D: torch.Tensor | None,
     initial_state: torch.Tensor | None,
+    seq_idx: torch.Tensor | None = None,
 ) -> None:
     """Raise ValueError on inconsistent shapes; the einsums would fail less clearly."""
     if x.ndim != 4:
@@ -72,6 +77,8 @@ def _check_shapes(
         raise ValueError(f"D must be {(h,)} or {(h, p)}, got {tuple(D.shape)}")
     if initial_state is not None and initial_state.shape != (b, h, p, n):
         raise ValueError(f"initial_state must be {(b, h, p, n)}, got {tuple(initial_state.shape)}")
+    if seq_idx is not None and seq_idx.shape != (b, seqlen):
+        raise ValueError(f"seq_idx must be {(b, seqlen)}, got {tuple(seq_idx.shape)}")
 
 
 def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
@@ -109,12 +116,13 @@ def ssd_sequential_scan(
     D: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     return_final_state: bool = False,
+    seq_idx: torch.Tensor | None = None,
 ) -> ScanResult:
     """Reference SSD: the recurrence one position at a time (``chunk_size`` is ignored).
 
     Same contract as :func:`ssd_chunked_scan`. Intended for tests and tiny inputs.
     """
-    _check_shapes(x, dt, A, B, C, max(chunk_size, 1), D, initial_state)
+    _check_shapes(x, dt, A, B, C, max(chunk_size, 1), D, initial_state, seq_idx)
     b, seqlen, h, p = x.shape
     cdt = _compute_dtype(x, dt, A, B, C, D, initial_state)
     xf, dtf, Af = x.to(cdt), dt.to(cdt), A.to(cdt)
@@ -123,6 +131,8 @@ def ssd_sequential_scan(
     state = xf.new_zeros(b, h, p, B.shape[3]) if initial_state is None else initial_state.to(cdt)
     ys = []
     for t in range(seqlen):
+        if seq_idx is not None and t > 0:  # a new document starts from a zero state
+            state = state * (seq_idx[:, t] == seq_idx[:, t - 1]).to(cdt)[:, None, None, None]
         decay = torch.exp(dtf[:, t] * Af)[:, :, None, None]
         inject = (dtf[:, t, :, None] * xf[:, t])[..., None] * Bh[:, t, :, None, :]
         state = decay * state + inject
@@ -144,6 +154,7 @@ def ssd_chunked_scan_torch(
     D: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     return_final_state: bool = False,
+    seq_idx: torch.Tensor | None = None,
 ) -> ScanResult:
     """Pure-PyTorch chunked SSD (any device, differentiable); see :func:`ssd_chunked_scan`.
 
@@ -154,7 +165,7 @@ def ssd_chunked_scan_torch(
     The inter-chunk pass uses a [chunks+1, chunks+1] decay matrix per (b, h),
     which is tiny next to the states it mixes.
     """
-    _check_shapes(x, dt, A, B, C, chunk_size, D, initial_state)
+    _check_shapes(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx)
     b, seqlen, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     r = h // g  # heads per group
@@ -179,13 +190,17 @@ def ssd_chunked_scan_torch(
     Cc = Cf.reshape(b, nc, cs, g, n).transpose(2, 3).contiguous()
     dA = (dtf.reshape(b, nc, cs, g, r) * A.to(cdt).reshape(g, r)).permute(0, 1, 3, 4, 2)
     cum = dA.cumsum(-1)  # [b, c, g, r, l]: log-decay from the chunk start
+    docs = _Documents(seq_idx, pad, nc, cs) if seq_idx is not None else None
 
     # 1. Within each chunk: y_i += sum_{j<=i} (C_i·B_j) exp(cum_i - cum_j) dt_j x_j.
     cb = torch.matmul(Cc, Bc.transpose(-1, -2))  # per group, [b, c, g, l, l]
-    y = torch.matmul(_decay(cum) * cb[:, :, :, None], x_dt)  # [b, c, g, r, l, p]
+    decay = _decay(cum) if docs is None else _decay(cum) * docs.same_within_chunk()
+    y = torch.matmul(decay * cb[:, :, :, None], x_dt)  # [b, c, g, r, l, p]
 
     # 2. State each chunk leaves behind when started from zero: inputs decayed to its end.
     to_end = torch.exp(cum[..., -1:] - cum)  # [b, c, g, r, l]
+    if docs is not None:  # only the chunk's last document reaches its end state
+        to_end = to_end * docs.same_as_chunk_end()
     chunk_states = torch.matmul((x_dt * to_end[..., None]).transpose(-1, -2), Bc[:, :, :, None])
 
     # 3. Carry states across chunks: start(c) = sum_{z<=c} decay(z -> c) * s_z,
@@ -198,12 +213,15 @@ def ssd_chunked_scan_torch(
     all_states = torch.cat([init, chunk_states], dim=1)  # [b, c+1, g, r, p, n]
     chunk_total = F.pad(cum[..., -1], (0, 0, 0, 0, 1, 0))  # [b, c+1, g, r]
     chunk_decay = _decay(chunk_total.cumsum(1).permute(0, 2, 3, 1))  # [b, g, r, c+1, c+1]
+    if docs is not None:  # a state crosses chunks only inside one document
+        chunk_decay = chunk_decay * docs.same_across_chunks()
     carried = torch.einsum("bgrcz,bzgrpn->bcgrpn", chunk_decay, all_states)
     starts, final_state = carried[:, :-1], carried[:, -1]
 
     # 4. Contribution of each chunk's start state: decay to position i, read by C_i.
     y_start = torch.matmul(Cc[:, :, :, None], starts.transpose(-1, -2))  # [b, c, g, r, l, p]
-    y = y + y_start * torch.exp(cum)[..., None]
+    start_decay = torch.exp(cum) if docs is None else torch.exp(cum) * docs.same_as_chunk_start()
+    y = y + y_start * start_decay[..., None]
     y = y.permute(0, 1, 4, 2, 3, 5)  # back to [b, c, l, g, r, p]
 
     y = y.reshape(b, nc * cs, h, p)[:, :seqlen]
@@ -213,6 +231,37 @@ def ssd_chunked_scan_torch(
     if return_final_state:
         return y, final_state.reshape(b, h, p, n)
     return y
+
+
+class _Documents:
+    """Masks that keep the chunked scan inside documents, from ``seq_idx`` [b, l].
+
+    Chunk c starts from the state after position c*cs - 1 (the initial state for c = 0,
+    which belongs to the first position's document); ``ends`` lists the document of each
+    of those c+1 states. Documents are contiguous, so equal indices mean no boundary lies
+    between two positions.
+    """
+
+    def __init__(self, seq_idx: torch.Tensor, pad: int, chunks: int, size: int) -> None:
+        padded = F.pad(seq_idx, (0, pad), mode="replicate") if pad else seq_idx
+        self.chunked = padded.reshape(seq_idx.shape[0], chunks, size)  # [b, c, l]
+        self.ends = torch.cat([seq_idx[:, :1], self.chunked[:, :, -1]], dim=1)  # [b, c+1]
+
+    def same_within_chunk(self) -> torch.Tensor:
+        d = self.chunked
+        return (d[..., :, None] == d[..., None, :])[:, :, None, None]  # [b, c, 1, 1, l, l]
+
+    def same_as_chunk_end(self) -> torch.Tensor:
+        d = self.chunked
+        return (d == d[..., -1:])[:, :, None, None]  # [b, c, 1, 1, l]
+
+    def same_across_chunks(self) -> torch.Tensor:
+        e = self.ends
+        return (e[:, :, None] == e[:, None, :])[:, None, None]  # [b, 1, 1, c+1, c+1]
+
+    def same_as_chunk_start(self) -> torch.Tensor:
+        start = self.ends[:, :-1, None]  # [b, c, 1]
+        return (self.chunked == start)[:, :, None, None]  # [b, c, 1, 1, l]
 
 
 @functools.lru_cache(maxsize=1)
@@ -256,6 +305,7 @@ def ssd_chunked_scan(
     D: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
     return_final_state: bool = False,
+    seq_idx: torch.Tensor | None = None,
 ) -> ScanResult:
     """Mamba-2 SSD scan over a whole sequence.
 
@@ -269,6 +319,8 @@ def ssd_chunked_scan(
         D: optional skip [heads] (or [heads, head_dim]) adding ``D * x``.
         initial_state: optional state before position 0, [batch, heads, head_dim, state].
         return_final_state: also return the state after the last position.
+        seq_idx: optional document index of every position [batch, length], non-decreasing;
+            the state resets where it changes (packed documents stay apart).
 
     Returns:
         ``y`` [batch, length, heads, head_dim] in x's dtype, and with
@@ -276,7 +328,7 @@ def ssd_chunked_scan(
         in fp32 (fp64 on the pure path when an input is fp64). Arithmetic is fp32.
     """
     if _fast_path_applies(x, chunk_size):
-        _check_shapes(x, dt, A, B, C, chunk_size, D, initial_state)
+        _check_shapes(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx)
         kernel = _mamba_chunk_scan_combined()
         assert kernel is not None  # guaranteed by _fast_path_applies
         out = kernel(
@@ -289,9 +341,12 @@ def ssd_chunked_scan(
             D=D,
             initial_states=initial_state,
             return_final_states=return_final_state,
+            seq_idx=None if seq_idx is None else seq_idx.to(torch.int32),
         )
         if return_final_state:
             y, final_state = out
             return y, final_state.float()
         return out
-    return ssd_chunked_scan_torch(x, dt, A, B, C, chunk_size, D, initial_state, return_final_state)
+    return ssd_chunked_scan_torch(
+        x, dt, A, B, C, chunk_size, D, initial_state, return_final_state, seq_idx
+    )

@@ -225,9 +225,12 @@ def test_fast_path_dispatch_plumbing(monkeypatch: pytest.MonkeyPatch) -> None:
 
     calls = []
 
-    def fake_kernel(x, dt, A, B, C, chunk_size, *, D, initial_states, return_final_states):
+    def fake_kernel(x, dt, A, B, C, chunk_size, *, D, initial_states, return_final_states, seq_idx):
         calls.append(chunk_size)
-        y, state = ssd_sequential_scan(x, dt, A, B, C, chunk_size, D, initial_states, True)
+        assert seq_idx is None or seq_idx.dtype == torch.int32  # mamba_ssm's dtype
+        y, state = ssd_sequential_scan(
+            x, dt, A, B, C, chunk_size, D, initial_states, True, seq_idx=seq_idx
+        )
         return (y, state.to(torch.bfloat16)) if return_final_states else y
 
     monkeypatch.setattr(ssd, "_fast_path_applies", lambda x, chunk_size: True)
@@ -236,3 +239,48 @@ def test_fast_path_dispatch_plumbing(monkeypatch: pytest.MonkeyPatch) -> None:
     _, state = run(ssd_chunked_scan, inputs, 64)
     assert calls == [64] and state.dtype == torch.float32
     assert isinstance(run(ssd_chunked_scan, inputs, 64, final=False), torch.Tensor)
+    seq_idx = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])
+    args = [inputs[k] for k in ("x", "dt", "A", "B", "C")]
+    y = ssd_chunked_scan(*args, 64, D=inputs["D"], seq_idx=seq_idx)
+    torch.testing.assert_close(y, ssd_chunked_scan_torch(*args, 64, D=inputs["D"], seq_idx=seq_idx))
+
+
+@st.composite
+def packed_cases(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor | None], int, torch.Tensor]:
+    """An SSD case whose rows are cut into documents at drawn positions."""
+    inputs, chunk_size = draw(ssd_cases())
+    b, length = inputs["x"].shape[:2]
+    rows = []
+    for _ in range(b):
+        cuts = draw(st.lists(st.integers(1, max(1, length - 1)), max_size=4, unique=True))
+        starts = torch.zeros(length, dtype=torch.int64)
+        starts[[c for c in cuts if c < length]] = 1
+        rows.append(starts.cumsum(0))
+    return inputs, chunk_size, torch.stack(rows)
+
+
+@settings(deadline=None, max_examples=60, derandomize=True)
+@given(packed_cases())
+def test_documents_chunked_matches_sequential(
+    case: tuple[dict[str, torch.Tensor | None], int, torch.Tensor],
+) -> None:
+    """With seq_idx the chunked scan equals the recurrence that zeroes the state at every
+    document start, whatever the chunk size and where the boundaries fall."""
+    inputs, chunk_size, seq_idx = case
+    args = [inputs[k] for k in ("x", "dt", "A", "B", "C")]
+    kwargs = {"D": inputs["D"], "initial_state": inputs["initial_state"], "seq_idx": seq_idx}
+    y, state = ssd_chunked_scan(*args, chunk_size, return_final_state=True, **kwargs)
+    y_ref, state_ref = ssd_sequential_scan(*args, chunk_size, return_final_state=True, **kwargs)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(state, state_ref, rtol=1e-10, atol=1e-10)
+
+
+def test_a_document_scans_as_if_alone() -> None:
+    inputs = make_inputs(5, 1, 40, 4, 2, 8, 6)
+    seq_idx = torch.tensor([[0] * 13 + [1] * 20 + [2] * 7])
+    args = [inputs[k] for k in ("x", "dt", "A", "B", "C")]
+    y = ssd_chunked_scan(*args, 8, D=inputs["D"], seq_idx=seq_idx)
+    alone = ssd_chunked_scan(*(t[:, 13:33] for t in [args[0], args[1]]), args[2],
+                             args[3][:, 13:33], args[4][:, 13:33], 8, D=inputs["D"])  # fmt: skip
+    torch.testing.assert_close(y[:, 13:33], alone, rtol=1e-10, atol=1e-10)
+    assert (y[:, 13:33] - ssd_chunked_scan(*args, 8, D=inputs["D"])[:, 13:33]).abs().max() > 1e-3

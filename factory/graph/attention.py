@@ -42,7 +42,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(width, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, width, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Causal attention; with ``document_ids`` a query sees only its own document's keys
+        (a block-diagonal causal mask through SDPA)."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -50,5 +52,11 @@ class Attention(nn.Module):
         if self.rope is not None:
             q, k = apply_rope(q, *self.rope), apply_rope(k, *self.rope)
         # enable_gqa lets SDPA broadcast the KV heads instead of materialising repeats.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if document_ids is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            same = document_ids[:, :, None] == document_ids[:, None, :]
+            mask = (same & causal)[:, None]  # [b, 1, s, s]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))

@@ -4,7 +4,8 @@ There is no separate MLP sub-block: each pattern character is one whole
 residual block, as in Megatron's hybrid model and the Hugging Face checkpoints
 (``layers.{i}.norm``, ``layers.{i}.mixer.*``). The mixer comes from the layer
 type registered for the symbol (``factory.layers``), so a new layer type needs
-no change here.
+no change here. Every mixer is called as ``mixer(x, document_ids)``
+(``factory.graph.documents``); token-wise mixers ignore the second argument.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ class Block(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mixer = layer.type.build(cfg)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutedOutput | None]:
-        out = self.mixer(self.norm(x))
+    def forward(
+        self, x: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, RoutedOutput | None]:
+        out = self.mixer(self.norm(x), document_ids)
         if isinstance(out, RoutedOutput):
             return x + out.y, out
         return x + out, None

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from factory.graph.documents import same_document
 from factory.graph.outputs import ModelOutput
 
 __all__ = ["LossBreakdown", "language_model_loss"]
@@ -31,20 +32,27 @@ def language_model_loss(
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor | None = None,
     mtp_loss_scale: float = 0.0,
+    document_ids: torch.Tensor | None = None,
 ) -> LossBreakdown:
     """``lm + mtp_loss_scale * mean(mtp depths) + aux``.
 
     Position i of the main logits predicts token i+1; MTP depth k's position i
     predicts token i+k+1, so depth k drops its last k+1 positions. ``loss_mask``
-    [B, S] marks the tokens that count as labels (1) or not (0), e.g. prompts.
+    [B, S] marks the tokens that count as labels (1) or not (0), e.g. prompts. With
+    ``document_ids`` (packed documents) no position predicts a token of another document.
     """
     mask = torch.ones_like(input_ids, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
-    lm = _shifted_ce(output.logits[:, :-1], input_ids[:, 1:], mask[:, 1:])
+
+    def targets(shift: int) -> torch.Tensor:
+        kept = mask[:, shift:]
+        return kept if document_ids is None else kept & same_document(document_ids, shift)
+
+    lm = _shifted_ce(output.logits[:, :-1], input_ids[:, 1:], targets(1))
     mtp = []
     for depth, depth_logits in enumerate(output.mtp_logits, start=1):
         shift = depth + 1
         if input_ids.shape[1] > shift:
-            mtp.append(_shifted_ce(depth_logits[:, :-shift], input_ids[:, shift:], mask[:, shift:]))
+            mtp.append(_shifted_ce(depth_logits[:, :-shift], input_ids[:, shift:], targets(shift)))
     total = lm
     if mtp:
         total = total + mtp_loss_scale * torch.stack(mtp).mean()

@@ -20,7 +20,10 @@ __all__ = ["Mamba2Mixer"]
 
 
 def _causal_depthwise_conv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv1d over [B, L, C] as K shifted multiply-adds.
 
@@ -28,17 +31,23 @@ def _causal_depthwise_conv(
     transposing to [B, C, L]: with K = 4 the shifted adds are faster on CPU than
     oneDNN's depthwise backward, and SiLU's backward runs on a contiguous tensor.
     The parameters stay those of ``self.conv1d`` so checkpoints keep their names.
+    With ``document_ids`` a tap that reaches into the previous document reads zeros,
+    as at the start of a sequence.
     """
     length, k = x.shape[1], weight.shape[-1]
     padded = F.pad(x, (0, 0, k - 1, 0))
+    if document_ids is not None:
+        docs = F.pad(document_ids, (k - 1, 0), value=-1)
+        same = [(docs[:, j : j + length] == document_ids)[..., None] for j in range(k - 1)]
     taps = weight.reshape(weight.shape[0], k).t()  # [K, C]
-    y = (
-        padded[:, :length] * taps[0]
-        if bias is None
-        else torch.addcmul(bias, padded[:, :length], taps[0])
-    )
+
+    def tap(j: int) -> torch.Tensor:
+        shifted = padded[:, j : j + length]
+        return shifted if document_ids is None or j == k - 1 else shifted * same[j]
+
+    y = tap(0) * taps[0] if bias is None else torch.addcmul(bias, tap(0), taps[0])
     for j in range(1, k):
-        y = torch.addcmul(y, padded[:, j : j + length], taps[j])
+        y = torch.addcmul(y, tap(j), taps[j])
     return y
 
 
@@ -61,11 +70,12 @@ class Mamba2Mixer(nn.Module):
         self.norm = GatedGroupRMSNorm(cfg.d_inner, cfg.groups, norm_eps)
         self.out_proj = nn.Linear(cfg.d_inner, width, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         cfg = self.cfg
         b, s, _ = x.shape
         z, xbc, dt = self.in_proj(x).split([cfg.d_inner, cfg.conv_dim, cfg.heads], dim=-1)
-        xbc = F.silu(_causal_depthwise_conv(xbc, self.conv1d.weight, self.conv1d.bias))
+        conv = _causal_depthwise_conv(xbc, self.conv1d.weight, self.conv1d.bias, document_ids)
+        xbc = F.silu(conv)
         group_width = cfg.groups * cfg.state_size
         xs, B, C = xbc.split([cfg.d_inner, group_width, group_width], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
@@ -80,6 +90,7 @@ class Mamba2Mixer(nn.Module):
             C.view(b, s, cfg.groups, cfg.state_size),
             cfg.chunk_size,
             D=self.D,
+            seq_idx=document_ids,
         )
         y = self.norm(y.reshape(b, s, cfg.d_inner), z)
         return self.out_proj(y.to(x.dtype))

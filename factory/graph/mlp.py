@@ -27,6 +27,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(width, hidden, bias=bias) if activation == "swiglu" else None
         self.down_proj = nn.Linear(hidden, width, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token-wise: ``document_ids`` changes nothing."""
         gate = self.gate_proj(x) if self.gate_proj is not None else None
         return self.down_proj(activate(self.up_proj(x), self.activation, gate))

@@ -35,11 +35,15 @@ class Backbone(nn.Module):
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 
     def forward(
-        self, input_ids: torch.Tensor, routed: dict[str, torch.Tensor], aux: list[torch.Tensor]
+        self,
+        input_ids: torch.Tensor,
+        routed: dict[str, torch.Tensor],
+        aux: list[torch.Tensor],
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hidden = self.embeddings(input_ids)
         for layer in self.layers:
-            hidden, out = layer(hidden)
+            hidden, out = layer(hidden, document_ids)
             collect_routing(routed, aux, layer.path, out)
         return hidden
 
@@ -56,15 +60,25 @@ class HybridLM(nn.Module):
         self.mtp = MultiTokenPrediction(cfg, spec) if cfg.mtp_depth else None
         check_against_spec(self, spec)
 
-    def forward(self, input_ids: torch.Tensor) -> ModelOutput:
+    def forward(
+        self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None
+    ) -> ModelOutput:
+        """``document_ids`` [B, S] (``factory.graph.documents``) keeps packed documents apart:
+        each position's logits are those of its document run alone."""
         routed: dict[str, torch.Tensor] = {}
         aux: list[torch.Tensor] = []
-        hidden = self.backbone(input_ids, routed, aux)
+        hidden = self.backbone(input_ids, routed, aux, document_ids)
         logits = self.lm_head(self.backbone.norm_f(hidden))
         mtp_logits: tuple[torch.Tensor, ...] = ()
         if self.mtp is not None:
             mtp_logits = self.mtp(
-                hidden, input_ids, self.backbone.embeddings, self.lm_head, routed, aux
+                hidden,
+                input_ids,
+                self.backbone.embeddings,
+                self.lm_head,
+                routed,
+                aux,
+                document_ids,
             )
         return ModelOutput(
             logits=logits,

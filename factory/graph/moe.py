@@ -146,7 +146,8 @@ class MoE(nn.Module):
         kept = dispatch.unpermute(dispatch.rank_in_expert < capacity)
         return weights * kept.to(weights.dtype)
 
-    def forward(self, x: torch.Tensor) -> RoutedOutput:
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> RoutedOutput:
+        """Token-wise routing: ``document_ids`` changes nothing."""
         batch, seq, width = x.shape
         flat = x.reshape(-1, width)
         weights, indices, scores = self.gate(flat)

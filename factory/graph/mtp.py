@@ -51,6 +51,7 @@ class MultiTokenPrediction(nn.Module):
         head: nn.Module,
         routed: dict[str, torch.Tensor],
         aux: list[torch.Tensor],
+        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """Logits per depth; depth k's position i predicts token i+k+1 (the last k+1 have no
         label). Routing statistics of the inner MoE layers are added to ``routed``/``aux``."""
@@ -65,7 +66,7 @@ class MultiTokenPrediction(nn.Module):
             first = layers[0]
             hidden = first.eh_proj(torch.cat([first.enorm(embed(ids)), first.hnorm(hidden)], -1))
             for layer in layers:
-                hidden, out = layer(hidden)
+                hidden, out = layer(hidden, document_ids)
                 collect_routing(routed, aux, layer.path, out)
             logits.append(head(layers[-1].final_layernorm(hidden)))
         return tuple(logits)

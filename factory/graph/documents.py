@@ -1,0 +1,38 @@
+"""Packed documents: the document index of every position, and what may not cross a boundary.
+
+A packed training sample concatenates documents; its ``cu_seqlens`` (cumulative
+lengths, starting at 0) say where each begins. The graph takes the equivalent
+``document_ids`` [batch, seq] (the index of the document at each position,
+non-decreasing along a row): attention masks keys of other documents, the
+Mamba conv and scan reset their state at each boundary, and no loss target
+is taken across one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["document_ids_from_cu_seqlens", "same_document"]
+
+
+def document_ids_from_cu_seqlens(
+    cu_seqlens: Sequence[Sequence[int]] | Sequence[torch.Tensor], seq_len: int
+) -> torch.Tensor:
+    """[batch, seq_len] int64 document indices from one ``cu_seqlens`` per row.
+
+    Positions past a row's last boundary (padding) form one more document of their own,
+    so they never mix with real text.
+    """
+    rows = []
+    for bounds in cu_seqlens:
+        ends = torch.as_tensor(bounds, dtype=torch.int64)[1:]
+        positions = torch.arange(seq_len, dtype=torch.int64)
+        rows.append(torch.searchsorted(ends, positions, right=True))
+    return torch.stack(rows)
+
+
+def same_document(document_ids: torch.Tensor, shift: int) -> torch.Tensor:
+    """[batch, seq - shift] bool: position i and position i + shift are in one document."""
+    return document_ids[:, :-shift] == document_ids[:, shift:]
