@@ -127,7 +127,7 @@ class _ToyMixer(nn.Module):
         super().__init__()
         self.up = nn.Linear(width, 2 * width, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         value, gate = self.up(x).chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * value
 
