@@ -1,6 +1,6 @@
 """How long building each preset's full graph on the meta device takes, and its peak memory.
 
-Issue 3 asks for Ultra (560B parameters) in under 10 s with under 2 GB of
+The goal is Ultra (560B parameters) in under 10 s with under 2 GB of
 resident memory: the meta device allocates no storage, so this measures the
 graph construction itself. Each preset builds in a fresh process so that
 imports and peak memory are its own.

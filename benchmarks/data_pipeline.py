@@ -17,9 +17,10 @@ per second for all three, tokens/s the tokens written (or produced, for the toke
   workers, no shuffling, no Merger, no exact-dedup stage, no packing (its output is one
   token file per task). xxhash gets encoded bytes (0.10.1 passes str; xxhash 4 refuses).
 * tokenizer alone: ``encode_batch_fast`` (its own thread pool, both cores) over every
-  record's text, 1000 per call; only the calls are timed: the limit the issue sets for ours.
+  record's text, 1000 per call; only the calls are timed: the ceiling our pipeline is measured
+  against.
 
-Goals (issue 4): ours >= 2x DataTrove, and >= 50% of the tokenizer alone.
+Goals: ours >= 2x DataTrove, and >= 50% of the tokenizer alone.
 """
 
 from __future__ import annotations

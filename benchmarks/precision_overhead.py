@@ -6,8 +6,8 @@ preset's precision table applied by ``factory.compile(precision="emulate")``
 ``precision="off"`` (every linear unquantized, i.e. the BF16 baseline computed
 in fp32 on CPU). A step is the proxy's training step: forward + backward over
 its micro-batches (gradient accumulation to the global batch), then AdamW. Steps alternate between the two
-models so that machine noise hits both alike. The issue's goal: the NVFP4 step
-at most 3x the BF16 step.
+models so that machine noise hits both alike. The goal: the NVFP4 step at most
+3x the BF16 step.
 
 ``--recipe`` replaces the preset's default recipe (``fp8``, ``mxfp8``, ``mor``)
 to price the other emulated formats the same way; ``--profile`` breaks one

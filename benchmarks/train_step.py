@@ -7,7 +7,7 @@ exported with ``export_hf``; theirs is that export loaded through
 cross-entropy; our MoE aux loss is computed in train mode but not added, so
 both optimise the same objective) and the same AdamW settings. Steps are
 interleaved, ours then theirs, so that machine noise hits both alike. The
-goal (issue: train step) is ours >= 2x theirs in tokens/s.
+goal is ours >= 2x theirs in tokens/s.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """How long ``factory validate`` takes on every preset, against ``python -c "import torch"``.
 
 Both are timed as fresh processes, interleaved, in the same run, so machine
-noise hits both alike. The goal (issue 2) is a ratio below 0.25: validating
+noise hits both alike. The goal is a ratio below 0.25: validating
 every preset must cost well under what merely importing torch costs.
 """
 

@@ -1,10 +1,11 @@
-"""Random Hadamard transform (RHT) applied tile-wise (reference: nvfp4.md §2.3).
+"""Random Hadamard transform (RHT) applied tile-wise.
 
-The NVFP4 recipe rotates the inputs of weight-gradient GEMMs by ``M = diag(s) @ H``
-before quantizing: ``H`` is the normalized Sylvester Hadamard matrix of size 16 and
-``s`` a fixed random ±1 vector shared by all layers. Every run of 16 consecutive
-elements along the chosen dimension is multiplied on the right by ``M``. ``M`` is
-orthogonal (``M @ M.T = I``), so :func:`rht_inverse` (right-multiplication by
+The NVFP4 recipe (arXiv:2509.25149, section 4.2 and appendix C; ``docs/precision.md``,
+'Random Hadamard transform') rotates the inputs of weight-gradient GEMMs by
+``M = diag(s) @ H`` before quantizing: ``H`` is the normalized Sylvester Hadamard
+matrix of size 16 and ``s`` a fixed random ±1 vector shared by all layers. Every run
+of 16 consecutive elements along the chosen dimension is multiplied on the right by
+``M``. ``M`` is orthogonal (``M @ M.T = I``), so :func:`rht_inverse` (right-multiplication by
 ``M.T = H @ diag(s)``) undoes it. Arithmetic is fp32; the result has the input's
 dtype (so a BF16 input is rounded to BF16, as TE does).
 """

@@ -3,8 +3,8 @@
 MoR (arXiv 2512.22804) measures how well FP8 represents a tensor and keeps the
 FP8 version only where the quantization error stays under a threshold; the
 rest is kept in BF16. The paper's exact metric, threshold and block size are
-not verified (see ``shared/reference/nvfp4.md`` section 5). This module
-implements the documented hypothesis:
+not verified (``docs/precision.md``, 'MoR'). This module implements a plausible
+reading of it:
 
 * quantize to FP8 with current amax scaling, per tensor
   (:func:`~factory.kernels.fp8.quantize_tensorwise`) or per ``1 x block`` block

@@ -1,17 +1,19 @@
-"""NVFP4 quantization emulated exactly on CPU (reference: nvfp4.md §1).
+"""NVFP4 quantization emulated exactly on CPU (``docs/precision.md``, 'NVFP4 arithmetic').
 
 NVFP4 stores 4-bit E2M1 elements (±{0, 0.5, 1, 1.5, 2, 3, 4, 6}) in blocks of 16
 along the reduction dimension, one FP8 E4M3 *decode* scale per block, and one FP32
-per-tensor amax. :func:`quantize` reproduces Transformer Engine's arithmetic
-(§1.4) in fp32, step by step and in the same order::
+per-tensor amax (NVFP4 paper, arXiv:2509.25149, section 2 and appendix B).
+:func:`quantize` reproduces Transformer Engine's arithmetic
+(``transformer_engine/common/cast/nvfp4/core_nvfp4.cuh`` and its Python reference
+``custom_recipes/reference_nvfp4.py``) in fp32, step by step and in the same order::
 
     S_enc = min(448*6 / amax, FLT_MAX)        (amax == 0 or S_enc == 0 -> 1)
     S_dec = 1 / S_enc
     s_b   = e4m3_rn_satfinite(block_amax * (S_enc * (1/6)))   # one folded multiply
     enc_b = min(1 / (fp32(s_b) * S_dec), FLT_MAX)            # s_b == 0 -> FLT_MAX
-    q     = e2m1_rn_satfinite(x * enc_b)      # or stochastic rounding (§1.5)
+    q     = e2m1_rn_satfinite(x * enc_b)      # or stochastic rounding
 
-Conventions (§1.1, §1.4):
+Conventions (``docs/precision.md``, 'NVFP4 arithmetic'):
 
 * Codes are sign-magnitude: magnitude index 0..7 for 0, 0.5, ..., 6 and bit 3
   (value 8) for the sign. Two codes per byte, the EVEN element in the LOW nibble.
@@ -22,9 +24,11 @@ Conventions (§1.1, §1.4):
 * No lower clamp on the block scale: a zero block, or one whose scale underflows
   E4M3, gets scale byte 0x00 and decodes to 0 (its codes are whatever ``x *
   FLT_MAX`` saturates to, as in TE). E4M3 subnormal scales are used as they come.
-* Non-finite input is rejected (§1.4 recommends treating it as an error).
-* Tiles: ``(1, 16)`` for activations/gradients, ``(16, 16)`` for weights (§2.4),
-  so quantizing ``W`` or ``W.T`` yields the same values, transposed.
+* Non-finite input is rejected: no implementation defines a code for it, so it is
+  treated as an error.
+* Tiles: ``(1, 16)`` for activations/gradients, ``(16, 16)`` for weights
+  (``docs/precision.md``, 'NVFP4 tiles'), so quantizing ``W`` or ``W.T`` yields
+  the same values, transposed.
 """
 
 from __future__ import annotations
@@ -80,7 +84,7 @@ class NVFP4Tensor:
         return unpack_codes(self.data)
 
     def dequantize(self) -> torch.Tensor:
-        """fp32 values ``code_value * fp32(s_b) * (amax / (6*448))`` (§1.4, TE ``dequantize_fp4``)."""
+        """fp32 values ``code_value * fp32(s_b) * (amax / (6*448))`` (TE ``dequantize_fp4``)."""
         values = E2M1_VALUES[self.codes().long()]
         return _decode(values[None], self.scale.to(_F32)[None], self.amax[None], self.tile)[0]
 
@@ -95,7 +99,7 @@ def unpack_codes(data: torch.Tensor) -> torch.Tensor:
 
 
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
-    """``S_enc = min(448*6/amax, FLT_MAX)`` in fp32, with 1.0 when amax or S_enc is 0 (§1.4)."""
+    """``S_enc = min(448*6/amax, FLT_MAX)`` in fp32, with 1.0 when amax or S_enc is 0 (as TE)."""
     amax = amax.to(_F32)
     s_enc = torch.minimum(_FP4_X_FP8_MAX / amax, _FLT_MAX)
     return torch.where((amax == 0) | (s_enc == 0), _ONE, s_enc)
@@ -134,7 +138,8 @@ def _round_rn(y: torch.Tensor) -> torch.Tensor:
 
 
 def _round_sr(y: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """E2M1 magnitude of |y| under stochastic rounding (§1.5).
+    """E2M1 magnitude of |y| under stochastic rounding (``docs/precision.md``,
+    'Stochastic rounding').
 
     |y| is clamped to 6, then rounded up to the next grid value with probability
     ``(|y| - lo) / (hi - lo)``, otherwise down to ``lo``, so ``E[q] = clamp(|y|, 0, 6)``.
@@ -191,11 +196,11 @@ def quantize(
     stochastic: bool = False,
     generator: torch.Generator | None = None,
 ) -> NVFP4Tensor:
-    """Quantize a 2-D tensor to NVFP4 with TE's exact fp32 arithmetic (§1.4).
+    """Quantize a 2-D tensor to NVFP4 with TE's exact fp32 arithmetic (module docstring).
 
     ``tile`` is ``(1, 16)`` (one scale per 16 contiguous elements of a row) or
     ``(16, 16)`` (one scale per 16x16 tile, for weights). ``stochastic`` selects
-    stochastic rounding of the elements (gradients, §1.5) with random numbers from
+    stochastic rounding of the elements (gradients) with random numbers from
     ``torch.rand(..., generator=generator)``; block scales always use RN.
 
     Raises ValueError for a non-2-D input, unsupported tile, shape not divisible by

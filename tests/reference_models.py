@@ -1,7 +1,8 @@
-"""Reference models built straight from the sheets (architecture.md §2-§4), not from presets.
+"""Reference models built straight from the published configurations, not from presets.
 
-Tests compare the planner against published numbers through these, so they
-stay independent of the YAML presets.
+The widths are those of ``docs/architecture.md`` ('Nemotron 3 Nano', 'Nemotron 3 Super',
+'Nemotron 3 Ultra'). Tests compare the planner against published numbers through these,
+so they stay independent of the YAML presets.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ VOCAB = 131072
 
 
 def nano(**overrides: object) -> ModelConfig:
-    """architecture.md §2."""
+    """``docs/architecture.md``, 'Nemotron 3 Nano' (the released ``config.json``)."""
     cfg: dict[str, object] = {
         "pattern": NANO_PATTERN,
         "hidden_size": 2688,
@@ -39,7 +40,7 @@ def nano(**overrides: object) -> ModelConfig:
 
 
 def super_(pattern: str = SUPER_PATTERN, mtp: dict[str, object] | None = None) -> ModelConfig:
-    """architecture.md §3 (a '/*E/*E' suffix adds two MTP depths)."""
+    """``docs/architecture.md``, 'Nemotron 3 Super' (a '/*E/*E' suffix adds two MTP depths)."""
     return ModelConfig.model_validate(
         {
             "pattern": pattern,
@@ -61,7 +62,7 @@ def super_(pattern: str = SUPER_PATTERN, mtp: dict[str, object] | None = None) -
 
 
 def ultra() -> ModelConfig:
-    """architecture.md §4 (vocab 131072 assumed, as the sheet does)."""
+    """``docs/architecture.md``, 'Nemotron 3 Ultra' (vocab 131072 assumed, as in Nano and Super)."""
     return ModelConfig.model_validate(
         {
             "pattern": ULTRA_PATTERN,

@@ -1,4 +1,4 @@
-"""Tile-wise random Hadamard transform (nvfp4.md §2.3)."""
+"""Tile-wise random Hadamard transform (``docs/precision.md``, 'Random Hadamard transform')."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""NVFP4 quantization: exact codes and scales (nvfp4.md §1.4), error bound, SR, 2D tiles."""
+"""NVFP4 quantization: exact codes and scales (``docs/precision.md``, 'NVFP4 arithmetic'),
+error bound, SR, 2D tiles."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def e2m1_rn_index(a: float) -> int:
 
 
 def reference_1x16(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Scalar transcription of §1.4 in numpy float32: (codes [r, c], scales [r, c/16])."""
+    """Scalar transcription of TE's NVFP4 arithmetic in numpy float32 (``docs/precision.md``,
+    'NVFP4 arithmetic'): (codes [r, c], scales [r, c/16])."""
     x = x.astype(F32)
     amax = F32(np.abs(x).max())
     s_enc = F32(1.0) if amax == 0 else min(F32(2688.0) / amax, F32(np.finfo(F32).max))

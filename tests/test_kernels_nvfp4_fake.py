@@ -1,4 +1,4 @@
-"""``nvfp4.fake_quantize``: the emulated GEMMs' operand values (nvfp4.md §1.4, §2.2).
+"""``nvfp4.fake_quantize``: the emulated GEMMs' operand values (``docs/precision.md``).
 
 ``fake_quantize`` must give, bit for bit, what ``quantize(...).dequantize()`` gives
 (the TE-exact reference), for both tiles and both rounding modes (SR draws the
@@ -206,8 +206,8 @@ def test_padding_equals_quantizing_the_zero_padded_matrix(
 @settings(deadline=None, max_examples=25, derandomize=True)
 @given(rows=st.integers(1, 40), cols=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
 def test_16x16_tiles_quantize_w_and_w_transposed_alike(rows: int, cols: int, seed: int) -> None:
-    """§2.4: 16x16 tiles are their own transpose, so W and Wᵀ give the same values
-    (what lets dgrad reuse fprop's weight), partial tiles included."""
+    """``docs/precision.md``, 'NVFP4 tiles': 16x16 tiles are their own transpose, so W and Wᵀ
+    give the same values (what lets dgrad reuse fprop's weight), partial tiles included."""
     w = wide_range_matrix(seed, (rows, cols), 0, 4, zero_block=False)
     assert_same_bits(fake_quantize(w.T, (16, 16)).T, fake_quantize(w, (16, 16)))
 

@@ -1,4 +1,4 @@
-"""FLOPs per token: Megatron's formula against the sheets' reference values, the exact count
+"""FLOPs per token: Megatron's formula against its reference values, the exact count
 against hand-derived layer terms and 6 x active parameters, and scaling properties."""
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ from factory.schemas.model import ModelConfig
     ],
     ids=["nano", "super", "super-mtp2", "ultra"],
 )
-def test_megatron_matches_architecture_sheet(build, expected: dict[int, str]) -> None:
-    """architecture.md §5.4 table, 4 significant digits, GFLOP per token."""
+def test_megatron_matches_reference_values(build, expected: dict[int, str]) -> None:
+    """``docs/flops.md``, 'Reference values': 4 significant digits, GFLOP per token."""
     model = build()
     for seq_len, gflop in expected.items():
         assert f"{flops_per_token(model, seq_len).megatron / 1e9:.4g}" == gflop
 
 
 def test_megatron_nano_per_sequence() -> None:
-    """parallelism.md §2.2: 1.825e14 FLOPs per 8192-token Nano sequence."""
+    """``docs/flops.md``, 'Reference values': 1.825e14 FLOPs per 8192-token Nano sequence."""
     per_sequence = megatron_flops_per_sequence(nano(), 8192)
     assert f"{per_sequence:.4g}" == "1.825e+14"
     assert per_sequence == 8192 * flops_per_token(nano(), 8192).megatron
@@ -46,8 +46,9 @@ def test_mtp_section_counts_like_the_slash_pattern() -> None:
     assert flops_per_token(slash, 8192) == flops_per_token(section, 8192)
 
 
-def test_megatron_latent_moe_term_matches_sheet() -> None:
-    """architecture.md §3.1.7: 4*l*ff*K + 4*d*l + 4*d*ff_shared per token per MoE layer, x3."""
+def test_megatron_latent_moe_term() -> None:
+    """``docs/flops.md``, 'Megatron-LM formula': 4*l*ff*K + 4*d*l + 4*d*ff_shared per token per
+    MoE layer, x3."""
     per_layer = 4 * 1024 * 2688 * 22 + 4 * 4096 * 1024 + 4 * 4096 * 5376
     split = flops_per_token(super_(), 4096).megatron_by_layer_type
     assert split["moe"] == 3 * 40 * per_layer
@@ -66,8 +67,9 @@ def test_megatron_mamba_uses_two_h_not_the_real_d_inner() -> None:
 
 
 def test_exact_nano_mamba_from_checkpoint_shapes() -> None:
-    """Nano Mamba from architecture.md §6.3 shapes: in_proj [10304, 2688], conv1d [6144, 1, 4]
-    (with bias), out_proj [2688, 4096]; SSD scan at Q=128, N=128, 8 groups, d_inner 4096."""
+    """Nano Mamba from its checkpoint shapes (``docs/architecture.md``, 'Checkpoint keys'):
+    in_proj [10304, 2688], conv1d [6144, 1, 4] (with bias), out_proj [2688, 4096]; SSD scan
+    at Q=128, N=128, 8 groups, d_inner 4096 (``docs/flops.md``, 'SSD scan')."""
     scan = 2 * 128 * 128 * 8 + 2 * 128 * 4096 + 4 * 128 * 4096
     layer = 2 * 2688 * 10304 + (2 * 4 * 6144 + 6144) + scan + 2 * 4096 * 2688
     assert flops_per_token(nano(), 8192).by_layer_type["mamba"] == 3 * 23 * layer
@@ -89,9 +91,9 @@ def test_exact_splits_and_sums() -> None:
 def test_exact_close_to_six_n_active_plus_attention_core(
     build, active_without_embedding: int
 ) -> None:
-    """6 x active parameters (architecture.md §1.1, no input embedding: a lookup is no FLOP)
-    plus Megatron's causal attention core 6*s*q per attention layer. The exact count adds the
-    SSD scan (about 1%) and skips norm weights: within 2%, and above."""
+    """6 x active parameters (``docs/architecture.md``, 'Parameter counts'; no input embedding:
+    a lookup is no FLOP) plus Megatron's causal attention core 6*s*q per attention layer. The
+    exact count adds the SSD scan (about 1%) and skips norm weights: within 2%, and above."""
     model = build()
     assert count_params(model).active - count_params(model).embedding == active_without_embedding
     seq_len = 8192

@@ -1,4 +1,4 @@
-"""Memory per rank: Megatron's weight/optimizer accounting on the sheet's Mixtral check,
+"""Memory per rank: Megatron's weight/optimizer accounting on a Mixtral-8x7B check,
 parameter placement over pipeline ranks, and activation scaling properties."""
 
 from __future__ import annotations
@@ -74,8 +74,9 @@ def per_layer(model: dict, **parallelism: object) -> dict[str, int]:
 
 
 def _megatron_most_loaded_shard() -> tuple[float, float]:
-    """parallelism.md §2.1, Megatron's compute_weight_and_optimizer_memory for Mixtral-8x7B,
-    TP1 PP4 EP8 ETP1: (TP-sharded + embedding, replicated) and expert params on stage 0."""
+    """Megatron-LM's compute_weight_and_optimizer_memory (theoretical_memory_usage.py) for
+    Mixtral-8x7B, TP1 PP4 EP8 ETP1: (TP-sharded + embedding, replicated) and expert params
+    on stage 0."""
     h, layers, a, g, kv, ffn, experts, vocab = 4096, 32, 32, 8, 128, 14336, 8, 32000
     tp, pp, ep, etp = 1, 4, 8, 1
     self_attn = 2 * h * h * ((1 + g / a) * (kv * a / h))
@@ -88,7 +89,7 @@ def _megatron_most_loaded_shard() -> tuple[float, float]:
 
 
 def test_mixtral_most_loaded_shard_matches_megatron() -> None:
-    """parallelism.md §2.2: DP=8, EDP=1, 1.876B params on the most loaded shard."""
+    """``docs/memory.md``, 'Model state': DP=8, EDP=1, 1.876B params on the most loaded shard."""
     result = plan(MIXTRAL, world_size=32, pp=4, ep=8, global_batch_size=256)
     layout = resolve_layout(blueprint(MIXTRAL, world_size=32, pp=4, ep=8, global_batch_size=256))
     assert (layout.dp, layout.edp) == (8, 1)
@@ -103,7 +104,7 @@ def test_mixtral_weights_and_optimizer_match_megatron() -> None:
     """Megatron: (dense + replicated) * (6 + 12/DP) + expert * (6 + 12/EDP) bytes.
 
     That is 28,869,230,592 bytes. Megatron prints it in MB of 2**20 bytes (27,531.8 MB), which
-    the sheet writes as "27.5 GB"; it is 28.87 GB decimal or 26.89 GiB. Without the distributed
+    reads as "27.5 GB"; it is 28.87 GB decimal or 26.89 GiB. Without the distributed
     optimizer every parameter costs 18 bytes.
     """
     result = plan(MIXTRAL, world_size=32, pp=4, ep=8, global_batch_size=256)

@@ -1,4 +1,5 @@
-"""The presets' plans against the published numbers (issue 2's table, architecture.md §1, §5.4)."""
+"""The presets' plans against the published numbers (``docs/architecture.md``, 'Parameter counts';
+``docs/flops.md``, 'Reference values')."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 
 import factory
 
-# (main model, with MTP, active) from the issue; None where nothing is published.
+# (main model, with MTP, active), docs/architecture.md 'Parameter counts'; None: not checked here.
 EXACT = {
     "nano": (31_577_940_288, 31_577_940_288, 3_580_076_352),
     "super": (120_668_707_840, 123_611_033_088, 12_770_237_440),
@@ -33,8 +34,8 @@ def test_parameter_counts_are_exact(name: str) -> None:
     )
 
 
-def test_ultra_active_matches_the_sheet() -> None:
-    # architecture.md §1.1: 56,058,843,136 with embedding and head (no MTP)
+def test_ultra_active_matches_the_exact_count() -> None:
+    # docs/architecture.md, 'Parameter counts': 56,058,843,136 with embedding and head (no MTP)
     assert factory.plan(factory.load_blueprint("ultra")).params.active == 56_058_843_136
 
 
@@ -47,7 +48,9 @@ def test_ultra_active_matches_the_sheet() -> None:
         ("super", ["data.seq_len=4096"], 83.72),
     ],
 )
-def test_megatron_flops_match_the_sheet(name: str, overrides: list[str], gflops: float) -> None:
+def test_megatron_flops_match_the_reference_values(
+    name: str, overrides: list[str], gflops: float
+) -> None:
     flops = factory.plan(factory.load_blueprint(name, overrides)).flops_per_token
     assert round(flops.megatron / 1e9, 2) == gflops
 

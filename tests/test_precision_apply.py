@@ -144,8 +144,9 @@ def test_auto_on_cpu_installs_exactly_the_table(quantized: Compiled) -> None:
 
 
 def test_the_table_follows_the_super_policy(quantized: Compiled) -> None:
-    """nvfp4.md §2.2/§3: Mamba out_proj in MXFP8; attention, latent projections, MTP and
-    the last ``high_precision.last`` layers in BF16; head and embeddings untouched."""
+    """``docs/precision.md``, 'Published Super and Ultra policy': Mamba out_proj in MXFP8;
+    attention, latent projections, MTP and the last ``high_precision.last`` layers in BF16;
+    head and embeddings untouched."""
     runtime = quantized.precision
     assert runtime is not None
     layers = quantized.blueprint.model.num_layers

@@ -1,4 +1,5 @@
-"""The precision policy table: Super and Ultra reproduce the published NVFP4 split (nvfp4.md §3)."""
+"""The precision policy table: Super and Ultra reproduce the published NVFP4 split
+(``docs/precision.md``, 'Published Super and Ultra policy')."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The quantized linear (``factory.precision.qlinear``): which quantized values each of the
-three GEMMs of ``y = x Wᵀ`` uses (nvfp4.md §2.2), and how far its gradients are from
-the unquantized ones.
+three GEMMs of ``y = x Wᵀ`` uses (``docs/precision.md``, 'GEMM operands'), and how far its
+gradients are from the unquantized ones.
 
 Exactness tests rebuild every GEMM from ``nvfp4.fake_quantize`` (itself checked bit for
 bit against the TE-exact ``quantize`` in ``test_kernels_nvfp4_fake.py``) and compare
@@ -30,7 +30,7 @@ from factory.precision.quantizers import (
 )
 from factory.schemas.precision import FP8Options, MoROptions, NVFP4Options
 
-# --- NVFP4: exactly the recipe of §2.2 ---------------------------------------------------------
+# --- NVFP4: exactly the recipe of docs/precision.md, 'GEMM operands' --------------------------
 
 
 def test_nvfp4_forward_is_the_fake_quantized_matmul() -> None:
@@ -55,7 +55,7 @@ def test_nvfp4_forward_folds_the_micro_batch_into_one_amax() -> None:
 
 def test_nvfp4_dgrad_reuses_the_fprop_weight_values() -> None:
     """16x16 weight tiles: dgrad multiplies the RN 1x16 (along N) gradient by the very
-    values fprop used (a 16x16 tile quantizes W and Wᵀ alike, §2.4)."""
+    values fprop used (a 16x16 tile quantizes W and Wᵀ alike: 'NVFP4 tiles')."""
     x, w, dy = data(2, 48, 64, 32)
     _, dx, _ = run(NVFP4Quantizer(EXACT), x, w, dy)
     w_fprop = fake_quantize(w, (16, 16))

@@ -1,7 +1,7 @@
 """Rules on the ``parallelism`` section against the model, data and GPU.
 
 Megatron-Core factorises the world twice, TP·CP·DP·PP for dense layers and
-ETP·EP·EDP·PP for experts (``/work/shared/reference/parallelism.md`` §1), and
+ETP·EP·EDP·PP for experts (``docs/parallelism.md``, 'Two grids'), and
 checks each factor against the layer it shards. These rules report the same
 conditions before a job is launched, in Megatron's words where it has them.
 Every division is guarded: a rule never crashes on a layout another rule

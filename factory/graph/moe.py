@@ -22,7 +22,8 @@ __all__ = ["MoE", "RoutedExperts", "Router"]
 
 class Router(nn.Module):
     """Top-k routing: scores pick experts through ``score + expert_bias``; weights are the
-    unbiased scores, optionally renormalised, times the scaling factor (architecture.md §5.6)."""
+    unbiased scores, optionally renormalised, times the scaling factor (``docs/architecture.md``,
+    'Router')."""
 
     def __init__(self, width: int, num_experts: int, top_k: int, cfg: RouterConfig) -> None:
         super().__init__()

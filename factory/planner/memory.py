@@ -3,7 +3,8 @@
 Megatron's own estimator (``theoretical_memory_usage.py``) returns early for
 hybrid Mamba models and ignores MoE token expansion and CP, so this module
 keeps Megatron's accounting for weights, gradients and optimizer state
-(``parallelism.md`` §2.1) and adds its own per-layer activation formulas.
+(``docs/memory.md``, 'Model state') and adds its own per-layer activation
+formulas (``docs/memory.md``, 'Activations').
 Every pipeline rank is evaluated, because the first rank holds the most
 in-flight micro-batches while the last holds the head, the logits and MTP.
 

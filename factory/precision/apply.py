@@ -7,7 +7,8 @@ every grouped expert layer gets a
 :class:`~factory.precision.qlinear.QuantizedExpertLinear` hook with one
 quantizer per projection. BF16 rows stay plain modules: on CPU they compute in
 the model's dtype. Embeddings, the output head, norms, routers and attention
-internals are never in the table (nvfp4.md §2.2), so they stay as they are.
+internals are never in the table (``docs/precision.md``, 'GEMM operands'), so they
+stay as they are.
 
 The returned :class:`PrecisionRuntime` is the training loop's handle: it
 reports what runs in which format and performs ``switch_to_bf16`` once the

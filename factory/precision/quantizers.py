@@ -2,7 +2,7 @@
 
 A linear ``y = x Wᵀ`` (x [M, K], W [N, K]) runs three GEMMs, each reducing over
 a different dimension, so each operand is quantized in blocks along that
-dimension (nvfp4.md §2.2):
+dimension (``docs/precision.md``, 'GEMM operands'):
 
 ========  ==========================  ==========================  =========
 GEMM      operand 1                   operand 2                   reduces
@@ -108,14 +108,15 @@ class GemmQuantizer:
 
 
 class NVFP4Quantizer(GemmQuantizer):
-    """The NVFP4 paper's recipe (§2.2): 1x16 RN activations, 16x16 RN weights (so fprop and
-    dgrad use identical weight values), 1x16 SR gradients, and a 16x16 random Hadamard
-    transform along the token dimension of both wgrad inputs.
+    """The NVFP4 paper's recipe (arXiv:2509.25149, section 4): 1x16 RN activations, 16x16 RN
+    weights (so fprop and dgrad use identical weight values), 1x16 SR gradients, and a 16x16
+    random Hadamard transform along the token dimension of both wgrad inputs.
 
     Two departures from TE, both documented choices: the rotation runs in fp32
     (TE rounds its output to BF16 before the amax), and the sign vector is drawn
     from ``hadamard_seed`` (TE hard-codes one); the paper found no difference
-    between fixed and fresh random signs at 1.2B (nvfp4.md §2.3)."""
+    between fixed and fresh random signs at 1.2B (arXiv:2509.25149, appendix E.4;
+    ``docs/precision.md``, 'Random Hadamard transform')."""
 
     recipe = "nvfp4"
 
