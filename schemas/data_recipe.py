@@ -129,7 +129,7 @@ class TextFormat(Section):
 
 
 class ReasoningConfig(Section):
-    """How assistant reasoning is rendered and trained (data.md §1.4; ``factory.data.formatting``).
+    """How assistant reasoning is rendered and trained (docs/data.md, Reasoning).
 
     Every random choice is a hash of the recipe's ``seed`` and the record key,
     so a record gets the same treatment whatever the worker count.

@@ -1,7 +1,7 @@
 """Benchmark decontamination: find training documents that share a word n-gram with an eval item.
 
-The default is NeMo Curator's ``TaskDecontamination`` rule (``shared/reference/data.md``
-§5): word 13-grams, and items shorter than 13 words (but at least 8, Curator's
+The default is NeMo Curator's ``TaskDecontamination`` rule (docs/data.md,
+Decontamination): word 13-grams, and items shorter than 13 words (but at least 8, Curator's
 ``min_ngram_size``) match as their whole word sequence. Shorter items (answer
 letters, numbers, one-word labels) are skipped: they occur in ordinary text, so a
 match says nothing about contamination. DataTrove uses 12-grams; 13 is the

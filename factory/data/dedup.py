@@ -4,7 +4,7 @@ Both indexes keep the *first* occurrence: the pipeline feeds documents in its
 canonical order, so a decision depends only on the documents before it and a
 resumed run reaches the same decisions as an uninterrupted one.
 
-Defaults, and where they come from (``shared/reference/data.md`` §2.1-2.2, §7):
+Defaults, and where they come from (docs/data.md, Deduplication):
 
 - 5-word shingles over normalized text, as DataTrove's ``MinhashConfig``
   (``n_grams=5``). Word shingles are cheaper than NeMo Curator's 24-character

@@ -8,8 +8,8 @@ threshold). Filters are registered by the ``kind`` they have in a recipe step
 returns the *first* failing reason, so drop counts read as "why this document
 went", not as overlapping flags.
 
-Text heuristics use NeMo Curator's and Gopher's published thresholds (reference
-data.md §2.1); the definitions are ours and are stated per field of
+Text heuristics use NeMo Curator's and Gopher's published thresholds
+(docs/data.md, Heuristic filters); the definitions are ours and are stated per field of
 ``HeuristicFilter``. The checks run cheapest first, and the n-gram statistics,
 the only super-linear work, are computed on integer word ids with numpy (one
 sort per n) rather than with Python tuples: this stage runs over every

@@ -32,8 +32,8 @@ content, tool calls) and its ``<|im_end|>`` train; its ``<|im_start|>assistant\\
 header, the newline after ``<|im_end|>`` and all system, user and tool turns do
 not: the header is the prompt at inference, everything else is input.
 
-Reasoning handling follows the open Nemotron SFT recipe (reference data.md
-§1.4): history reasoning is dropped, conversations with reasoning can be split
+Reasoning handling follows the open Nemotron SFT recipe (docs/data.md,
+Reasoning): history reasoning is dropped, conversations with reasoning can be split
 into one document per user turn, and a few percent of documents get their
 reasoning stripped ("reasoning off") or truncated to a random budget with the
 answer kept and ``</think>`` masked (budget control, as in Ultra). Every random

@@ -3,7 +3,7 @@
 Everything here is written for factory from templates and small word lists of
 our own (no copied text), so it can ship in the repository. Each category is
 structurally real (the record shapes of the Nemotron SFT and pretraining data,
-``shared/reference/data.md`` §1.3-1.5) and carries planted flaws for the
+docs/data.md, Recipe and Formatting) and carries planted flaws for the
 curation stages to remove, marked in ``meta.defect`` (see ``common``).
 
 ``python -m factory.data.samples --out data_recipes/samples`` regenerates the
