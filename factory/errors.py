@@ -35,7 +35,14 @@ class Diagnostic:
         where = f"{self.file}:{self.line}" if self.line else self.file
         path = self.path or "<root>"
         rule = f" [{self.rule}]" if self.rule else ""
-        return f"{where}: {path}: {prefix}{self.message}{rule}"
+        return _one_line(f"{where}: {path}: {prefix}{self.message}{rule}")
+
+
+def _one_line(text: str) -> str:
+    """Escape control characters: one diagnostic is one line, whatever value it quotes."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
 
 
 class SourceMap:
@@ -58,6 +65,9 @@ class SourceMap:
     def paths(self) -> Iterable[str]:
         return self._where.keys()
 
+    def __contains__(self, path: str) -> bool:
+        return path in self._where
+
     def locate(self, path: str) -> tuple[str, int]:
         probe = path
         while probe:
@@ -65,6 +75,24 @@ class SourceMap:
                 return self._where[probe]
             probe = parent_path(probe)
         return self._where.get("", (self.default_file, 0))
+
+    def locate_missing(self, path: str) -> tuple[str, int]:
+        """Where a missing ``path`` belongs: its nearest parent written in the file itself.
+
+        ``default_file`` is the file the user named; a section that only a
+        fragment wrote must not send them to edit the shared fragment (nor
+        hide which file is incomplete, as a truncated one is).
+        """
+        probe = parent_path(path)
+        while probe:
+            where = self._where.get(probe)
+            if where is not None and where[0] == self.default_file:
+                return where
+            probe = parent_path(probe)
+        where = self._where.get("")
+        return (
+            where if where is not None and where[0] == self.default_file else (self.default_file, 1)
+        )
 
     def diagnostic(self, path: str, message: str, **kwargs: object) -> Diagnostic:
         file, line = self.locate(path)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from factory.schemas.base import Count, PositiveInt, Section
+from factory.schemas.base import Section, SeqLen, TokenCount
 
 __all__ = ["DataConfig"]
 
@@ -12,7 +12,7 @@ class DataConfig(Section):
 
     recipe: str
     """A data recipe: a preset name (e.g. 'nano') or a path to a recipe YAML."""
-    seq_len: PositiveInt
-    """Training sequence length; packed samples are exactly this long."""
-    tokens: Count
-    """Token budget of the curated mixture (accepts suffixes: '25T')."""
+    seq_len: SeqLen
+    """Training sequence length; packed samples are exactly this long (at most 2**24)."""
+    tokens: TokenCount
+    """Token budget of the curated mixture (accepts suffixes: '25T'; at most 10**16)."""

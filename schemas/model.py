@@ -1,9 +1,9 @@
 """The ``model`` section: the hybrid stack and the width of every layer type.
 
 Consumed by ``factory.planner.params`` (parameter counts), ``factory.planner.flops``
-and, from the graph issue on, by the layer modules themselves. Checks that
-involve one sub-section only are validators here; checks that span sections
-are in ``factory.checks.model_rules``.
+and the layer modules themselves. Checks that involve one sub-section only are
+validators here; checks that span sections are in ``factory.checks.model_rules``.
+Every size is bounded (``factory.schemas.base``), so no blueprint overflows the planner.
 """
 
 from __future__ import annotations
@@ -13,7 +13,20 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from factory.schemas.base import PositiveInt, Section
+from factory.schemas.base import (
+    MAX_INTERMEDIATE_SIZE,
+    MAX_LAYERS,
+    MAX_PATTERN_LENGTH,
+    ExpertCount,
+    HeadCount,
+    HeadDim,
+    HiddenSize,
+    IntermediateSize,
+    LayerCount,
+    Section,
+    SeqLen,
+    VocabSize,
+)
 from factory.schemas.pattern import HybridPattern
 
 __all__ = [
@@ -31,12 +44,13 @@ __all__ = [
 class AttentionConfig(Section):
     """Grouped-query self-attention (the ``*`` layers)."""
 
-    heads: PositiveInt
-    """Number of query heads."""
-    kv_heads: PositiveInt
-    """Number of key/value heads (query groups); must divide ``heads``."""
-    head_dim: PositiveInt
-    """Width of one head. May differ from hidden_size / heads (Nano: 32 x 128 > 2688)."""
+    heads: HeadCount
+    """Number of query heads (at most 2**14)."""
+    kv_heads: HeadCount
+    """Number of key/value heads (query groups); must divide ``heads`` (at most 2**14)."""
+    head_dim: HeadDim
+    """Width of one head. May differ from hidden_size / heads (Nano: 32 x 128 > 2688).
+    At most 2**14."""
     bias: bool = False
     """Biases on the q/k/v/o projections."""
 
@@ -44,18 +58,18 @@ class AttentionConfig(Section):
 class MambaConfig(Section):
     """Mamba-2 mixer (the ``M`` layers). d_inner = heads x head_dim."""
 
-    heads: PositiveInt
-    """Number of SSM heads."""
-    head_dim: PositiveInt
-    """Channels per SSM head."""
-    state_size: PositiveInt = 128
-    """SSM state size N."""
-    groups: PositiveInt = 8
-    """Groups sharing B and C; also the group count of the gated RMSNorm."""
-    conv_kernel: PositiveInt = 4
-    """Width of the depthwise causal conv1d over x, B and C."""
-    chunk_size: PositiveInt = 128
-    """Chunk length of the SSD scan."""
+    heads: HeadCount
+    """Number of SSM heads (at most 2**14)."""
+    head_dim: HeadDim
+    """Channels per SSM head (at most 2**14)."""
+    state_size: HeadDim = 128
+    """SSM state size N (at most 2**14)."""
+    groups: HeadCount = 8
+    """Groups sharing B and C; also the group count of the gated RMSNorm (at most 2**14)."""
+    conv_kernel: HeadDim = 4
+    """Width of the depthwise causal conv1d over x, B and C (at most 2**14)."""
+    chunk_size: SeqLen = 128
+    """Chunk length of the SSD scan (at most 2**24)."""
     dt_min: float = Field(default=0.001, gt=0)
     """Lower end of the log-uniform dt initialisation."""
     dt_max: float = Field(default=0.1, gt=0)
@@ -89,8 +103,8 @@ class MambaConfig(Section):
 class MLPConfig(Section):
     """Dense MLP (the ``-`` layers)."""
 
-    intermediate_size: PositiveInt
-    """Hidden width of the MLP (ffn_hidden_size)."""
+    intermediate_size: IntermediateSize
+    """Hidden width of the MLP (ffn_hidden_size; at most 2**20)."""
     activation: Literal["relu2", "swiglu"] = "relu2"
     """relu2 is non-gated squared ReLU (two matrices); swiglu is gated (three)."""
     bias: bool = False
@@ -110,10 +124,10 @@ class RouterConfig(Section):
     """Renormalise the chosen scores to sum to one."""
     scaling_factor: float = Field(default=1.0, gt=0)
     """Multiplier on the routing weights (routed_scaling_factor)."""
-    num_groups: PositiveInt = 1
-    """Expert groups for group-limited routing (1 = off)."""
-    group_top_k: PositiveInt = 1
-    """Groups kept per token under group-limited routing."""
+    num_groups: ExpertCount = 1
+    """Expert groups for group-limited routing (1 = off; at most 2**14)."""
+    group_top_k: ExpertCount = 1
+    """Groups kept per token under group-limited routing (at most 2**14)."""
     aux_loss: Literal["none", "aux_loss", "seq_aux_loss", "global_aux_loss"] = "seq_aux_loss"
     """Auxiliary load-balancing loss."""
     aux_loss_coeff: float = Field(default=1e-4, ge=0)
@@ -123,16 +137,17 @@ class RouterConfig(Section):
 class MoEConfig(Section):
     """Mixture of experts (the ``E`` layers), optionally with a LatentMoE projection."""
 
-    num_experts: PositiveInt
-    """Routed experts per MoE layer."""
-    top_k: PositiveInt
-    """Experts chosen per token."""
-    expert_intermediate_size: PositiveInt
-    """Hidden width of one routed expert."""
-    shared_expert_intermediate_size: int = Field(default=0, ge=0)
-    """Hidden width of the shared expert; 0 means no shared expert."""
-    latent_size: PositiveInt | None = None
-    """LatentMoE: routed experts run in this width, between d->latent and latent->d projections."""
+    num_experts: ExpertCount
+    """Routed experts per MoE layer (at most 2**14)."""
+    top_k: ExpertCount
+    """Experts chosen per token (at most 2**14)."""
+    expert_intermediate_size: IntermediateSize
+    """Hidden width of one routed expert (at most 2**20)."""
+    shared_expert_intermediate_size: int = Field(default=0, ge=0, le=MAX_INTERMEDIATE_SIZE)
+    """Hidden width of the shared expert; 0 means no shared expert (at most 2**20)."""
+    latent_size: IntermediateSize | None = None
+    """LatentMoE: routed experts run in this width, between d->latent and latent->d projections
+    (at most 2**20)."""
     activation: Literal["relu2", "swiglu"] = "relu2"
     """Expert activation."""
     capacity_factor: float | None = Field(default=None, gt=0)
@@ -144,10 +159,10 @@ class MoEConfig(Section):
 class MTPConfig(Section):
     """Multi-token prediction, DeepSeek-V3 style, with Megatron's repeated-layer mode."""
 
-    depth: PositiveInt = 1
-    """Number of future tokens predicted (t+2 ... t+1+depth)."""
-    pattern: str = "*E"
-    """Inner hybrid pattern of one MTP block."""
+    depth: LayerCount = 1
+    """Number of future tokens predicted (t+2 ... t+1+depth; at most 2**14)."""
+    pattern: str = Field(default="*E", max_length=MAX_PATTERN_LENGTH)
+    """Inner hybrid pattern of one MTP block (at most 2**16 characters)."""
     repeated: bool = False
     """Apply one stored block at every depth (shared weights) instead of one block per depth."""
     loss_scale: float = Field(default=0.1, ge=0)
@@ -173,14 +188,15 @@ class InitConfig(Section):
 class ModelConfig(Section):
     """The architecture."""
 
-    pattern: str
-    """Hybrid layer pattern in Megatron's syntax, e.g. 'MEMEM*EME' or 'M-M*|M-M-/*E/*E'."""
-    hidden_size: PositiveInt
-    """Model width d."""
-    vocab_size: PositiveInt
-    """Vocabulary size (embedding rows and head outputs)."""
-    max_seq_len: PositiveInt
-    """Longest context the model supports (max_position_embeddings)."""
+    pattern: str = Field(max_length=MAX_PATTERN_LENGTH)
+    """Hybrid layer pattern in Megatron's syntax, e.g. 'MEMEM*EME' or 'M-M*|M-M-/*E/*E'.
+    At most 2**14 layers and 2**16 characters."""
+    hidden_size: HiddenSize
+    """Model width d (at most 2**17)."""
+    vocab_size: VocabSize
+    """Vocabulary size (embedding rows and head outputs; at most 2**22)."""
+    max_seq_len: SeqLen
+    """Longest context the model supports (max_position_embeddings; at most 2**24)."""
     norm_eps: float = Field(default=1e-5, gt=0)
     """RMSNorm epsilon."""
     tie_embeddings: bool = False
@@ -207,7 +223,9 @@ class ModelConfig(Section):
     @field_validator("pattern")
     @classmethod
     def _pattern_parses(cls, value: str) -> str:
-        HybridPattern.parse(value)  # raises PatternError (a ValueError) with the position
+        layout = HybridPattern.parse(value)  # raises PatternError (a ValueError) with the position
+        if layout.num_layers > MAX_LAYERS:
+            raise ValueError(f"{layout.num_layers} layers; at most {MAX_LAYERS} are supported")
         return value
 
     @cached_property

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from factory.schemas.base import PositiveInt, Section
+from factory.schemas.base import MAX_WORLD_SIZE, BatchSize, RankCount, Section
 
 __all__ = ["GPU_SPECS", "GPUSpec", "ModuleLayout", "ParallelismConfig"]
 
@@ -43,47 +43,47 @@ GPU_SPECS: dict[str, GPUSpec] = {
 class ModuleLayout(Section):
     """One module's own grid in a heterogeneous (MIMO-style) layout, e.g. a vision encoder."""
 
-    num_ranks: PositiveInt
-    """Ranks this module runs on."""
-    rank_offset: int = Field(default=0, ge=0)
+    num_ranks: RankCount
+    """Ranks this module runs on (at most 2**20, as every parallel size here)."""
+    rank_offset: int = Field(default=0, ge=0, le=MAX_WORLD_SIZE)
     """First rank of the module's grid."""
-    tp: PositiveInt = 1
-    cp: PositiveInt = 1
-    pp: PositiveInt = 1
-    ep: PositiveInt = 1
-    etp: PositiveInt = 1
+    tp: RankCount = 1
+    cp: RankCount = 1
+    pp: RankCount = 1
+    ep: RankCount = 1
+    etp: RankCount = 1
 
 
 class ParallelismConfig(Section):
     """The parallel layout of one training job."""
 
-    world_size: PositiveInt
-    """Total GPUs."""
+    world_size: RankCount
+    """Total GPUs (at most 2**20; so is every parallel size below)."""
     gpu: Literal["h100", "h200", "b200", "b300", "gb200", "gb300"] = "h100"
     """Accelerator type: sets memory and NVLink-domain size for the planner's warnings."""
-    tp: PositiveInt = 1
+    tp: RankCount = 1
     """Tensor parallel size of the dense (attention, Mamba, MLP) layers."""
-    cp: PositiveInt = 1
+    cp: RankCount = 1
     """Context parallel size."""
-    pp: PositiveInt = 1
+    pp: RankCount = 1
     """Pipeline parallel size."""
-    vpp: PositiveInt | None = None
+    vpp: RankCount | None = None
     """Virtual stages per pipeline rank; with '|' in the pattern it is segments / pp."""
-    dp: PositiveInt | None = None
+    dp: RankCount | None = None
     """Data parallel size; derived as world_size / (tp*cp*pp). Set it only to assert it."""
-    ep: PositiveInt = 1
+    ep: RankCount = 1
     """Expert parallel size."""
-    etp: PositiveInt | None = None
+    etp: RankCount | None = None
     """Expert tensor parallel size; defaults to tp as in Megatron. 1 suits fine-grained MoE."""
     sequence_parallel: bool = False
     """Shard norms and dropout along the sequence over the TP group; required with TP and EP."""
-    micro_batch_size: PositiveInt = 1
-    """Sequences per micro-batch per data-parallel rank."""
-    global_batch_size: PositiveInt
-    """Sequences per optimizer step."""
+    micro_batch_size: BatchSize = 1
+    """Sequences per micro-batch per data-parallel rank (at most 2**24)."""
+    global_batch_size: BatchSize
+    """Sequences per optimizer step (at most 2**24)."""
     distributed_optimizer: bool = True
     """Shard optimizer state (and the fp32 master weights) across data-parallel ranks."""
-    distributed_optimizer_instances: PositiveInt = 1
+    distributed_optimizer_instances: RankCount = 1
     """Partial distributed optimizer: the number of replicas of the sharded state."""
     recompute: Literal["none", "selective", "full"] = "selective"
     """Activation recomputation."""

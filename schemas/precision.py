@@ -12,7 +12,15 @@ from typing import Literal
 
 from pydantic import Field
 
-from factory.schemas.base import Section
+from factory.schemas.base import (
+    MAX_HIDDEN_SIZE,
+    MAX_LAYERS,
+    MAX_MARGIN,
+    MAX_STEPS,
+    LayerIndex,
+    Section,
+    Seed,
+)
 
 __all__ = [
     "FP8Options",
@@ -37,12 +45,13 @@ class FP8Options(Section):
     scaling: Literal["tensorwise", "delayed", "blockwise"] = "tensorwise"
     """tensorwise: current per-tensor scale. delayed: scale from an amax history.
     blockwise: 1x128 activation/gradient and 128x128 weight blocks (DeepSeek style)."""
-    amax_history_len: int = Field(default=1024, ge=1)
-    """Length of the amax history (delayed scaling only)."""
+    amax_history_len: int = Field(default=1024, ge=1, le=MAX_STEPS)
+    """Length of the amax history (delayed scaling only; at most 2**40)."""
     amax_compute: Literal["max", "most_recent"] = "max"
     """How the history becomes one amax (delayed scaling only)."""
-    margin: int = Field(default=0, ge=0)
-    """Power-of-two headroom subtracted from the scale exponent."""
+    margin: int = Field(default=0, ge=0, le=MAX_MARGIN)
+    """Power-of-two headroom subtracted from the scale exponent (at most 128: FP8's whole
+    exponent range is 30)."""
 
 
 class NVFP4Options(Section):
@@ -54,8 +63,8 @@ class NVFP4Options(Section):
     """Random Hadamard transform on the inputs of the weight-gradient GEMM."""
     hadamard_size: Literal[16] = 16
     """Tile size of the Hadamard transform."""
-    hadamard_seed: int = 0
-    """Seed of the random sign vector shared by every layer."""
+    hadamard_seed: Seed = 0
+    """Seed of the random sign vector shared by every layer (0 to 2**63 - 1)."""
     stochastic_rounding: bool = True
     """Stochastic rounding of gradients (dgrad and wgrad inputs)."""
 
@@ -67,19 +76,19 @@ class MoROptions(Section):
     """Largest relative quantisation error (||q(x) - x|| / ||x||) that still uses FP8."""
     granularity: Literal["tensor", "block"] = "tensor"
     """Decide once per tensor, or once per block."""
-    block_size: int = Field(default=128, ge=1)
-    """Block edge for granularity: block."""
+    block_size: int = Field(default=128, ge=1, le=MAX_HIDDEN_SIZE)
+    """Block edge for granularity: block (at most 2**17)."""
 
 
 class HighPrecisionLayers(Section):
     """Layers kept in BF16 whatever the recipe."""
 
-    first: int = Field(default=0, ge=0)
-    """The first N layers of the main stack."""
-    last: int = Field(default=0, ge=0)
-    """The last N layers of the main stack."""
-    layers: list[int] = Field(default_factory=list)
-    """Further 0-based layer indices."""
+    first: int = Field(default=0, ge=0, le=MAX_LAYERS)
+    """The first N layers of the main stack (at most 2**14)."""
+    last: int = Field(default=0, ge=0, le=MAX_LAYERS)
+    """The last N layers of the main stack (at most 2**14)."""
+    layers: list[LayerIndex] = Field(default_factory=list)
+    """Further 0-based layer indices (below 2**14)."""
 
 
 class SwitchToBF16(Section):

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from factory.schemas.base import Count, PositiveInt, Section
+from factory.schemas.base import Section, Seed, StepCount, TokenCount
 
 __all__ = ["OptimizerConfig", "ScheduleConfig", "TrainingConfig"]
 
@@ -52,11 +52,13 @@ class TrainingConfig(Section):
 
     optimizer: OptimizerConfig
     schedule: ScheduleConfig = ScheduleConfig()
-    steps: PositiveInt | None = None
-    """Optimizer steps; give at most one of steps and tokens (neither: one pass over the data)."""
-    tokens: Count | None = None
-    """Training tokens (suffixes allowed: '25T'); converted to steps with the global batch."""
-    checkpoint_interval: PositiveInt = 1000
-    """Steps between checkpoints."""
-    seed: int = 1234
-    """Seed for initialisation, data order and stochastic rounding."""
+    steps: StepCount | None = None
+    """Optimizer steps; give at most one of steps and tokens (neither: one pass over the data).
+    At most 2**40."""
+    tokens: TokenCount | None = None
+    """Training tokens (suffixes allowed: '25T'); converted to steps with the global batch.
+    At most 10**16."""
+    checkpoint_interval: StepCount = 1000
+    """Steps between checkpoints (at most 2**40)."""
+    seed: Seed = 1234
+    """Seed for initialisation, data order and stochastic rounding (0 to 2**63 - 1)."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
-from conftest import PRESETS
+import pytest
+from conftest import PRESETS, REPO
 
 NANO = PRESETS / "nano.yaml"
 
@@ -14,12 +16,19 @@ def _child(write_yaml, body: str) -> Path:
     return write_yaml(f"extends: {NANO}\n{body}")
 
 
-def test_every_preset_is_valid(cli) -> None:
+def test_every_preset_and_recipe_is_valid(cli) -> None:
     status, out, err = cli("validate")
     assert status == 0, err
     for name in ("nano", "super", "ultra", "nemotron_h_8b", "nemotron_nano_9b_v2"):
         assert f"ok: {name}" in out
+        assert f"ok: data recipe {name}" in out
     assert err == ""
+
+
+def test_overrides_without_targets_check_the_presets_only(cli) -> None:
+    status, out, _ = cli("validate", "--set", "parallelism.tp=2")
+    assert status == 0
+    assert "ok: nano" in out and "data recipe" not in out
 
 
 def test_unknown_key_gets_did_you_mean(cli, write_yaml) -> None:
@@ -175,3 +184,132 @@ def test_one_bad_target_does_not_hide_the_others(cli) -> None:
     assert status == 2
     assert "ok: nano" in out and "ok: super" in out
     assert "nanoo" in err
+
+
+# Data recipes: told apart from blueprints by their top-level keys.
+
+RECIPE = REPO / "data_recipes" / "nano.yaml"
+
+
+def test_a_recipe_path_is_validated_as_a_recipe(cli) -> None:
+    status, out, err = cli("validate", str(RECIPE))
+    assert status == 0, err
+    assert "ok:" in out and err == ""
+
+
+def test_recipe_errors_are_located_with_did_you_mean(cli, tmp_path: Path) -> None:
+    (tmp_path / "samples").symlink_to(RECIPE.parent / "samples")
+    text = RECIPE.read_text(encoding="utf-8").replace("  window: 4096", "  windw: 4096")
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text.replace("weight: 34", "weight: -1"), encoding="utf-8")
+    line = text[: text.index("weight: 34")].count("\n") + 1
+    status, _, err = cli("validate", str(path))
+    assert status == 2
+    assert "packing.windw: unknown key (did you mean 'window'?)" in err
+    assert f"recipe.yaml:{line}: sources[0].weight: Input should be greater than 0" in err
+
+
+def test_a_file_neither_blueprint_nor_recipe_is_refused(cli, write_yaml) -> None:
+    for text in ("foo: 1\n", "meta: {name: x}\nsources: []\n", "{}\n"):
+        status, _, err = cli("validate", str(write_yaml(text)))
+        assert status == 2
+        assert "bp.yaml:1: <root>: not a blueprint (top-level keys: extends, meta" in err
+        assert "nor a data recipe (name, description, seed" in err
+
+
+def test_misspelt_keys_still_choose_the_schema(cli, write_yaml) -> None:
+    status, _, err = cli("validate", str(write_yaml("sorces: []\nname: x\n")))
+    assert status == 2
+    assert "sorces: unknown key (did you mean 'sources'?)" in err
+
+
+def test_overrides_do_not_apply_to_recipes(cli) -> None:
+    status, _, err = cli("validate", str(RECIPE), "--set", "seed=1")
+    assert status == 2
+    assert "--set:1: <root>: --set applies to blueprints" in err
+
+
+# Input that used to crash: exit 2 and a located message, never a traceback.
+
+
+def test_a_huge_width_is_out_of_bounds(cli) -> None:
+    status, _, err = cli("validate", "nano", "--set", f"model.hidden_size={10**400}")
+    assert status == 2
+    assert "--set:1: model.hidden_size: Input should be less than or equal to 131072" in err
+    assert "(got an integer of about 401 digits)" in err
+
+
+def test_an_integer_too_long_to_read(cli, write_yaml) -> None:
+    status, _, err = cli("validate", str(write_yaml("meta:\n  name: " + "9" * 5000 + "\n")))
+    assert status == 2
+    assert "bp.yaml:2: meta.name: an integer of 5000 characters is too long" in err
+
+
+@pytest.mark.parametrize("depth", [100, 10_000, 200_000])
+def test_deep_nesting_is_refused(cli, write_yaml, depth: int) -> None:
+    status, _, err = cli("validate", str(write_yaml("a: " + "[" * depth + "]" * depth)))
+    assert status == 2
+    assert "bp.yaml:1: <root>: nested more than 32 levels deep" in err
+
+
+def test_deep_block_mappings_are_refused(cli, write_yaml) -> None:
+    text = "".join(f"{'  ' * i}k:\n" for i in range(40)) + "  " * 40 + "v: 1\n"
+    status, _, err = cli("validate", str(write_yaml(text)))
+    assert status == 2
+    assert "bp.yaml:33: <root>: nested more than 32 levels deep" in err
+
+
+def test_a_truncated_file_is_named_not_its_fragment(cli, tmp_path: Path) -> None:
+    shutil.copytree(PRESETS / "base", tmp_path / "base")
+    text = NANO.read_text(encoding="utf-8")
+    path = tmp_path / "nano.yaml"
+    path.write_text(text[: text.index("model:")], encoding="utf-8")  # model: only in a fragment
+    status, _, err = cli("validate", str(path))
+    assert status == 2
+    assert "nano.yaml:4: model.pattern: required field is missing" in err
+    assert "nano.yaml:4: model.hidden_size: required field is missing" in err
+    assert "base/" not in err
+
+
+def test_control_characters_stay_on_one_line(cli, write_yaml) -> None:
+    path = write_yaml(f'extends: {NANO}\nmodel:\n  pattern: "M\\rE\\nM"\n')
+    status, _, err = cli("validate", str(path))
+    assert status == 2
+    assert len(err.strip().splitlines()) == 1
+    assert "\\r" in err
+
+
+# Usage mistakes: click's usage message and exit 2.
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["export", "megatron"], "No such command 'megatron'; choose from: hf."),
+        (["train", "--bogus"], "No such option: --bogus"),
+        (["frobnicate"], "choose from: validate, build, plan"),
+        (["plan"], "Missing argument"),
+        (["validate", "--bogus"], "No such option: --bogus"),
+        (["import", "hf", "/nonexistent/folder", "--out", "x.yaml"], "does not exist"),
+    ],
+)
+def test_usage_mistakes_print_usage_and_exit_2(cli, argv: list[str], expected: str) -> None:
+    status, _, err = cli(*argv)
+    assert status == 2
+    assert expected in err
+    assert "Usage: factory" in err or argv[0] == "plan"
+    assert "internal error" not in err and "Traceback" not in err
+
+
+def test_a_rule_that_cannot_run_does_not_hide_the_rule_that_explains_why(cli) -> None:
+    # The memory planner cannot size '-' layers without model.mlp; layer_sections says so.
+    status, _, err = cli("validate", "nemotron_h_8b", "--set", "model.mlp=null")
+    assert status == 2
+    assert "model.mlp is not set [model.layer_sections]" in err
+    assert "internal error" not in err
+
+
+def test_a_section_an_override_creates_is_located_at_the_override(cli) -> None:
+    status, _, err = cli("validate", "nano", "--set", "precision.switch_to_bf16.after_fraction=0.5")
+    assert status == 0
+    assert err.startswith("--set:1: precision.switch_to_bf16: warning:")

@@ -74,3 +74,43 @@ def test_a_folder_named_like_a_preset_does_not_shadow_it(tmp_path, monkeypatch) 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "nano").mkdir()
     assert factory.load_blueprint("nano").meta.name == "nano"
+
+
+@pytest.mark.parametrize("parent", ["/", "..", "a\x00b"])
+def test_an_impossible_fragment_path_is_an_error(write_yaml, parent: str) -> None:
+    path = write_yaml(f"extends: {parent!r}\n".replace("'", '"'))
+    with pytest.raises(
+        factory.BlueprintError, match=r"extends: (not a file path|fragment not found)"
+    ):
+        factory.load_blueprint(path)
+
+
+def test_an_empty_extends_extends_nothing(write_yaml) -> None:
+    path = write_yaml("extends:\nmeta:\n  name: x\n")
+    with pytest.raises(factory.BlueprintError) as info:
+        factory.load_blueprint(path)
+    assert all("extends" not in d.path for d in info.value.errors)
+
+
+def test_extends_chains_are_bounded(write_yaml) -> None:
+    for i in range(20):
+        write_yaml(f"extends: f{i + 1}.yaml\n", f"f{i}.yaml")
+    write_yaml("meta:\n  name: x\n", "f20.yaml")
+    with pytest.raises(factory.BlueprintError, match="extends chain longer than 16 files"):
+        factory.load_blueprint(write_yaml("extends: f0.yaml\n"))
+
+
+def test_a_missing_field_is_reported_in_the_file_named(write_yaml) -> None:
+    fragment = write_yaml("model:\n  hidden_size: 64\n", "fragment.yaml")
+    path = write_yaml(f"extends: {fragment.name}\nmeta:\n  name: x\n")
+    with pytest.raises(factory.BlueprintError) as info:
+        factory.load_blueprint(path)
+    where = {d.path: (d.file, d.line) for d in info.value.errors}
+    assert where["model.pattern"] == (str(path), 1)  # the fragment wrote 'model:', not this file
+    assert where["parallelism"] == (str(path), 1)
+
+
+def test_overrides_that_yaml_cannot_read_are_located() -> None:
+    for item in ("model.hidden_size==", "a=" + "[" * 3000 + "]" * 3000):
+        with pytest.raises(factory.BlueprintError, match="bad override"):
+            factory.load_blueprint("nano", [item])

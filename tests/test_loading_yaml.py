@@ -44,6 +44,11 @@ def test_records_the_line_of_every_value() -> None:
         ("---\na: 1\n---\nb: 2\n", "malformed YAML"),
         ("<<: {a: 1}", "merge keys"),
         ("? [1, 2]\n: x", "keys must be plain strings"),
+        ("a: " + "[" * 33 + "]" * 33, "f.yaml:1: <root>: nested more than 32 levels deep"),
+        ("a: " + "{b: " * 40 + "1" + "}" * 40, "nested more than 32 levels deep"),
+        ("- " * 50 + "x", "nested more than 32 levels deep"),
+        ("a: 1\nb: \x00", "f.yaml:2: <root>: malformed YAML: character '\\x00' is not allowed"),
+        ("a: " + "1" * 5000, "f.yaml:1: a: an integer of 5000 characters is too long"),
     ],
 )
 def test_bad_yaml_is_a_located_error(text: str, expected: str) -> None:
@@ -83,3 +88,24 @@ def test_round_trips_plain_data(tree: dict) -> None:
     assert data == tree
     for key in tree:
         assert source_map.locate(key)[1] >= 1
+
+
+def test_nesting_within_the_limit_is_fine() -> None:
+    data, _ = read_yaml_text("a: " + "[" * 31 + "]" * 31, "f.yaml")
+    assert data["a"] is not None
+
+
+def test_aliases_cannot_nest_past_the_limit() -> None:
+    # Each line is shallow; following the aliases is not.
+    lines = ["a0: &a0 [x]"] + [f"a{i}: &a{i} [*a{i - 1}]" for i in range(1, 40)]
+    assert "nested more than 32 levels deep" in _error("\n".join(lines))
+
+
+def test_oversized_files_are_not_read(tmp_path, monkeypatch) -> None:
+    from factory.loading import yaml_source
+
+    monkeypatch.setattr(yaml_source, "MAX_BYTES", 8)
+    path = tmp_path / "big.yaml"
+    path.write_text("a: 123456789\n", encoding="utf-8")
+    with pytest.raises(BlueprintError, match="larger than 8 bytes"):
+        yaml_source.read_yaml(path)

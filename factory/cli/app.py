@@ -16,6 +16,9 @@ from factory.errors import BlueprintError
 
 __all__ = ["app", "main"]
 
+EXIT_USAGE = 2
+"""Click's status for usage mistakes: unknown command or option, missing argument."""
+
 app = typer.Typer(
     name="factory",
     help="Blueprints in: training graphs, plans, exports and data shards out.",
@@ -38,6 +41,31 @@ def _register() -> None:
     )
 
 
+def _click_errors() -> tuple[type[Exception], ...]:
+    """Click's exception base, and Typer's where Typer vendors its own copy of click."""
+    import click
+
+    vendored = getattr(getattr(typer, "exceptions", None), "TyperException", None)
+    return (click.ClickException, vendored) if vendored else (click.ClickException,)
+
+
+def _show_click_error(exc: Exception) -> int:
+    """Print a usage mistake as click does (usage, hint, error) and return its exit status."""
+    ctx = getattr(exc, "ctx", None)
+    command = getattr(ctx, "command", None)
+    message = getattr(exc, "message", "")
+    if command is not None and message.startswith("No such command"):
+        # Name the valid choices: 'factory export megatron' should list the targets.
+        choices = ", ".join(command.list_commands(ctx))
+        exc.message = f"{message.rstrip('.')}; choose from: {choices}."  # type: ignore[attr-defined]
+    show = getattr(exc, "show", None)
+    if callable(show):
+        show()
+    else:
+        print(f"factory: {message or exc}", file=sys.stderr)
+    return int(getattr(exc, "exit_code", EXIT_USAGE))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     _register()
@@ -54,12 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     except (typer.Abort, KeyboardInterrupt):
         print("aborted", file=sys.stderr)
         return 130
-    except Exception as exc:  # a click usage error, or a bug: report it without a traceback
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            return exc.exit_code
+    except Exception as exc:  # a usage mistake (exit 2, as click), or a bug: no traceback
+        if isinstance(exc, _click_errors()):
+            return _show_click_error(exc)
         if os.environ.get("FACTORY_DEBUG"):
             raise
         print(f"factory: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -28,7 +28,8 @@ def export_hf_cmd(
     proxy: Annotated[bool, typer.Option("--proxy", help="Export the CPU proxy model.")] = False,
     seed: Annotated[int, typer.Option("--seed", help="Initialisation seed.")] = 0,
     weights: Annotated[
-        Path | None, typer.Option("--weights", help="Checkpoint (.safetensors, .pt or HF folder).")
+        Path | None,
+        typer.Option("--weights", exists=True, help="Checkpoint (.safetensors, .pt or HF folder)."),
     ] = None,
     overrides: SetOption = None,
 ) -> None:
@@ -57,7 +58,12 @@ def export_hf_cmd(
 
 @import_app.command("hf")
 def import_hf_cmd(
-    directory: Annotated[Path, typer.Argument(help="Folder with config.json and *.safetensors.")],
+    directory: Annotated[
+        Path,
+        typer.Argument(
+            exists=True, file_okay=False, help="Folder with config.json and *.safetensors."
+        ),
+    ],
     out: Annotated[Path, typer.Option("--out", help="Blueprint YAML to write.")],
 ) -> None:
     """Write a blueprint reproducing a NemotronH checkpoint; it starts from that checkpoint's weights."""

@@ -1,14 +1,15 @@
-"""``factory validate``: check blueprints, for CI. Exit 0 when all are valid, else 2."""
+"""``factory validate``: check blueprints and data recipes, for CI. Exit 0 when all are valid, else 2."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from factory.cli.app import app
 from factory.cli.output import EXIT_INVALID, print_diagnostics
-from factory.errors import BlueprintError
+from factory.errors import BlueprintError, Diagnostic
 
 SetOption = Annotated[
     list[str] | None,
@@ -16,28 +17,63 @@ SetOption = Annotated[
 ]
 
 
+def _default_targets(with_recipes: bool) -> list[tuple[str, Path | None]]:
+    """Every preset and, unless overrides were given (they address blueprints), every recipe."""
+    from factory.loading.load import preset_names
+    from factory.loading.shipped import shipped_dir, shipped_names
+
+    targets: list[tuple[str, Path | None]] = [(name, None) for name in preset_names()]
+    if with_recipes:
+        folder = shipped_dir("factory.data_recipes")
+        names = shipped_names("factory.data_recipes")
+        targets += [(f"data recipe {name}", folder / f"{name}.yaml") for name in names]
+    return targets
+
+
+def _check(target: str, recipe: Path | None, overrides: list[str]) -> tuple[Path, list[Diagnostic]]:
+    """Validate one target; return its file and warnings, or raise BlueprintError."""
+    from factory.loading.documents import RECIPE, document_kind
+    from factory.loading.load import load, resolve_source
+
+    source = recipe or resolve_source(target)
+    # A preset name resolves to a shipped blueprint; only a path needs its keys read.
+    if recipe is None and source == Path(target) and document_kind(source) == RECIPE:
+        recipe = source
+    if recipe is None:
+        loaded = load(source, overrides)
+        return loaded.source, loaded.warnings
+    if overrides:
+        message = f"--set applies to blueprints; {target} is a data recipe"
+        raise BlueprintError([Diagnostic("", message, "--set", 1)])
+    from factory.data.recipe_loading import load_recipe
+
+    return load_recipe(recipe).source, []
+
+
 @app.command()
 def validate(
     targets: Annotated[
         list[str] | None,
-        typer.Argument(help="Preset names or blueprint paths; none means every shipped preset."),
+        typer.Argument(
+            help="Preset names, blueprint or data recipe paths; none means every shipped "
+            "preset and recipe."
+        ),
     ] = None,
     overrides: SetOption = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print problems only.")] = False,
 ) -> None:
-    """Validate blueprints: schema, composition and every cross-field rule."""
-    from factory.loading.load import load, preset_names
-
+    """Validate blueprints and data recipes: schema, composition and every cross-field rule."""
+    chosen = [(t, None) for t in targets] if targets else _default_targets(not overrides)
     failed = 0
-    for target in targets or preset_names():
+    for target, recipe in chosen:
         try:
-            loaded = load(target, overrides or [])
+            source, warnings = _check(target, recipe, overrides or [])
         except BlueprintError as exc:
             print_diagnostics(exc.diagnostics)
             failed += 1
             continue
-        print_diagnostics(loaded.warnings)
+        print_diagnostics(warnings)
         if not quiet:
-            typer.echo(f"ok: {target} ({loaded.source})")
+            typer.echo(f"ok: {target} ({source})")
     if failed:
         raise typer.Exit(EXIT_INVALID)

@@ -17,44 +17,45 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from factory.errors import BlueprintError, Diagnostic, SourceMap
 from factory.loading.paths import join_path
-from factory.loading.yaml_source import read_yaml
+from factory.loading.yaml_source import display_path, first_line, read_yaml
 
 __all__ = ["OVERRIDE_FILE", "compose"]
 
 EXTENDS = "extends"
 OVERRIDE_FILE = "--set"
-
-
-def _display(path: Path) -> str:
-    """Paths relative to the working directory when possible: shorter, and clickable."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
+MAX_EXTENDS_DEPTH = 16
+"""Longest chain of fragments extending fragments; presets use 2."""
 
 
 def _load_tree(path: Path, chain: tuple[Path, ...]) -> tuple[dict[str, Any], SourceMap]:
     """One file merged over everything it extends (depth first)."""
-    display = _display(path)
+    display = display_path(path)
     data, source_map = read_yaml(path, display)
     if not isinstance(data, dict):
         raise BlueprintError(
             [Diagnostic("", "a blueprint must be a mapping of sections", display, 1)]
         )
-    parents = data.pop(EXTENDS, [])
-    if isinstance(parents, str):
+    parents = data.pop(EXTENDS, None)
+    if parents is None:  # absent, or an empty 'extends:' line
+        parents = []
+    elif isinstance(parents, str):
         parents = [parents]
     if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
         raise BlueprintError([source_map.diagnostic(EXTENDS, "must be a path or a list of paths")])
     merged: dict[str, Any] = {}
     merged_map = SourceMap(display)
     for index, parent in enumerate(parents):
-        parent_path = (path.parent / parent).resolve()
-        if parent_path.suffix not in (".yaml", ".yml"):
-            parent_path = parent_path.with_suffix(".yaml")
         where = join_path(EXTENDS, index) if len(parents) > 1 else EXTENDS
+        parent_path = _fragment_path(path, parent)
+        if parent_path is None:
+            raise BlueprintError([source_map.diagnostic(where, f"not a file path: {parent!r}")])
+        if len(chain) > MAX_EXTENDS_DEPTH:
+            message = f"extends chain longer than {MAX_EXTENDS_DEPTH} files"
+            raise BlueprintError([source_map.diagnostic(where, message)])
         if parent_path in chain:
             raise BlueprintError([source_map.diagnostic(where, f"circular extends: {parent!r}")])
         if not parent_path.is_file():
@@ -64,6 +65,17 @@ def _load_tree(path: Path, chain: tuple[Path, ...]) -> tuple[dict[str, Any], Sou
         merged_map.update(parent_map)
     merged_map.update(source_map)
     return _merge(merged, data), merged_map
+
+
+def _fragment_path(path: Path, parent: str) -> Path | None:
+    """The fragment ``parent`` names, relative to ``path``; None when it cannot be a file."""
+    try:
+        parent_path = (path.parent / parent).resolve()
+        if parent_path.suffix not in (".yaml", ".yml"):
+            parent_path = parent_path.with_suffix(".yaml")  # ValueError for '/' and '..'
+        return parent_path
+    except (OSError, ValueError, RuntimeError):  # NUL bytes, symlink loops
+        return None
 
 
 def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -84,7 +96,6 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 def _apply_overrides(data: dict[str, Any], source_map: SourceMap, overrides: Sequence[str]) -> Any:
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     cfg = OmegaConf.create(data)
     for index, item in enumerate(overrides, start=1):
@@ -95,12 +106,24 @@ def _apply_overrides(data: dict[str, Any], source_map: SourceMap, overrides: Seq
             )
         try:
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
-        except OmegaConfBaseException as exc:
-            raise BlueprintError(
-                [Diagnostic(key, f"bad override: {exc}", OVERRIDE_FILE, index)]
-            ) from None
+        except _omegaconf_errors() as exc:
+            message = f"bad override: {first_line(exc)}"
+            raise BlueprintError([Diagnostic(key, message, OVERRIDE_FILE, index)]) from None
+        # Sections the override creates are its too: a finding on them points here.
+        parts = key.strip().split(".")
+        for end in range(1, len(parts)):
+            if ".".join(parts[:end]) not in source_map:
+                source_map.record(".".join(parts[:end]), OVERRIDE_FILE, index)
         source_map.record(key.strip(), OVERRIDE_FILE, index)
     return cfg  # type: ignore[return-value]
+
+
+def _omegaconf_errors() -> tuple[type[BaseException], ...]:
+    from omegaconf.errors import OmegaConfBaseException
+
+    # OmegaConf parses override values with PyYAML ('a==' is a YAMLError); ValueError: an
+    # integer too long to convert; RecursionError: '[[[...]]]' 3000 deep in an override.
+    return (OmegaConfBaseException, yaml.YAMLError, ValueError, RecursionError)
 
 
 def _has_interpolation(node: Any) -> bool:
@@ -118,14 +141,13 @@ def compose(path: Path, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], 
     if not overrides and not _has_interpolation(data):
         return data, source_map  # nothing for OmegaConf to do: skip importing it
     from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     cfg = _apply_overrides(data, source_map, overrides)
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except OmegaConfBaseException as exc:
+    except _omegaconf_errors() as exc:
         key = str(getattr(exc, "full_key", "") or "")
-        message = str(exc).splitlines()[0]
+        message = first_line(exc)
         raise BlueprintError(
             [source_map.diagnostic(key, f"interpolation failed: {message}")]
         ) from None

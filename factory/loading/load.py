@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -13,6 +14,9 @@ from factory.loading.compose import compose
 from factory.loading.shipped import resolve_named_yaml, shipped_names
 from factory.loading.validation_errors import diagnostics_from_validation_error
 from factory.schemas.blueprint import Blueprint
+
+if TYPE_CHECKING:
+    from factory.checks.registry import Finding, Rule
 
 __all__ = ["LoadedBlueprint", "load", "load_blueprint", "preset_names", "resolve_source"]
 
@@ -41,10 +45,34 @@ class LoadedBlueprint:
         return [d for d in self.diagnostics if d.severity == "warning"]
 
 
+def _run_rules(bp: Blueprint) -> list[tuple[Rule, Finding]]:
+    """Every rule's findings, even when a rule cannot evaluate an already invalid blueprint.
+
+    Some rules assume what others check: the memory planner sizes every layer
+    type in the pattern, so it fails on a pattern using '-' without an ``mlp``
+    section, which ``model.layer_sections`` reports. Such a failure is skipped
+    when other rules found errors (those explain it); on a blueprint no rule
+    faults it is a bug and propagates.
+    """
+    from factory.checks.registry import RULES, run_rules
+
+    try:
+        return run_rules(bp)
+    except Exception as exc:
+        failure = exc
+    found: list[tuple[Rule, Finding]] = []
+    for r in RULES.values():
+        try:
+            found += [(r, f) for f in r.check(bp)]
+        except Exception:  # judged below, once every rule has run
+            continue
+    if not any(f.severity == "error" for _, f in found):
+        raise failure
+    return found
+
+
 def load(name_or_path: str | Path, overrides: Sequence[str] = ()) -> LoadedBlueprint:
     """Compose, type-check and rule-check a blueprint; raise BlueprintError on any error."""
-    from factory.checks.registry import run_rules
-
     source = resolve_source(name_or_path)
     data, source_map = compose(source, overrides)
     try:
@@ -55,7 +83,7 @@ def load(name_or_path: str | Path, overrides: Sequence[str] = ()) -> LoadedBluep
         ) from None
     diagnostics = [
         source_map.diagnostic(f.path, f.message, severity=f.severity, rule=r.name)
-        for r, f in run_rules(bp)
+        for r, f in _run_rules(bp)
     ]
     if any(d.severity == "error" for d in diagnostics):
         raise BlueprintError(diagnostics)

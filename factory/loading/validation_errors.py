@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -13,6 +14,8 @@ from factory.errors import Diagnostic, SourceMap, did_you_mean
 from factory.loading.paths import path_from_loc
 
 __all__ = ["diagnostics_from_validation_error", "fields_at"]
+
+_SHOWN_CHARS = 80
 
 
 def _unwrap(annotation: Any) -> Any:
@@ -63,8 +66,17 @@ def _message(error: Any, root: type[BaseModel]) -> str:
         return message.removeprefix("Value error, ")
     value = error.get("input")
     if isinstance(value, (str, int, float, bool)) or value is None:
-        message += f" (got {value!r})"
+        message += f" (got {_shown(value)})"
     return message
+
+
+def _shown(value: str | int | float | bool | None) -> str:
+    """A value as the user wrote it, cut short: a 400-digit width is not worth printing."""
+    if isinstance(value, int) and value.bit_length() > 100:
+        digits = int(value.bit_length() * math.log10(2)) + 1
+        return f"an integer of about {digits} digits"
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
 
 
 def diagnostics_from_validation_error(
@@ -73,5 +85,10 @@ def diagnostics_from_validation_error(
     out: list[Diagnostic] = []
     for error in exc.errors():
         path = path_from_loc(error["loc"])
-        out.append(source_map.diagnostic(path, _message(error, root)))
+        message = _message(error, root)
+        if error["type"] == "missing":
+            file, line = source_map.locate_missing(path)
+            out.append(Diagnostic(path=path, message=message, file=file, line=line))
+        else:
+            out.append(source_map.diagnostic(path, message))
     return out

@@ -5,7 +5,11 @@ ourselves so that we can (a) record ``path -> line`` for error messages,
 (b) refuse tags other than YAML's core types (``!!python/...`` and custom
 tags), (c) refuse duplicate keys, which PyYAML would silently collapse, and
 (d) bound alias expansion, so a "billion laughs" document or a recursive
-alias fails fast instead of exhausting memory downstream.
+alias fails fast instead of exhausting memory downstream, and (e) bound
+nesting: libyaml's composer recurses in C, so ``[[[...]]]`` 100000 deep
+crashes the interpreter outright, and a few thousand exhaust Python's stack
+in everything that walks the data afterwards. A first pass over libyaml's
+event stream (iterative, cheap) measures depth and size before composing.
 """
 
 from __future__ import annotations
@@ -18,10 +22,22 @@ import yaml
 from factory.errors import BlueprintError, Diagnostic, SourceMap
 from factory.loading.paths import join_path
 
-__all__ = ["MAX_NODES", "read_yaml", "read_yaml_text"]
+__all__ = [
+    "MAX_BYTES",
+    "MAX_DEPTH",
+    "MAX_NODES",
+    "display_path",
+    "first_line",
+    "read_yaml",
+    "read_yaml_text",
+]
 
 MAX_NODES = 100_000
 """Most nodes a document may expand to once aliases are followed; blueprints have ~300."""
+MAX_DEPTH = 32
+"""Deepest nesting of mappings and lists; blueprints nest 5 deep and recipes 6."""
+MAX_BYTES = 16 * 2**20
+"""Largest file read; blueprints and recipes are a few KiB (this stops /dev/zero too)."""
 
 # libyaml's parser is ~10x faster than PyYAML's pure-Python one; both give marked nodes.
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
@@ -41,7 +57,7 @@ class _Builder:
         line = node.start_mark.line + 1
         return BlueprintError([Diagnostic(path=path, message=message, file=self.file, line=line)])
 
-    def build(self, node: yaml.Node, path: str) -> Any:
+    def build(self, node: yaml.Node, path: str, depth: int = 0) -> Any:
         self.visited += 1
         if self.visited > MAX_NODES:
             raise self.fail(
@@ -53,18 +69,33 @@ class _Builder:
             )
         self.source_map.record(path, self.file, node.start_mark.line + 1)
         if isinstance(node, yaml.ScalarNode):
-            return self.scalars.construct_object(node)
+            return self._scalar(node, path)
+        if depth >= MAX_DEPTH:  # aliases can nest deeper than the text does
+            raise self.fail(node, path, f"nested more than {MAX_DEPTH} levels deep")
         if id(node) in self.active:
             raise self.fail(node, path, "recursive alias: a value contains itself")
         self.active.add(id(node))
         try:
             if isinstance(node, yaml.SequenceNode):
-                return [self.build(item, join_path(path, i)) for i, item in enumerate(node.value)]
-            return self._mapping(node, path)
+                return [
+                    self.build(item, join_path(path, i), depth + 1)
+                    for i, item in enumerate(node.value)
+                ]
+            return self._mapping(node, path, depth)
         finally:
             self.active.discard(id(node))
 
-    def _mapping(self, node: yaml.MappingNode, path: str) -> dict[str, Any]:
+    def _scalar(self, node: yaml.ScalarNode, path: str) -> Any:
+        try:
+            return self.scalars.construct_object(node)
+        except (ValueError, yaml.YAMLError) as exc:
+            if node.tag == _CORE + "int":  # more digits than Python converts (4300)
+                message = f"an integer of {len(node.value)} characters is too long"
+            else:
+                message = f"unreadable value: {first_line(exc)}"
+            raise self.fail(node, path, message) from None
+
+    def _mapping(self, node: yaml.MappingNode, path: str, depth: int) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key_node, value_node in node.value:
             if key_node.tag == _CORE + "merge":
@@ -81,40 +112,84 @@ class _Builder:
                 raise self.fail(
                     key_node, join_path(path, key), f"duplicate key (first set on line {first})"
                 )
-            out[key] = self.build(value_node, join_path(path, key))
+            out[key] = self.build(value_node, join_path(path, key), depth + 1)
             # Point at the key's line: a nested section's own node starts a line below it.
             self.source_map.record(join_path(path, key), self.file, key_node.start_mark.line + 1)
         return out
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message without the context lines PyYAML and OmegaConf append."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _check_shape(text: str, file: str) -> None:
+    """Refuse documents nested deeper than MAX_DEPTH or larger than MAX_NODES, before composing."""
+    depth = nodes = 0
+    for event in yaml.parse(text, Loader=_LOADER):
+        if isinstance(event, yaml.NodeEvent) and not isinstance(event, yaml.AliasEvent):
+            nodes += 1
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+        line = event.start_mark.line + 1
+        if depth > MAX_DEPTH:
+            message = f"nested more than {MAX_DEPTH} levels deep"
+            raise BlueprintError([Diagnostic("", message, file, line)])
+        if nodes > MAX_NODES:
+            message = f"more than {MAX_NODES} values; blueprints and recipes have a few hundred"
+            raise BlueprintError([Diagnostic("", message, file, line)])
+
+
 def read_yaml_text(text: str, file: str) -> tuple[Any, SourceMap]:
     """Parse ``text`` (the contents of ``file``) into data and a source map."""
     try:
+        _check_shape(text, file)
         root = yaml.compose(text, Loader=_LOADER)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = mark.line + 1 if mark else 0
         problem = " ".join(p for p in (exc.context, exc.problem) if p)
         raise BlueprintError([Diagnostic("", f"malformed YAML: {problem}", file, line)]) from None
+    except yaml.reader.ReaderError as exc:  # a character YAML forbids, e.g. NUL
+        line = text[: exc.position].count("\n") + 1
+        char = exc.character if isinstance(exc.character, str) else chr(exc.character)
+        message = f"malformed YAML: character {char!r} is not allowed"
+        raise BlueprintError([Diagnostic("", message, file, line)]) from None
     except yaml.YAMLError as exc:
-        raise BlueprintError([Diagnostic("", f"malformed YAML: {exc}", file, 0)]) from None
+        message = f"malformed YAML: {first_line(exc)}"
+        raise BlueprintError([Diagnostic("", message, file, 0)]) from None
     if root is None:
         raise BlueprintError([Diagnostic("", "the document is empty", file, 1)])
     builder = _Builder(file)
     return builder.build(root, ""), builder.source_map
 
 
+def display_path(path: Path) -> str:
+    """``path`` relative to the working directory when possible: shorter, and clickable."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError, RuntimeError):
+        return str(path)
+
+
 def read_yaml(path: Path, display: str | None = None) -> tuple[Any, SourceMap]:
     """Read and parse a YAML file; unreadable files become diagnostics too."""
     file = display or str(path)
     try:
-        raw = path.read_bytes()
+        with path.open("rb") as stream:
+            raw = stream.read(MAX_BYTES + 1)
     except FileNotFoundError:
         raise BlueprintError([Diagnostic("", "file not found", file, 0)]) from None
     except OSError as exc:
         raise BlueprintError(
             [Diagnostic("", f"cannot read file: {exc.strerror}", file, 0)]
         ) from None
+    except ValueError:  # a NUL byte in the path
+        raise BlueprintError([Diagnostic("", "not a file path", file, 0)]) from None
+    if len(raw) > MAX_BYTES:
+        raise BlueprintError([Diagnostic("", f"larger than {MAX_BYTES} bytes", file, 0)])
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
