@@ -16,17 +16,15 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, WithJsonSchema, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
-from factory.schemas.base import Count, Section
+from factory.schemas.base import Section, Seed, SeqLen, TokenCount
 
 __all__ = [
     "CATEGORIES",
     "FILTER_STEPS",
     "MAX_NGRAM",
-    "MAX_SEED",
-    "MAX_SEQ_LEN",
-    "MAX_TOKENS",
+    "MAX_WORDS",
     "ChatFormat",
     "CudaKernelFilter",
     "DataRecipe",
@@ -61,46 +59,13 @@ CATEGORIES: tuple[str, ...] = Category.__args__  # type: ignore[attr-defined]
 MAX_NGRAM = 256
 """Longest n-gram any step takes: the n-gram hashing in ``factory.data.dedup`` precomputes
 one constant per word position up to this length."""
-MAX_TOKENS = 10**15
-"""Largest token count: 40x the 25T tokens Nemotron 3 pretrains on."""
-MAX_SEED = 2**63 - 1
-"""Largest seed: seeds feed 64-bit generators (numpy's PCG64) and hashes."""
-MAX_SEQ_LEN = 2**20
-"""Longest packed sample, 1M tokens: Nemotron 3's longest context."""
 MAX_WORDS = 10**9
 """Most words a heuristic bound can name (a 1e9-word document is some gigabytes of text)."""
 
-
-def _not_too_many_digits(value: object) -> object:
-    """Reject counts written with more digits than any real budget has.
-
-    ``Count`` parses suffixed strings through a float; a string of hundreds of
-    digits would overflow it instead of failing validation.
-    """
-    if isinstance(value, str) and sum(c.isdigit() for c in value) > 20:
-        raise ValueError(f"{value[:24]}... has more digits than any token count up to 1e15")
-    return value
-
-
-TokenCount = Annotated[
-    Count,
-    Field(le=MAX_TOKENS),
-    BeforeValidator(_not_too_many_digits),
-    WithJsonSchema(
-        {
-            "anyOf": [
-                {"type": "integer", "minimum": 1, "maximum": MAX_TOKENS},
-                {"type": "string", "pattern": r"^\s*[0-9][0-9_]*(\.[0-9]+)?\s*[KMBGTkmbgt]?\s*$"},
-            ],
-            "examples": [8192, "25T", "1.5B"],
-        }
-    ),
-]
-"""A token count from 1 to 1e15, which may be written with a K/M/B/T suffix."""
-Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 Fraction = Annotated[float, Field(ge=0, le=1)]
-Ratio = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-"""A finite, non-negative ratio (no upper bound: it compares counts of different things)."""
+Ratio = Annotated[float, Field(ge=0)]
+"""A non-negative ratio (finite, as every Section float; no upper bound: it compares counts
+of different things)."""
 NgramSize = Annotated[int, Field(ge=1, le=MAX_NGRAM)]
 
 
@@ -256,7 +221,7 @@ class CudaKernelFilter(Section):
     kind: Literal["cuda_kernel"] = "cuda_kernel"
     require_verified: bool = True
     """Keep only kernels whose ``verified`` is true (outputs matched the PyTorch reference)."""
-    min_speedup: Annotated[float, Field(ge=0, le=1000, allow_inf_nan=False)] = 1.0
+    min_speedup: Annotated[float, Field(ge=0, le=1000)] = 1.0
     """Least reference_ms / kernel_ms to keep a kernel (0..1000); 0 turns the speed rule, and
     the need for a benchmark, off."""
 
@@ -280,10 +245,10 @@ class SourceConfig(Section):
     """jsonl, jsonl.gz, parquet, a folder of them, a glob, or a `datasets` folder (save_to_disk);
     relative paths are relative to the recipe file."""
     category: Category
-    weight: Annotated[float, Field(gt=0, le=1e6, allow_inf_nan=False)] | None = None
+    weight: Annotated[float, Field(gt=0, le=1e6)] | None = None
     """Share of the mixture's tokens, relative to the other sources' weights (up to 1e6)."""
     tokens: TokenCount | None = None
-    """Exact token budget for this source instead of a weight (1..1e15)."""
+    """Exact token budget for this source instead of a weight (up to 1e16)."""
     steps: list[Step] = Field(min_length=1, max_length=64)
     """Formatting first (text or chat), then filters, in the order written (at most 64 steps)."""
 
@@ -343,8 +308,8 @@ class TokenizerConfig(Section):
 
 
 class PackingConfig(Section):
-    seq_len: Annotated[int, Field(ge=1, le=MAX_SEQ_LEN)] = 2048
-    """Tokens per packed sample (1..2^20)."""
+    seq_len: SeqLen = 2048
+    """Tokens per packed sample (up to 2^24, the bound of a blueprint's data.seq_len)."""
     window: Annotated[int, Field(ge=1, le=10**7)] = 4096
     """Documents buffered per best-fit-decreasing pass (bounds memory; 1..1e7)."""
 
@@ -366,7 +331,7 @@ class DataRecipe(Section):
     """Drives mixing and the reasoning augmentations; shards are a function of recipe and seed
     (0..2^63-1)."""
     total_tokens: TokenCount | None = None
-    """Tokens of the weighted part of the mixture (1..1e15); null: as many as the weighted
+    """Tokens of the weighted part of the mixture (up to 1e16); null: as many as the weighted
     sources hold after curation (each source then up- or down-sampled to its weight's share)."""
     sources: list[SourceConfig] = Field(min_length=1, max_length=10_000)
     """The inputs (at most 10,000)."""

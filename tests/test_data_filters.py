@@ -331,7 +331,7 @@ def test_binding_takes_only_the_filters_own_step() -> None:
         ({"min_mean_word_length": 5.0, "max_mean_word_length": 4.0}, "min_mean_word_length (5.0)"),
         ({"max_words": 10**400}, "less than or equal to 1000000000"),
         ({"max_url_ratio": 1.5}, "less than or equal to 1"),
-        ({"max_symbol_to_word_ratio": math.inf}, "finite number"),
+        ({"max_symbol_to_word_ratio": math.inf}, "finite number"),  # every Section float
         ({"max_top_ngram_fraction": [[0, 0.1]]}, "greater than or equal to 1"),
         ({"max_top_ngram_fraction": [[257, 0.1]]}, "less than or equal to 256"),
         ({"max_duplicate_ngram_fraction": [[5, 0.1], [5, 0.2]]}, "[5] given more than once"),

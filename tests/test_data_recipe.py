@@ -68,8 +68,8 @@ def test_step_errors_name_the_yaml_path_not_the_union_tag(tmp_path: Path) -> Non
     ("tail", "where"),
     [
         ("    tokens: 1000000000000000000000000000000000T\n    steps: [{kind: text}]\n", "tokens"),
-        ("    tokens: 2000T\n    steps: [{kind: text}]\n", "tokens"),
-        ("    weight: 1\n    steps: [{kind: text}]\npacking: {seq_len: 10000000}\n", "seq_len"),
+        ("    tokens: 20000T\n    steps: [{kind: text}]\n", "tokens"),
+        ("    weight: 1\n    steps: [{kind: text}]\npacking: {seq_len: 100000000}\n", "seq_len"),
         ("    weight: 1\n    steps: [{kind: text}]\nseed: " + "9" * 400 + "\n", "seed"),
         ("    weight: 1\n    steps: [{kind: text}]\ndedup: {seed: -1}\n", "dedup.seed"),
         (
@@ -91,8 +91,8 @@ def test_minhash_signature_size_is_bounded() -> None:
 def test_with_seq_len_validates_the_new_length() -> None:
     loaded = load_recipe("nano")
     assert with_seq_len(loaded, 256).recipe.packing.seq_len == 256
-    with pytest.raises(ValueError, match="cannot pack recipe 'nano' to 2097152"):
-        with_seq_len(loaded, 2**21)
+    with pytest.raises(ValueError, match="cannot pack recipe 'nano' to 33554432"):
+        with_seq_len(loaded, 2**25)
 
 
 def test_shipped_recipes_load() -> None:

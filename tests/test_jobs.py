@@ -43,7 +43,7 @@ def test_data_build_returns_the_manifest_and_reports_its_stages(proxy_data) -> N
 
 def test_data_build_refuses_a_length_beyond_the_schema(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cannot pack recipe 'nano'"):
-        factory.data.build("nano", tmp_path / "o", seq_len=2**21)
+        factory.data.build("nano", tmp_path / "o", seq_len=2**25)
     assert not (tmp_path / "o").exists()
 
 
