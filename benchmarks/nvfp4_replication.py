@@ -79,8 +79,8 @@ def run_config(
 
     import factory
     from factory.loading.load import load_blueprint
-    from factory.runtime.batches import MicroBatches
-    from factory.runtime.loop import train
+    from factory.runtime.loader import ShardLoader
+    from factory.runtime.loop import RunOptions, train
 
     config = CONFIGS[name]
     blueprint = load_blueprint(preset, list(config.overrides))
@@ -89,19 +89,11 @@ def run_config(
     if offset:
         initial = factory.compile(blueprint, proxy=True, seed=seed, precision=config.backend)
         compiled.model.load_state_dict(initial.model.state_dict())
-    batches = MicroBatches.from_directory(
-        data, compiled.blueprint.parallelism.micro_batch_size, seed=seed
-    )
     load_before = os.getloadavg()[0]
-    result = train(
-        compiled,
-        batches,
-        steps,
-        log_every=log_every,
-        progress=progress,
-        seed=seed,
-        description=name,
-    )
+    options = RunOptions(log_every=log_every, progress=progress, seed=seed, description=name)
+    micro = compiled.blueprint.parallelism.micro_batch_size
+    with ShardLoader(data, micro, seed=seed) as batches:
+        result = train(compiled, batches, steps, options)
     described = {
         "description": config.description,
         "overrides": list(config.overrides),

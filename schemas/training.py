@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from factory.schemas.base import Section, Seed, StepCount, TokenCount
+from factory.schemas.stability import StabilityConfig
 
 __all__ = ["OptimizerConfig", "ScheduleConfig", "TrainingConfig"]
 
@@ -62,3 +63,6 @@ class TrainingConfig(Section):
     """Steps between checkpoints (at most 2**40)."""
     seed: Seed = 1234
     """Seed for initialisation, data order and stochastic rounding (0 to 2**63 - 1)."""
+    stability: StabilityConfig = StabilityConfig()
+    """What the run watches (MoE load, residual stream, loss and gradient spikes, non-finite
+    values) and what it does when a threshold is crossed (``factory.runtime.monitors``)."""

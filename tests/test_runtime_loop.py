@@ -4,40 +4,21 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from runtime_helpers import GLOBAL, MICRO, SEQ, STEPS, tiny_blueprint
 
 import factory
 from factory.data.shards import read_shard
-from factory.proxy import derive_proxy
-from factory.runtime.batches import MicroBatches, build_shards, read_samples
+from factory.runtime.batches import build_shards, read_samples
+from factory.runtime.loader import ShardLoader
 from factory.runtime.loop import train
 from factory.runtime.schedule import learning_rate
-from factory.schemas.blueprint import Blueprint
 from factory.schemas.training import TrainingConfig
-
-SEQ, MICRO, GLOBAL, STEPS = 64, 2, 4, 8
-
-
-def tiny_blueprint(**sections: dict[str, Any]) -> Blueprint:
-    """The Super proxy at width 64, five layers (every type but MLP), 4 x 64-token steps.
-
-    Keeps Super's NVFP4 policy (all but the last layer), MTP and LatentMoE.
-    ``sections`` update top-level sections key by key.
-    """
-    data = derive_proxy(factory.load_blueprint("super"), width=64).model_dump(exclude_unset=True)
-    data["model"]["pattern"] = "MEM*E"
-    data["precision"]["high_precision"] = {"first": 0, "last": 1, "layers": []}
-    data["data"].update(seq_len=SEQ, tokens=STEPS * GLOBAL * SEQ)
-    data["parallelism"].update(micro_batch_size=MICRO, global_batch_size=GLOBAL)
-    data["training"].update(steps=STEPS, optimizer={"lr": 1e-2, "min_lr": 1e-3})
-    for name, values in sections.items():
-        data[name].update(values)
-    return Blueprint.model_validate(data)
 
 
 @pytest.fixture(scope="session")
@@ -51,37 +32,19 @@ def samples(shards: Path) -> tuple[np.ndarray, np.ndarray]:
     return read_samples(shards)
 
 
-@pytest.fixture(scope="session")
-def batches(samples: tuple[np.ndarray, np.ndarray]) -> MicroBatches:
-    return MicroBatches(*samples, micro_batch_size=MICRO, seed=7)
+@pytest.fixture
+def batches(shards: Path) -> Iterator[ShardLoader]:
+    with ShardLoader(shards, MICRO, seed=7) as loader:
+        yield loader
 
 
-def _take(stream: MicroBatches, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _take(stream: ShardLoader, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     it = iter(stream)
     return [(b.input_ids, b.loss_mask) for b in (next(it) for _ in range(n))]
 
 
-def test_batches_are_deterministic_and_cycle_by_epoch() -> None:
-    tokens = np.arange(5 * 4).reshape(5, 4)
-    mask = (tokens % 3 != 0).astype(np.uint8)
-    stream = MicroBatches(tokens, mask, micro_batch_size=2, seed=3)
-    first, again = _take(stream, 10), _take(stream, 10)  # 20 samples: four epochs of five
-    assert all(
-        torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-        for a, b in zip(first, again, strict=True)
-    )
-    rows = [int(ids[0]) // 4 for chunk in first for ids in chunk[0]]
-    epochs = [rows[i : i + 5] for i in range(0, 20, 5)]
-    assert all(sorted(epoch) == [0, 1, 2, 3, 4] for epoch in epochs)
-    assert len({tuple(epoch) for epoch in epochs}) > 1  # a fresh permutation per epoch
-    for ids, loss_mask in first:  # each mask travels with its own sample
-        assert torch.equal(loss_mask, torch.from_numpy(mask[ids[:, 0] // 4].astype(bool)))
-    other = _take(MicroBatches(tokens, mask, micro_batch_size=2, seed=4), 10)
-    assert any(not torch.equal(a[0], b[0]) for a, b in zip(first, other, strict=True))
-
-
 def test_batches_carry_the_shards_tokens_and_masks(
-    shards: Path, samples: tuple[np.ndarray, np.ndarray], batches: MicroBatches
+    shards: Path, samples: tuple[np.ndarray, np.ndarray], batches: ShardLoader
 ) -> None:
     tokens, mask = samples
     assert tokens.shape[1] == SEQ and tokens.dtype == np.int64 and mask.dtype == bool
@@ -115,7 +78,7 @@ def test_schedule_warms_up_holds_and_decays_to_min_lr() -> None:
     ) == pytest.approx(0.1)
 
 
-def test_tiny_run_learns_and_is_bit_reproducible(batches: MicroBatches) -> None:
+def test_tiny_run_learns_and_is_bit_reproducible(batches: ShardLoader) -> None:
     bp = tiny_blueprint()
     runs = [factory.compile(bp, seed=0, precision="off") for _ in range(2)]
     results = [train(compiled, batches, STEPS) for compiled in runs]
@@ -133,7 +96,7 @@ def test_tiny_run_learns_and_is_bit_reproducible(batches: MicroBatches) -> None:
     ]
 
 
-def test_switch_to_bf16_happens_at_its_token_fraction(batches: MicroBatches) -> None:
+def test_switch_to_bf16_happens_at_its_token_fraction(batches: ShardLoader) -> None:
     bp = tiny_blueprint(precision={"switch_to_bf16": {"after_fraction": 0.5, "scope": "forward"}})
     compiled = factory.compile(bp, seed=0, precision="emulate")
     runtime = compiled.precision
@@ -144,7 +107,7 @@ def test_switch_to_bf16_happens_at_its_token_fraction(batches: MicroBatches) -> 
     assert all(not op.quantize_forward and op.quantize_backward for op in runtime.ops)
 
 
-def test_nvfp4_run_stays_finite_and_near_unquantized(batches: MicroBatches) -> None:
+def test_nvfp4_run_stays_finite_and_near_unquantized(batches: ShardLoader) -> None:
     bp = tiny_blueprint()
     quantized = train(factory.compile(bp, seed=0, precision="emulate"), batches, 3)
     baseline = train(factory.compile(bp, seed=0, precision="off"), batches, 3)
@@ -154,9 +117,11 @@ def test_nvfp4_run_stays_finite_and_near_unquantized(batches: MicroBatches) -> N
         assert abs(q - b) < 0.02 * b
 
 
-def test_a_non_finite_loss_stops_the_run(batches: MicroBatches) -> None:
+def test_a_non_finite_loss_stops_the_run(batches: ShardLoader) -> None:
     compiled = factory.compile(tiny_blueprint(), seed=0, precision="off")
     with torch.no_grad():
         compiled.model.lm_head.weight[0, 0] = float("nan")
     result = train(compiled, batches, STEPS)
-    assert result.diverged and len(result.records) == 1 and not result.records[0].finite
+    # No run folder, so no checkpoint to roll back to: the run stops before any update.
+    assert result.diverged and result.records == []
+    assert [e.monitor for e in result.events] == ["non_finite"]

@@ -35,6 +35,7 @@ def _register() -> None:
         data_cmd,
         export_cmd,
         plan_cmd,
+        report_cmd,
         schema_cmd,
         train_cmd,
         validate_cmd,

@@ -54,13 +54,35 @@ def train(
         typer.Option("--precision", parser=parse_precision, metavar="BACKEND", help=PRECISION_HELP),
     ] = "auto",
     seed: Annotated[int | None, typer.Option("--seed", help="Default: training.seed.")] = None,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="Continue from the latest complete checkpoint in --out (an error if none; "
+            "rerunning into a folder that has one resumes anyway).",
+        ),
+    ] = False,
+    checkpoint_every: Annotated[
+        int | None,
+        typer.Option(
+            "--checkpoint-every", min=1, help="Steps between checkpoints (default: blueprint's)."
+        ),
+    ] = None,
+    keep: Annotated[
+        int, typer.Option("--keep-checkpoints", min=1, help="Complete checkpoints kept.")
+    ] = 3,
+    async_checkpoint: Annotated[
+        bool,
+        typer.Option("--async-checkpoint", help="Write checkpoints in the background."),
+    ] = False,
     overrides: SetOption = None,
 ) -> None:
-    """Train on the blueprint's data recipe; write train.json, model/ and data/."""
+    """Train on the blueprint's data recipe with checkpoints and stability monitors; write
+    data/, checkpoints/, metrics.jsonl, and at the end train.json, model/ and report/."""
     from rich.console import Console
 
     from factory.jobs.progress import RichProgress
-    from factory.jobs.train import TrainRefused
+    from factory.jobs.train import CheckpointPolicy, TrainRefused
     from factory.jobs.train import train as train_job
     from factory.loading.load import load
 
@@ -79,16 +101,24 @@ def train(
                 seed=seed,
                 progress=progress,
                 show_steps=sys.stderr.isatty(),
+                checkpoints=CheckpointPolicy(checkpoint_every, keep, async_checkpoint, resume),
             )
     except TrainRefused as exc:
         console.print(f"factory train: {exc}", markup=False)
         raise typer.Exit(EXIT_INVALID) from None
-    name, records = result.blueprint.meta.name, result.records
-    if result.diverged:
-        console.print(f"[red]diverged[/red] at step {len(records)}: see {result.out}")
+    name, records, history = result.blueprint.meta.name, result.records, result.history
+    if history.end != "completed":
+        console.print(
+            f"[red]{history.end}[/red]: {history.message}; resumable checkpoint and metrics in "
+            f"{result.out}",
+            highlight=False,
+        )
         raise typer.Exit(1)
     if records:
         console.print(
             f"[green]trained[/green] {name}: {len(records)} steps, "
             f"loss {records[-1].lm_loss:.4f} -> {out or result.out}"
         )
+    report = result.out / "report" / "report.html"
+    if report.is_file():
+        console.print(f"report: {report}", highlight=False)

@@ -25,12 +25,14 @@ def document_ids_from_cu_seqlens(
     Positions past a row's last boundary (padding) form one more document of their own,
     so they never mix with real text.
     """
-    rows = []
-    for bounds in cu_seqlens:
-        ends = torch.as_tensor(bounds, dtype=torch.int64)[1:]
-        positions = torch.arange(seq_len, dtype=torch.int64)
-        rows.append(torch.searchsorted(ends, positions, right=True))
-    return torch.stack(rows)
+    ends = [torch.as_tensor(bounds, dtype=torch.int64)[1:] for bounds in cu_seqlens]
+    width = max((len(e) for e in ends), default=0)
+    # One batched search over end tables padded with seq_len: per-row calls cost ~100x more.
+    table = torch.full((len(ends), width), seq_len, dtype=torch.int64)
+    for row, row_ends in enumerate(ends):
+        table[row, : len(row_ends)] = row_ends
+    positions = torch.arange(seq_len, dtype=torch.int64).expand(len(ends), seq_len)
+    return torch.searchsorted(table, positions.contiguous(), right=True)
 
 
 def same_document(document_ids: torch.Tensor, shift: int) -> torch.Tensor:

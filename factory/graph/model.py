@@ -40,11 +40,14 @@ class Backbone(nn.Module):
         routed: dict[str, torch.Tensor],
         aux: list[torch.Tensor],
         document_ids: torch.Tensor | None = None,
+        rms: dict[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         hidden = self.embeddings(input_ids)
         for layer in self.layers:
             hidden, out = layer(hidden, document_ids)
             collect_routing(routed, aux, layer.path, out)
+            if rms is not None:  # one reduction per layer on the forward pass, no extra pass
+                rms[layer.path] = hidden.detach().float().square().mean().sqrt()
         return hidden
 
 
@@ -67,7 +70,8 @@ class HybridLM(nn.Module):
         each position's logits are those of its document run alone."""
         routed: dict[str, torch.Tensor] = {}
         aux: list[torch.Tensor] = []
-        hidden = self.backbone(input_ids, routed, aux, document_ids)
+        rms: dict[str, torch.Tensor] = {}
+        hidden = self.backbone(input_ids, routed, aux, document_ids, rms)
         logits = self.lm_head(self.backbone.norm_f(hidden))
         mtp_logits: tuple[torch.Tensor, ...] = ()
         if self.mtp is not None:
@@ -86,6 +90,7 @@ class HybridLM(nn.Module):
             aux_loss=torch.stack(aux).sum() if aux else None,
             tokens_per_expert=routed,
             hidden=hidden,
+            residual_rms=rms,
         )
 
     @torch.no_grad()

@@ -36,6 +36,9 @@ class ModelOutput(NamedTuple):
     depths."""
     hidden: torch.Tensor
     """The main stack's output before the final norm."""
+    residual_rms: dict[str, torch.Tensor]
+    """Per main-stack layer (``backbone.layers.3``), the RMS of the residual stream it
+    outputs (a detached fp32 scalar): how the stream's scale grows with depth."""
 
 
 def collect_routing(

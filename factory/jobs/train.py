@@ -1,29 +1,34 @@
 """``factory.train``: train a blueprint's model (or its CPU proxy) on its data recipe.
 
-One process, the blueprint's optimizer, schedule, batch and precision policy
-(``factory.runtime``). The output folder appears whole or not at all:
+One process, the blueprint's optimizer, schedule, batch, precision policy and
+stability monitors (``factory.runtime``). The run folder holds:
 
-* ``train.json``: what ran (blueprint, device, precision) and one record per
-  step (loss, learning rate, gradient norm, tokens, seconds);
-* ``model/``: the trained weights as a Hugging Face checkpoint
-  (``config.json`` + ``model.safetensors``, loadable by transformers and by
-  ``factory import hf``);
-* ``data/``: the curated shards it trained on (not when ``data`` is given).
+* ``data/``: the curated shards it trains on (not when ``data`` is given),
+  built whole before training starts and checked again on every rerun;
+* ``checkpoints/``: resumable checkpoints every ``checkpoint_every`` steps and
+  at the end, each complete or absent (``factory.runtime.checkpoint``);
+* ``metrics.jsonl``: one record per step, monitor event, checkpoint and
+  rollback, flushed as it goes;
+* at the end, ``train.json`` (what ran, one record per step), ``model/`` (a
+  Hugging Face checkpoint that transformers and ``factory import hf`` load)
+  and ``report/report.html`` (``factory report``), each written whole.
 
-Full-size Nemotron 3 models need a cluster: exported Megatron arguments are the
-way to scale out. A model whose fp32 weights, gradients and Adam states would
-not fit this machine's memory is refused (:class:`ModelTooBig`) before any work.
+Rerunning into the same folder (or ``resume=True``, which insists) continues
+from the latest complete checkpoint, exactly as the uninterrupted run would.
+Full-size Nemotron 3 models need a cluster: a model whose fp32 weights,
+gradients and Adam states would not fit this machine's memory is refused
+(:class:`ModelTooBig`) before any work.
 
 Importing this module does not import torch; calling :func:`train` does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import typing
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,12 +36,20 @@ from factory.jobs.progress import Progress, silent
 
 if TYPE_CHECKING:
     from factory.graph.compile import Compiled, PrecisionBackend
-    from factory.runtime.batches import MicroBatch
     from factory.runtime.loop import StepRecord
     from factory.runtime.loop import TrainResult as LoopResult
     from factory.schemas.blueprint import Blueprint
 
-__all__ = ["BackendUnavailable", "ModelTooBig", "TrainRefused", "TrainResult", "train"]
+__all__ = [
+    "BackendUnavailable",
+    "BadData",
+    "CannotResume",
+    "CheckpointPolicy",
+    "ModelTooBig",
+    "TrainRefused",
+    "TrainResult",
+    "train",
+]
 
 BYTES_PER_PARAM = 16
 """fp32 weight + gradient + two Adam moments: what one process holds per parameter."""
@@ -61,6 +74,29 @@ class ModelTooBig(TrainRefused):
 
 class BackendUnavailable(TrainRefused, ImportError):
     """The requested precision backend is not installed (Transformer Engine, for ``te``)."""
+
+
+class CannotResume(TrainRefused):
+    """Nothing to resume, a checkpoint of another model, or one that cannot be read."""
+
+
+class BadData(TrainRefused):
+    """The data folder does not match its manifest (missing, truncated or changed shards)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointPolicy:
+    """When and how checkpoints are written and whether the run must resume from one."""
+
+    every: int | None = None
+    """Steps between checkpoints (default: the blueprint's ``training.checkpoint_interval``)."""
+    keep: int = 3
+    """Complete checkpoints kept (a rollback needs one from before the trouble)."""
+    async_save: bool = False
+    """Write checkpoints in the background while training goes on."""
+    resume: bool = False
+    """Insist on resuming (an error when the folder has no complete checkpoint). Without it a
+    folder that has one resumes anyway, and one that has none starts afresh."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +137,7 @@ def train(
     workers: int = 1,
     progress: Progress | None = None,
     show_steps: bool = False,
+    checkpoints: CheckpointPolicy | None = None,
 ) -> TrainResult:
     """Train ``blueprint`` (its CPU proxy with ``proxy=True``) and write ``out``.
 
@@ -111,17 +148,28 @@ def train(
     ``precision`` picks the backend of :func:`factory.compile`. ``progress``
     gets the data build's stages, ``compile``, ``train`` (optimizer steps) and
     ``export``; ``show_steps`` lets the training loop draw its own rich bar
-    with the loss per step instead of reporting ``train``.
+    with the loss per step instead of reporting ``train``. ``checkpoints`` sets
+    the checkpoint cadence and resume behaviour (:class:`CheckpointPolicy`).
 
     Raises :class:`ModelTooBig` or :class:`BackendUnavailable` before any work,
-    and ``ValueError`` for a precision backend that does not exist.
+    :class:`CannotResume` or :class:`BadData` before any step, and ``ValueError``
+    for a precision backend that does not exist.
     """
     bp = _trained_blueprint(blueprint, proxy)
     _check_request(bp, proxy, precision)
     destination = (out or Path("runs") / bp.meta.name).resolve()
     run_seed = bp.training.seed if seed is None else seed
     job = _Job(
-        bp, destination, data, steps, precision, run_seed, workers, progress or silent, show_steps
+        bp,
+        destination,
+        data,
+        steps,
+        precision,
+        run_seed,
+        workers,
+        progress or silent,
+        show_steps,
+        checkpoints or CheckpointPolicy(),
     )
     return job.run()
 
@@ -165,7 +213,7 @@ def _memory_bytes() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class _Job:
-    """One validated training request; :meth:`run` does it inside a staging folder."""
+    """One validated training request; :meth:`run` does it in the run folder."""
 
     bp: Blueprint
     out: Path
@@ -176,24 +224,25 @@ class _Job:
     workers: int
     report: Progress
     show_steps: bool
+    checkpoints: CheckpointPolicy
 
     def run(self) -> TrainResult:
         import torch
 
-        from factory.io import staged_directory
-
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        with staged_directory(self.out) as staging:
-            shards = self.data if self.data is not None else self._build_data(staging / "data")
-            compiled, history = self._train(shards, device)
-            table = dict(compiled.precision.recipes()) if compiled.precision else {}
-            self._write(staging, compiled, history, device, table)
-        trained_on = self.data if self.data is not None else self.out / "data"
-        return TrainResult(self.out, self.bp, device, table, self.seed, trained_on, history)
+        self.out.mkdir(parents=True, exist_ok=True)
+        shards = self.data if self.data is not None else self._build_data(self.out / "data")
+        compiled, history = self._train(shards, device)
+        table = dict(compiled.precision.recipes()) if compiled.precision else {}
+        self._write(compiled, history, device, table)
+        return TrainResult(self.out, self.bp, device, table, self.seed, shards, history)
 
     def _build_data(self, folder: Path) -> Path:
+        """The recipe's shards, built whole (a rerun finds them and keeps them)."""
         from factory.data.pipeline import build as build_data
 
+        if (folder / "manifest.json").is_file():
+            return folder
         build_data(
             self.bp.data.recipe,
             folder,
@@ -206,32 +255,46 @@ class _Job:
 
     def _train(self, shards: Path, device: str) -> tuple[Compiled, LoopResult]:
         import factory
-        from factory.runtime.batches import MicroBatches
+        from factory.runtime.checkpoint import CheckpointError, complete_checkpoints
+        from factory.runtime.loader import DataError, ShardLoader
+        from factory.runtime.loop import RunOptions
         from factory.runtime.loop import train as train_loop
 
-        bp, seed = self.bp, self.seed
-        self.report("compile", 0, 1)
-        compiled = factory.compile(bp, device=device, seed=seed, precision=self.precision)
-        self.report("compile", 1, 1)
-        batches = MicroBatches.from_directory(shards, bp.parallelism.micro_batch_size, seed=seed)
-        if self.show_steps:  # the loop draws its own bar, with the loss
-            return compiled, train_loop(compiled, batches, self.steps, progress=True, seed=seed)
+        bp, policy = self.bp, self.checkpoints
         total = self.steps if self.steps is not None else bp.training_steps
-        stream = _reporting(batches, bp, total, self.report)
-        history = train_loop(compiled, stream, self.steps, seed=seed)
-        self.report("train", len(history.records), len(history.records))
+        resume = policy.resume or bool(complete_checkpoints(self.out / "checkpoints"))
+        self.report("compile", 0, 1)
+        compiled = factory.compile(bp, device=device, seed=self.seed, precision=self.precision)
+        self.report("compile", 1, 1)
+        options = RunOptions(
+            run_dir=self.out,
+            checkpoint_every=policy.every,
+            keep_checkpoints=policy.keep,
+            async_checkpoint=policy.async_save,
+            resume=resume,
+            seed=self.seed,
+            progress=self.show_steps,
+            on_step=None if self.show_steps else lambda done: self.report("train", done, total),
+        )
+        if not self.show_steps:
+            self.report("train", 0, total)
+        try:
+            micro = bp.parallelism.micro_batch_size
+            with ShardLoader(shards, micro, seed=self.seed, verify=True) as batches:
+                history = train_loop(compiled, batches, total, options)
+        except DataError as exc:
+            raise BadData(str(exc)) from exc
+        except CheckpointError as exc:
+            raise CannotResume(str(exc)) from exc
         return compiled, history
 
     def _write(
-        self,
-        staging: Path,
-        compiled: Compiled,
-        history: LoopResult,
-        device: str,
-        table: dict[str, str],
+        self, compiled: Compiled, history: LoopResult, device: str, table: dict[str, str]
     ) -> None:
-        """train.json and the Hugging Face checkpoint in model/."""
+        """train.json, the Hugging Face checkpoint in model/ and the report, each whole."""
         from factory.exports.hf import export_hf
+        from factory.io import atomic_write_text
+        from factory.runtime.report import ReportError, write_report
 
         summary = {
             "blueprint": self.bp.meta.name,
@@ -239,27 +302,14 @@ class _Job:
             "precision": table,
             "seed": self.seed,
             "data": str(self.data if self.data is not None else "data/"),
+            "end": history.end,
+            "message": history.message,
             "diverged": history.diverged,
             "records": [dataclasses.asdict(r) for r in history.records],
         }
-        text = json.dumps(summary, indent=2) + "\n"
-        (staging / "train.json").write_text(text, encoding="utf-8")
+        atomic_write_text(self.out / "train.json", json.dumps(summary, indent=2) + "\n")
         self.report("export", 0, 1)
-        export_hf(compiled.model, compiled.blueprint, staging / "model")
+        export_hf(compiled.model, compiled.blueprint, self.out / "model")
+        with contextlib.suppress(ReportError):  # a run stopped before its first step
+            write_report(self.out)
         self.report("export", 1, 1)
-
-
-def _reporting(
-    batches: Iterable[MicroBatch], bp: Blueprint, steps: int, report: Progress
-) -> Iterator[MicroBatch]:
-    """``batches``, reporting ``("train", done, steps)`` as each step draws its first micro-batch.
-
-    The loop takes exactly global_batch_size / micro_batch_size micro-batches
-    per step (its documented contract), so when step ``k`` draws its first,
-    ``k`` steps are done.
-    """
-    per_step = bp.parallelism.global_batch_size // bp.parallelism.micro_batch_size
-    for index, batch in enumerate(batches):
-        if index % per_step == 0:
-            report("train", index // per_step, steps)
-        yield batch

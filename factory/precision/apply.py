@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -59,6 +60,22 @@ class PrecisionRuntime:
         """Turn quantization of the forward / backward GEMMs on or off everywhere."""
         for op in self.ops:
             op.quantize_forward, op.quantize_backward = forward, backward
+
+    def state_dict(self) -> dict[str, Any]:
+        """The late switch and every quantizer's state, for checkpoints."""
+        return {
+            "switched": self.switched,
+            "quantizers": {name: q.state_dict() for name, q in self.quantizers.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, quantizer in self.quantizers.items():
+            quantizer.load_state_dict(state["quantizers"][name])
+        if state["switched"] and not self.switched:
+            self.set_quantization(
+                forward=False, backward=self.switch is not None and self.switch.scope == "forward"
+            )
+            self.switched = True
 
     def on_tokens(self, tokens_seen: int) -> bool:
         """Call after each step; switches to BF16 once ``after_fraction`` of the training

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +87,14 @@ class GemmQuantizer:
     def weight(self, w: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to quantize exactly as this one would have (random
+        generators, amax histories, counters); stateless recipes have nothing."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+
     def dgrad_weight(self, w: torch.Tensor, w_fprop: torch.Tensor | None) -> torch.Tensor:
         """The weight operand of dgrad; ``w_fprop`` is fprop's quantized weight if it ran."""
         return w_fprop if w_fprop is not None else self.weight(w)
@@ -125,6 +134,12 @@ class NVFP4Quantizer(GemmQuantizer):
         self.weight_2d = options.weight_tile == "16x16"
         self.signs = hadamard.random_signs(_TILE, options.hadamard_seed)
         self.generator = torch.Generator().manual_seed(seed)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
 
     def _grad_q(self, g: torch.Tensor) -> torch.Tensor:
         sr = self.options.stochastic_rounding
@@ -198,6 +213,21 @@ class FP8Quantizer(GemmQuantizer):
                 "weight": fp8.DelayedScaling(fmt=self.fwd_fmt, **kw),
                 "grad": fp8.DelayedScaling(fmt=self.bwd_fmt, **kw),
             }
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.options.scaling != "delayed":
+            return {}
+        return {
+            role: {"history": list(d.history), "scale": d.scale.clone()}
+            for role, d in self.delayed.items()
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for role, entry in state.items():
+            delayed = self.delayed[role]
+            delayed.history.clear()
+            delayed.history.extend(entry["history"])
+            delayed.scale = entry["scale"].clone()
 
     def _q(self, x: torch.Tensor, role: str, block: tuple[int, int]) -> torch.Tensor:
         fmt = self.bwd_fmt if role == "grad" else self.fwd_fmt
@@ -281,6 +311,13 @@ class MoRQuantizer(_OneCastQuantizer):
     options: MoROptions
     stats: mor.MoRStats = field(default_factory=mor.MoRStats)
     recipe = "mor"
+
+    def state_dict(self) -> dict[str, Any]:
+        s = self.stats
+        return {"fp8_units": s.fp8_units, "total_units": s.total_units, "calls": s.calls}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.stats = mor.MoRStats(**state)
 
     def _q(self, x: torch.Tensor) -> torch.Tensor:
         def one(m: torch.Tensor) -> torch.Tensor:

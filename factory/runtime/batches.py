@@ -1,19 +1,12 @@
-"""Training micro-batches from built shards: the folder, its reader, and the in-memory stream.
+"""Training micro-batches from built shards: the folder and its reader.
 
 The pieces every reader of a built folder shares live here: :class:`MicroBatch`
 (what the training loop consumes), :func:`list_shards` (the manifest, checked
 against the files before anything is decoded; failures are :class:`DataError`),
 :func:`read_shard_samples` (one shard's samples as zero-copy numpy views) and
-:func:`collate`. Two streams use them: the streaming, resumable
-:class:`factory.runtime.loader.ShardLoader`, which scales to any dataset, and
-:class:`MicroBatches` below.
-
-Why :class:`MicroBatches` keeps everything in memory: a CPU proxy trains on a
-few thousand samples that fit in memory many times over, and comparisons
-between runs (NVFP4 vs BF16) need every run to see exactly the same samples in
-exactly the same order. So all samples are read once into two arrays and the
-order is a seeded permutation per epoch; iterating again restarts the same
-stream.
+:func:`collate`. :class:`factory.runtime.loader.ShardLoader` streams them in a
+resumable order; :func:`read_samples` reads a small folder whole (tests and
+reports that need every sample at once).
 
 :func:`build_shards` runs the data pipeline on a blueprint's recipe at the
 blueprint's ``data.seq_len`` (a recipe packs at its own ``packing.seq_len``,
@@ -40,7 +33,6 @@ from factory.schemas.blueprint import Blueprint
 __all__ = [
     "DataError",
     "MicroBatch",
-    "MicroBatches",
     "Sample",
     "ShardInfo",
     "build_shards",
@@ -314,63 +306,3 @@ def read_samples(directory: Path) -> tuple[np.ndarray, np.ndarray]:
     tokens = np.stack([s.tokens for s in samples]).astype(np.int64)
     mask = np.stack([s.loss_mask for s in samples]).astype(bool)
     return tokens, mask
-
-
-class MicroBatches:
-    """An endless, reproducible stream of micro-batches over in-memory samples.
-
-    Epoch ``e`` visits the samples in ``permutation(seed, e)`` order (or in
-    stored order with ``shuffle=False``); micro-batches run across epoch
-    boundaries, so the stream never drops or repeats a sample within an epoch.
-    Every ``iter()`` starts the same stream from the beginning.
-    """
-
-    def __init__(
-        self,
-        tokens: np.ndarray,
-        loss_mask: np.ndarray,
-        micro_batch_size: int,
-        seed: int = 0,
-        shuffle: bool = True,
-    ) -> None:
-        if tokens.shape != loss_mask.shape or tokens.ndim != 2:
-            raise ValueError(f"tokens {tokens.shape} and mask {loss_mask.shape} must be [N, S]")
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        self.tokens = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
-        self.loss_mask = torch.from_numpy(np.ascontiguousarray(loss_mask, dtype=bool))
-        self.micro_batch_size = micro_batch_size
-        self.seed = seed
-        self.shuffle = shuffle
-
-    @classmethod
-    def from_directory(
-        cls, directory: Path, micro_batch_size: int, seed: int = 0, shuffle: bool = True
-    ) -> MicroBatches:
-        tokens, mask = read_samples(directory)
-        return cls(tokens, mask, micro_batch_size, seed, shuffle)
-
-    @property
-    def num_samples(self) -> int:
-        return int(self.tokens.shape[0])
-
-    @property
-    def seq_len(self) -> int:
-        return int(self.tokens.shape[1])
-
-    def _order(self) -> Iterator[int]:
-        epoch = 0
-        while True:
-            if self.shuffle:
-                rng = np.random.default_rng([self.seed, epoch])
-                order = rng.permutation(self.num_samples)
-            else:
-                order = np.arange(self.num_samples)
-            yield from (int(i) for i in order)
-            epoch += 1
-
-    def __iter__(self) -> Iterator[MicroBatch]:
-        order = self._order()
-        while True:
-            index = torch.tensor([next(order) for _ in range(self.micro_batch_size)])
-            yield MicroBatch(self.tokens[index], self.loss_mask[index])

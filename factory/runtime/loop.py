@@ -1,56 +1,95 @@
-"""Train a compiled model on one process: the blueprint's AdamW, clipping, schedule and batch.
+"""Train a compiled model on one process, checkpointed, watched, and resumable.
 
-Why a loop of our own rather than Megatron's: the CPU proxy has one rank, so
-tensor/pipeline/expert parallelism reduce to nothing, and what is left (the
-optimizer, gradient accumulation from micro to global batch, the
-aux-loss-free expert-bias step, the precision runtime's late switch to BF16)
-fits on a page that tests can run. Every setting comes from the blueprint:
+Why a loop of our own rather than Megatron's: the CPU proxy has one rank, and
+what is left (the optimizer, gradient accumulation from micro to global batch,
+the aux-loss-free expert-bias step, the precision runtime's late switch to
+BF16, checkpoints and stability monitors) fits in a few small modules that
+tests can run. Every setting comes from the blueprint:
 
-* AdamW with ``training.optimizer``'s lr, betas, eps and weight decay;
-  weight decay on matrices and embeddings only (not on norms, biases or
-  Mamba's A/D/dt vectors), as Megatron does. The expert bias is moved by
-  :meth:`~factory.graph.model.HybridLM.update_expert_biases`, never by AdamW.
-* fp32 master weights: parameters in fp32 (the CPU default) are their own
-  masters; otherwise an fp32 copy is stepped and copied back after each step.
-* ``global_batch_size / micro_batch_size`` micro-batches per step (one
-  process plays every data-parallel rank). The token losses (LM and MTP) are
-  averaged over the step's loss tokens, not per micro-batch (Megatron's
-  per-token loss): each micro-batch's mean is weighted by its share of the
-  step's target tokens, so a micro-batch that is all prompt or padding neither
-  counts as a zero loss nor dilutes the others. The MoE aux loss, a per-batch
-  statistic, is averaged over micro-batches.
-* the global gradient norm clipped to ``grad_clip`` (the norm is always
-  recorded, before clipping);
-* :func:`factory.runtime.schedule.learning_rate` at every step, over the run's
-  own length (``steps``), so a shortened run still warms up and decays;
-* ``precision.on_tokens(tokens_seen)`` after every step (``switch_to_bf16``).
+* AdamW over fp32 masters (``factory.runtime.optimizer``);
+* ``global_batch_size / micro_batch_size`` micro-batches per step, token-weighted
+  (``factory.runtime.step``);
+* the global gradient norm clipped to ``grad_clip`` (recorded before clipping);
+* :func:`factory.runtime.schedule.learning_rate` over the run's own length, and
+  after a rollback the annealing ``training.stability.rollback`` names;
+* ``precision.on_tokens(tokens_seen)`` after every step (``switch_to_bf16``);
+* the monitors of ``training.stability`` before every optimizer step
+  (``factory.runtime.monitors``): ``warn`` logs, ``stop`` checkpoints and ends the
+  run, ``rollback`` returns to the last checkpoint before the trouble began,
+  skips the data that led there and anneals the learning rate;
+* with a run folder: ``metrics.jsonl`` as it goes, checkpoints every
+  ``checkpoint_interval`` steps and at the end (``factory.runtime.checkpoint``),
+  and ``resume`` continues from the latest complete one exactly as the
+  uninterrupted run would have.
 
-A non-finite loss or gradient norm stops the run before the optimizer step
-that would spread it to the weights; the result says so (``diverged``).
-Given the same compiled model, batches and seed, two runs are bit-identical.
+A non-finite loss or gradient norm never reaches the weights. Given the same
+compiled model, batches and seed, two runs are bit-identical.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from factory.graph.loss import language_model_loss
+from factory.graph.compile import Compiled
+from factory.runtime import checkpoint
 from factory.runtime.batches import MicroBatch
-from factory.runtime.schedule import learning_rate
+from factory.runtime.metrics import MetricsLog, StepDisplay
+from factory.runtime.monitors import Event, Monitors, StepStats, verdict
+from factory.runtime.optimizer import MasterOptimizer
+from factory.runtime.run_state import Anneal, Position, restore, snapshot
+from factory.runtime.schedule import annealed_rate, learning_rate
+from factory.runtime.step import StepOutcome, forward_backward
 from factory.schemas.model import MTPConfig
 
-if TYPE_CHECKING:
-    from factory.graph.compile import Compiled
+__all__ = ["BatchSource", "RunOptions", "StepRecord", "TrainResult", "train"]
 
-__all__ = ["StepRecord", "TrainResult", "train"]
+
+class BatchSource(Protocol):
+    """Micro-batches in a deterministic order that can restart at any sample
+    (:class:`~factory.runtime.loader.ShardLoader`)."""
+
+    def __iter__(self) -> Iterator[MicroBatch]: ...
+
+    @property
+    def position(self) -> int:
+        """Samples of the stream consumed so far."""
+
+    def seek(self, consumed: int) -> None:
+        """Make the next micro-batch start after the first ``consumed`` samples."""
+
+    def state_dict(self) -> dict[str, int]: ...
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume a saved position; refuse one from another order."""
+
+
+@dataclass
+class RunOptions:
+    """How a run is driven (the blueprint says what is trained)."""
+
+    run_dir: Path | None = None
+    """Where ``checkpoints/`` and ``metrics.jsonl`` go; None writes neither."""
+    checkpoint_every: int | None = None
+    """Steps between checkpoints (default: ``training.checkpoint_interval``)."""
+    keep_checkpoints: int = 3
+    async_checkpoint: bool = False
+    resume: bool = False
+    """Continue from the latest complete checkpoint in ``run_dir`` (an error if none)."""
+    seed: int | None = None
+    """Seeds torch's global generator (default ``training.seed``)."""
+    progress: bool = False
+    log_every: int = 0
+    description: str = "train"
+    on_step: Callable[[int], None] | None = None
+    """Called with the number of steps done after each optimizer step (progress reports)."""
 
 
 @dataclass
@@ -69,201 +108,264 @@ class StepRecord:
     tokens_seen: int
     finite: bool
     switched_to_bf16: bool = False
+    update: int = 0
 
 
 @dataclass
 class TrainResult:
     records: list[StepRecord] = field(default_factory=list)
-    diverged: bool = False
-    """True when the run stopped at a non-finite loss or gradient norm."""
+    events: list[Event] = field(default_factory=list)
+    end: str = "completed"
+    """'completed', 'stopped' (a monitor's stop, or a rollback that could not happen) or
+    'diverged' (stopped at a non-finite loss or gradient)."""
+    message: str = ""
+
+    @property
+    def diverged(self) -> bool:
+        return self.end == "diverged"
 
     @property
     def lm_losses(self) -> list[float]:
         return [r.lm_loss for r in self.records]
 
 
-class _MasterWeights:
-    """fp32 copies of non-fp32 parameters; the optimizer only ever sees fp32 tensors."""
-
-    def __init__(self, params: list[nn.Parameter]) -> None:
-        self.params = params
-        self.masters = [
-            p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_()
-            for p in params
-        ]
-
-    def grads_to_masters(self) -> None:
-        for param, master in zip(self.params, self.masters, strict=True):
-            if master is not param:
-                master.grad = None if param.grad is None else param.grad.float()
-
-    @torch.no_grad()
-    def masters_to_params(self) -> None:
-        for param, master in zip(self.params, self.masters, strict=True):
-            if master is not param:
-                param.copy_(master)
-
-
-def _optimizer(compiled: Compiled, masters: _MasterWeights) -> torch.optim.AdamW:
-    opt = compiled.blueprint.training.optimizer
-    decay = [m for m in masters.masters if m.ndim >= 2]
-    no_decay = [m for m in masters.masters if m.ndim < 2]
-    groups = [
-        {"params": decay, "weight_decay": opt.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=opt.lr, betas=opt.betas, eps=opt.eps
-    )
-
-
 def _mtp_loss_scale(compiled: Compiled) -> float:
     cfg = compiled.blueprint.model
-    if not cfg.mtp_depth:
-        return 0.0
-    return (cfg.mtp or MTPConfig()).loss_scale
+    return (cfg.mtp or MTPConfig()).loss_scale if cfg.mtp_depth else 0.0
 
 
-def _progress_bar(enabled: bool) -> contextlib.AbstractContextManager[Any]:
-    """A rich progress bar (imported only when asked for), or a context yielding None."""
-    if not enabled:
-        return contextlib.nullcontext(None)
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[status]}"),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-    )
+def _lr(position: Position, steps: int, compiled: Compiled) -> float:
+    training = compiled.blueprint.training
+    rate = learning_rate(position.step, steps, training)
+    a = position.anneal
+    if a is not None:
+        shape = training.stability.rollback.anneal_shape
+        floor = training.optimizer.min_lr
+        rate = min(rate, annealed_rate(position.step, a.start, a.rate, a.steps, shape, floor))
+    return rate
 
 
-def _forward_backward(
-    model: nn.Module, micro: list[MicroBatch], mtp_scale: float, load: dict[str, torch.Tensor]
-) -> tuple[float, float]:
-    """Accumulate one step's gradients and its tokens per expert (into ``load``); return the
-    step's (optimised loss, LM loss) as floats."""
-    counts = [int(batch.target_mask.sum()) for batch in micro]
-    total = lm = 0.0
-    for batch, count in zip(micro, counts, strict=True):
-        weight = count / max(1, sum(counts))
-        output = model(batch.input_ids)
-        for name, tokens in output.tokens_per_expert.items():
-            load[name] = load[name] + tokens if name in load else tokens
-        losses = language_model_loss(
-            output, batch.input_ids, batch.loss_mask, mtp_loss_scale=mtp_scale
+@dataclass
+class _Run:
+    """The state of one training run and the operations on it."""
+
+    compiled: Compiled
+    batches: BatchSource
+    steps: int
+    options: RunOptions
+    optimizer: MasterOptimizer = field(init=False)
+    monitors: Monitors = field(init=False)
+    position: Position = field(default_factory=Position)
+    ckpt: checkpoint.Checkpointer | None = None
+    metrics: MetricsLog = field(init=False)
+    stream: Iterator[MicroBatch] = field(init=False)
+    result: TrainResult = field(default_factory=TrainResult)
+
+    def __post_init__(self) -> None:
+        bp, o = self.compiled.blueprint, self.options
+        self.optimizer = MasterOptimizer(self.compiled.model, bp.training.optimizer)
+        self.monitors = Monitors(bp.training.stability)
+        if o.run_dir is not None:
+            self.ckpt = checkpoint.Checkpointer(
+                o.run_dir / "checkpoints", o.keep_checkpoints, o.async_checkpoint
+            )
+        if o.resume:
+            self._resume()
+        else:
+            self.batches.seek(0)
+        self.metrics = MetricsLog(o.run_dir / "metrics.jsonl" if o.run_dir else None)
+        self.stream = iter(self.batches)
+
+    def _resume(self) -> None:
+        latest = self.ckpt.latest() if self.ckpt is not None else None
+        if latest is None:
+            where = self.options.run_dir or "a run without a run folder"
+            raise checkpoint.CheckpointError(f"{where}: no complete checkpoint to resume from")
+        self.position, data_state = restore(latest, self.compiled, self.optimizer, self.monitors)
+        try:
+            self.batches.load_state_dict(data_state)
+        except ValueError as exc:
+            message = f"{latest}: its data position does not fit this data: {exc}"
+            raise checkpoint.CheckpointError(message) from exc
+
+    def next_micro_batches(self, count: int) -> list[MicroBatch]:
+        micro = [next(self.stream) for _ in range(count)]
+        self.position.consumed = self.batches.position
+        return micro
+
+    def save(self) -> None:
+        if self.ckpt is None:
+            return
+        self.ckpt.poll()
+        data_state = {**self.batches.state_dict(), "consumed": self.position.consumed}
+        state, local, meta = snapshot(
+            self.compiled, self.optimizer, self.monitors, self.position, data_state
         )
-        aux = losses.aux if losses.aux is not None else losses.total.new_zeros(())
-        loss = weight * (losses.total - aux) + aux / len(micro)
-        loss.backward()
-        total += loss.item()
-        lm += weight * losses.lm.item()
-    return total, lm
+        started = time.perf_counter()
+        path = self.ckpt.save(self.position.step, state, local, meta)
+        self.metrics.write(
+            "checkpoint",
+            update=self.position.update,
+            step=self.position.step,
+            path=str(path),
+            seconds=time.perf_counter() - started,
+            **{"async": self.options.async_checkpoint},
+        )
+
+
+def _stats(run: _Run, outcome: StepOutcome, grad_norm: float) -> StepStats:
+    finite = math.isfinite(outcome.loss) and math.isfinite(grad_norm)
+    return StepStats(
+        update=run.position.update,
+        step=run.position.step,
+        loss=outcome.loss,
+        grad_norm=grad_norm,
+        finite=finite,
+        max_vio=outcome.max_vio(),
+        residual_rms=outcome.residual_rms,
+    )
+
+
+def _apply(run: _Run, outcome: StepOutcome, lr: float, grad_norm: float, seconds: float) -> None:
+    """Take the optimizer step and record it."""
+    model: nn.Module = run.compiled.model
+    run.optimizer.step()
+    model.update_expert_biases(outcome.tokens_per_expert)
+    p = run.position
+    p.tokens_seen += outcome.tokens
+    switched = run.compiled.precision.on_tokens(p.tokens_seen) if run.compiled.precision else False
+    record = StepRecord(
+        p.step, outcome.loss, outcome.lm_loss, lr, grad_norm, seconds, p.tokens_seen, True,
+        switched, p.update,
+    )  # fmt: skip
+    run.result.records.append(record)
+    run.metrics.write(
+        "step",
+        update=p.update,
+        step=p.step,
+        loss=outcome.loss,
+        lm_loss=outcome.lm_loss,
+        lr=lr,
+        grad_norm=grad_norm,
+        tokens_seen=p.tokens_seen,
+        tokens_per_s=outcome.tokens / max(seconds, 1e-9),
+        seconds=seconds,
+        finite=True,
+        max_vio=outcome.max_vio(),
+        residual_rms=outcome.residual_rms,
+        switched_to_bf16=switched,
+    )
+    p.step += 1
+    p.update += 1
+
+
+def _rollback(run: _Run, display: StepDisplay) -> bool:
+    """Go back to the last checkpoint before the trouble began; False when impossible."""
+    cfg = run.compiled.blueprint.training.stability.rollback
+    p = run.position
+    first = run.monitors.first_sign_step if run.monitors.first_sign_step is not None else p.step
+    target = run.ckpt.latest(before_step=first + 1) if run.ckpt is not None else None
+    if target is None or p.rollbacks >= cfg.max_rollbacks:
+        why = "no checkpoint from before it" if target is None else f"{p.rollbacks} rollbacks"
+        run.result.message = f"rollback needed at step {p.step} but impossible: {why}"
+        return False
+    run.ckpt.wait()
+    consumed, update, rollbacks, from_step = p.consumed, p.update, p.rollbacks, p.step
+    position, _ = restore(target, run.compiled, run.optimizer, run.monitors)
+    position.consumed, position.update, position.rollbacks = consumed, update, rollbacks + 1
+    anneal_steps = max(1, round(cfg.anneal_fraction * run.steps))
+    rate = _lr(position, run.steps, run.compiled)
+    position.anneal = Anneal(start=position.step, rate=rate, steps=anneal_steps)
+    run.position = position
+    run.batches.seek(consumed)  # the window that led to the trouble is skipped
+    skipped = consumed - checkpoint.read_meta(target)["position"]["consumed"]
+    run.metrics.write(
+        "rollback", update=update, from_step=from_step, to_step=position.step,
+        skipped_samples=skipped, anneal_steps=anneal_steps,
+    )  # fmt: skip
+    display.say(f"rollback: step {from_step} -> {position.step}, {skipped} samples skipped")
+    return True
 
 
 def train(
     compiled: Compiled,
-    batches: Iterable[MicroBatch],
+    batches: BatchSource,
     steps: int | None = None,
-    log_every: int = 0,
-    progress: bool = False,
-    seed: int | None = None,
-    description: str = "train",
+    options: RunOptions | None = None,
 ) -> TrainResult:
-    """Train ``compiled.model`` for ``steps`` optimizer steps (default: the blueprint's).
-
-    ``batches`` yields micro-batches of the blueprint's micro batch size (see
-    :class:`~factory.runtime.batches.MicroBatches`); each step takes
-    ``global_batch_size // micro_batch_size`` of them. ``log_every`` > 0 prints
-    a line every that many steps; ``progress`` shows a rich progress bar.
-    ``seed`` (default ``training.seed``) seeds torch's global generator for
-    anything random in the step; initialisation and stochastic rounding were
-    already seeded by :func:`factory.compile`.
-    """
+    """Train ``compiled.model`` until schedule step ``steps`` (default: the blueprint's)."""
+    o = options or RunOptions()
     bp = compiled.blueprint
-    steps = steps if steps is not None else bp.training_steps
+    total = steps if steps is not None else bp.training_steps
     par = bp.parallelism
     if par.global_batch_size % par.micro_batch_size:
         raise ValueError(
             f"global_batch_size {par.global_batch_size} is not a multiple of "
             f"micro_batch_size {par.micro_batch_size}"
         )
-    accumulation = par.global_batch_size // par.micro_batch_size
-    torch.manual_seed(bp.training.seed if seed is None else seed)
+    torch.manual_seed(bp.training.seed if o.seed is None else o.seed)
+    compiled.model.train()
+    run = _Run(compiled, batches, total, o)
+    run.metrics.write("run", name=bp.meta.name, steps=total, seq_len=bp.data.seq_len,
+                      global_batch_size=par.global_batch_size, resumed_at=run.position.step,
+                      started=time.strftime("%Y-%m-%dT%H:%M:%S"))  # fmt: skip
+    display = StepDisplay(o.progress, total, run.position.step, o.description, o.log_every)
+    with display:
+        _loop(run, display)
+    if run.ckpt is not None:
+        if run.result.end == "completed":
+            run.save()
+        run.ckpt.wait()
+    run.metrics.write("end", update=run.position.update, step=run.position.step,
+                      reason=run.result.end, message=run.result.message)  # fmt: skip
+    run.metrics.close()
+    return run.result
 
-    model = compiled.model
-    model.train()
-    params = list(dict.fromkeys(p for p in model.parameters() if p.requires_grad))
-    masters = _MasterWeights(params)
-    optimizer = _optimizer(compiled, masters)
+
+def _loop(run: _Run, display: StepDisplay) -> None:
+    o, bp = run.options, run.compiled.blueprint
+    every = o.checkpoint_every or bp.training.checkpoint_interval
+    accumulation = bp.parallelism.global_batch_size // bp.parallelism.micro_batch_size
     clip = bp.training.optimizer.grad_clip
-    mtp_scale = _mtp_loss_scale(compiled)
-    stream = iter(batches)
-    result = TrainResult()
-    tokens_seen = 0
-
-    with _progress_bar(progress) as bar:
-        task = bar.add_task(description, total=steps, status="") if bar is not None else None
-        for step in range(steps):
-            start = time.perf_counter()
-            lr = learning_rate(step, steps, bp.training)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            model.zero_grad(set_to_none=True)
-            optimizer.zero_grad(set_to_none=True)
-            micro = [next(stream) for _ in range(accumulation)]
-            load: dict[str, torch.Tensor] = {}
-            total, lm = _forward_backward(model, micro, mtp_scale, load)
-            tokens_seen += sum(batch.num_tokens for batch in micro)
-            masters.grads_to_masters()
-            norm_cap = clip if clip is not None else math.inf
-            grad_norm = nn.utils.clip_grad_norm_(masters.masters, norm_cap).item()
-            finite = math.isfinite(total) and math.isfinite(grad_norm)
-            switched = False
-            if finite:
-                optimizer.step()
-                masters.masters_to_params()
-                model.update_expert_biases(load)
-                if compiled.precision is not None:
-                    switched = compiled.precision.on_tokens(tokens_seen)
-            record = StepRecord(
-                step=step,
-                loss=total,
-                lm_loss=lm,
-                lr=lr,
-                grad_norm=grad_norm,
-                seconds=time.perf_counter() - start,
-                tokens_seen=tokens_seen,
-                finite=finite,
-                switched_to_bf16=switched,
+    mtp_scale = _mtp_loss_scale(run.compiled)
+    while run.position.step < run.steps:
+        start = time.perf_counter()
+        lr = _lr(run.position, run.steps, run.compiled)
+        run.optimizer.set_lr(lr)
+        run.optimizer.zero_grad()
+        consumed_before = run.position.consumed
+        outcome = forward_backward(
+            run.compiled.model, run.next_micro_batches(accumulation), mtp_scale
+        )
+        run.optimizer.grads_to_masters()
+        cap = clip if clip is not None else math.inf
+        grad_norm = nn.utils.clip_grad_norm_(run.optimizer.masters, cap).item()
+        events = run.monitors.observe(_stats(run, outcome, grad_norm))
+        for event in events:
+            run.result.events.append(event)
+            run.metrics.write(**event.to_dict())
+            display.say(f"[{event.action}] {event.monitor}: {event.message}")
+        action = verdict(events)
+        if action == "rollback" and _rollback(run, display):
+            continue
+        if action != "continue":
+            non_finite = any(e.monitor == "non_finite" for e in events)
+            run.result.end = "diverged" if non_finite else "stopped"
+            run.result.message = run.result.message or "; ".join(e.message for e in events)
+            run.position.consumed = consumed_before  # resuming re-runs the refused step
+            run.save()
+            run.batches.seek(consumed_before)
+            display.say(
+                f"{o.description}: stopped at step {run.position.step}: {run.result.message}"
             )
-            result.records.append(record)
-            status = f"loss {lm:.4f} lr {lr:.2e} |g| {grad_norm:.3f}"
-            if bar is not None:
-                bar.update(task, advance=1, status=status)
-            if log_every and ((step + 1) % log_every == 0 or not finite or switched):
-                line = f"{description} step {step + 1}/{steps}: {status} {record.seconds:.2f} s"
-                _say(bar, line + (" (switched to BF16)" if switched else ""))
-            if not finite:
-                result.diverged = True
-                if bar is not None or log_every:
-                    _say(bar, f"{description}: non-finite loss or gradient at step {step}; stopped")
-                break
-    return result
-
-
-def _say(bar: Any, line: str) -> None:
-    """Print above the progress bar when there is one, else plainly (nohup logs)."""
-    if bar is not None:
-        bar.console.print(line)
-    else:
-        print(line, flush=True)
+            return
+        seconds = time.perf_counter() - start
+        _apply(run, outcome, lr, grad_norm, seconds)
+        tokens_per_s = outcome.tokens / max(seconds, 1e-9)
+        display.step(run.position.step, outcome.lm_loss, lr, grad_norm, tokens_per_s)
+        if o.on_step is not None:
+            o.on_step(run.position.step)
+        if run.position.step % every == 0 and run.position.step < run.steps:
+            run.save()
+        if run.ckpt is not None:
+            run.ckpt.poll()

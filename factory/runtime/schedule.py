@@ -28,7 +28,7 @@ import math
 
 from factory.schemas.training import TrainingConfig
 
-__all__ = ["learning_rate"]
+__all__ = ["annealed_rate", "learning_rate"]
 
 
 def _decay(shape: str, r: float) -> float:
@@ -61,3 +61,12 @@ def learning_rate(step: int, steps: int, training: TrainingConfig) -> float:
         r = min(1.0, (step - warmup) / span)
         rate = floor + (peak - floor) * _decay("cosine", r)
     return rate
+
+
+def annealed_rate(
+    step: int, start: int, rate: float, steps: int, shape: str, min_lr: float
+) -> float:
+    """The rate of ``step`` during an annealing started at ``start`` from ``rate``: it decays
+    to ``min_lr`` over ``steps`` steps with ``shape`` (as the WSD decay), then stays there."""
+    r = min(1.0, max(0, step - start + 1) / steps)
+    return min_lr + (rate - min_lr) * _decay(shape, r)

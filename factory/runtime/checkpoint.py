@@ -1,0 +1,208 @@
+"""Training checkpoints: torch.distributed.checkpoint (DCP), written atomically, resumed exactly.
+
+Layout of ``RUN_DIR/checkpoints/step_00000100/`` (the step is the next one to run):
+
+* DCP files (``.metadata``, ``*.distcp``): the model, the fp32 masters and the
+  optimizer state, keyed by parameter name, so a different number of ranks can
+  read them back;
+* ``rank0.pt``: what is private to a process: RNG states and the precision
+  runtime's state (stochastic-rounding generators, FP8 amax histories, the BF16
+  switch);
+* ``meta.json``, written last: the step, the data position, the monitors, the
+  learning-rate annealing, and the fingerprint of the model it belongs to.
+
+A checkpoint is written into ``.step_00000100.tmp`` and renamed into place
+once complete, so a process killed mid-write leaves only a temporary folder,
+which is never read and is removed by the next run. With ``async_save`` the
+DCP write runs in a background thread on a copy of the state while training
+goes on; the rename happens when it has finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+__all__ = ["CheckpointError", "Checkpointer", "complete_checkpoints", "load", "read_meta"]
+
+_NAME = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed: missing, corrupt, or from another model."""
+
+
+def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _NAME.match(path.name)
+        if match and (path / "meta.json").is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def _clone(state: Any) -> Any:
+    """A copy of every tensor, so training may change the originals during an async write."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _clone(v) for k, v in state.items()}
+    return state
+
+
+@dataclass
+class _Pending:
+    future: Future[Any]
+    tmp: Path
+    final: Path
+    meta: dict[str, Any]
+    local: dict[str, Any]
+    started: float
+
+
+@dataclass
+class Checkpointer:
+    """Writes, lists, prunes and reads the checkpoints of one run."""
+
+    root: Path
+    keep: int = 3
+    """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
+    async_save: bool = False
+    pending: _Pending | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.keep < 1:
+            raise ValueError(f"keep must be >= 1, got {self.keep}")
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob(".step_*.tmp"):  # a write that never completed
+            shutil.rmtree(stale, ignore_errors=True)
+
+    def save(
+        self, step: int, state: dict[str, Any], local: dict[str, Any], meta: dict[str, Any]
+    ) -> Path:
+        """Write checkpoint ``step``: ``state`` through DCP, ``local`` with torch.save,
+        ``meta`` as JSON. Returns its final path (complete at once unless async)."""
+        self.wait()
+        final = self.root / f"step_{step:08d}"
+        tmp = self.root / f".{final.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        started = time.perf_counter()
+        if self.async_save:
+            with _single_process_quiet():
+                future = dcp.async_save(_clone(state), checkpoint_id=str(tmp), no_dist=_no_dist())
+            self.pending = _Pending(future, tmp, final, meta, _clone(local), started)
+        else:
+            with _single_process_quiet():
+                dcp.save(state, checkpoint_id=str(tmp), no_dist=_no_dist())
+            self._finish(_Pending(_done(), tmp, final, meta, local, started))
+        return final
+
+    def poll(self) -> Path | None:
+        """Complete a finished async write (never blocks); its path, or None."""
+        if self.pending is not None and self.pending.future.done():
+            return self.wait()
+        return None
+
+    def wait(self) -> Path | None:
+        """Block until the async write in flight (if any) is complete and renamed."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        pending.future.result()
+        return self._finish(pending)
+
+    def _finish(self, pending: _Pending) -> Path:
+        torch.save(pending.local, pending.tmp / "rank0.pt")
+        meta = {**pending.meta, "seconds": time.perf_counter() - pending.started}
+        (pending.tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
+        _fsync_tree(pending.tmp)
+        shutil.rmtree(pending.final, ignore_errors=True)
+        os.replace(pending.tmp, pending.final)
+        self._prune()
+        return pending.final
+
+    def _prune(self) -> None:
+        for _, path in complete_checkpoints(self.root)[: -self.keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def latest(self, before_step: int | None = None) -> Path | None:
+        """The newest complete checkpoint (whose step is below ``before_step`` if given)."""
+        found = [
+            path for step, path in complete_checkpoints(self.root)
+            if before_step is None or step < before_step
+        ]  # fmt: skip
+        return found[-1] if found else None
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable meta.json ({exc})") from exc
+
+
+def load(path: Path, state: dict[str, Any], fingerprint: str) -> tuple[dict[str, Any], dict]:
+    """Fill ``state`` (tensors of the right shapes) from checkpoint ``path`` in place; return
+    (meta, local). Raises :class:`CheckpointError` naming the checkpoint and the problem."""
+    meta = read_meta(path)
+    if meta.get("fingerprint") != fingerprint:
+        raise CheckpointError(
+            f"{path}: written for another model ({meta.get('blueprint', '?')}, fingerprint "
+            f"{str(meta.get('fingerprint'))[:12]}); this run's model has fingerprint "
+            f"{fingerprint[:12]}"
+        )
+    try:
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
+        local = torch.load(path / "rank0.pt", weights_only=False)
+    except Exception as exc:  # DCP raises several kinds for missing or truncated files
+        raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from exc
+    return meta, local
+
+
+def _no_dist() -> bool:
+    """One process without a process group reads and writes alone (DCP otherwise warns)."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it assumes one process even when told so; that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _done() -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(None)
+    return future
+
+
+def _fsync_tree(directory: Path) -> None:
+    """Flush every file of ``directory`` and the folder itself before the rename publishes it."""
+    for path in directory.iterdir():
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,111 @@
+"""The blueprint's AdamW over fp32 master weights, with its state keyed by parameter name.
+
+* AdamW with ``training.optimizer``'s lr, betas, eps and weight decay; weight
+  decay on matrices and embeddings only (not on norms, biases or Mamba's
+  A/D/dt vectors), as Megatron does. Frozen tensors (the expert bias) are not
+  the optimizer's: ``update_expert_biases`` moves them.
+* fp32 master weights: parameters in fp32 (the CPU default) are their own
+  masters; otherwise an fp32 copy is stepped and copied back after each step.
+
+Checkpoints store the optimizer state under parameter names (``state_dict``),
+not under PyTorch's positional indices, so that a checkpoint stays readable
+when the set of ranks holding the parameters changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from factory.schemas.training import OptimizerConfig
+
+__all__ = ["MasterOptimizer"]
+
+
+class MasterOptimizer:
+    """AdamW over fp32 masters of a model's trainable parameters."""
+
+    def __init__(self, model: nn.Module, config: OptimizerConfig) -> None:
+        named = {}
+        for name, param in model.named_parameters():  # tied parameters appear once
+            if param.requires_grad:
+                named[name] = param
+        self.names = list(named)
+        self.params = list(named.values())
+        self.masters = [
+            p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_()
+            for p in self.params
+        ]
+        decay = [m for m in self.masters if m.ndim >= 2]
+        no_decay = [m for m in self.masters if m.ndim < 2]
+        groups = [
+            {"params": decay, "weight_decay": config.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        self.optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]], lr=config.lr, betas=config.betas, eps=config.eps
+        )
+        self._name_of = {id(m): n for n, m in zip(self.names, self.masters, strict=True)}
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def grads_to_masters(self) -> None:
+        for param, master in zip(self.params, self.masters, strict=True):
+            if master is not param:
+                master.grad = None if param.grad is None else param.grad.float()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.optimizer.step()
+        for param, master in zip(self.params, self.masters, strict=True):
+            if master is not param:
+                param.copy_(master)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Adam moments and step per parameter name, plus the fp32 masters of non-fp32
+        parameters (the fp32 ones are the model's own tensors)."""
+        state = {self._name_of[id(m)]: dict(s) for m, s in self.optimizer.state.items() if s}
+        masters = {
+            n: m
+            for n, m, p in zip(self.names, self.masters, self.params, strict=True)
+            if m is not p
+        }
+        return {"state": state, "masters": masters}
+
+    def empty_state_dict(self) -> dict[str, Any]:
+        """A state dict of the right shapes to load a checkpoint into (DCP loads in place)."""
+        state = {
+            name: {
+                "step": torch.zeros((), dtype=torch.float32),
+                "exp_avg": torch.zeros_like(master),
+                "exp_avg_sq": torch.zeros_like(master),
+            }
+            for name, master in zip(self.names, self.masters, strict=True)
+        }
+        masters = {
+            n: m
+            for n, m, p in zip(self.names, self.masters, self.params, strict=True)
+            if m is not p
+        }
+        return {"state": state, "masters": masters}
+
+    @torch.no_grad()
+    def load_state_dict(self, loaded: dict[str, Any]) -> None:
+        """Install a state dict from :meth:`empty_state_dict` after DCP filled it."""
+        by_name = dict(zip(self.names, self.masters, strict=True))
+        for name, master in loaded["masters"].items():
+            by_name[name].copy_(master)
+        for name, entry in loaded["state"].items():
+            self.optimizer.state[by_name[name]] = {k: v.clone() for k, v in entry.items()}
+        for param, master in zip(self.params, self.masters, strict=True):
+            if master is not param:
+                param.copy_(master)

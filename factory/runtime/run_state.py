@@ -1,0 +1,115 @@
+"""Everything a checkpoint holds, gathered from a running training and put back into it.
+
+Resuming from a checkpoint must continue exactly as the uninterrupted run
+would have: the model (expert biases included), the fp32 masters and Adam
+state, the learning-rate schedule's position and any annealing, the RNG
+states, the precision runtime (stochastic-rounding generators, FP8 amax
+histories, the BF16 switch), the monitors, and the data position.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from factory.graph.compile import Compiled
+from factory.runtime import checkpoint
+from factory.runtime.monitors import Monitors
+from factory.runtime.optimizer import MasterOptimizer
+from factory.spec.model import model_spec
+
+__all__ = ["Anneal", "Position", "fingerprint", "restore", "snapshot"]
+
+
+@dataclass
+class Anneal:
+    """Learning-rate annealing started by a rollback: from ``rate`` at ``start`` down to
+    min_lr over ``steps`` steps."""
+
+    start: int
+    rate: float
+    steps: int
+
+
+@dataclass
+class Position:
+    """Where the run is; ``step`` is the next schedule step to run."""
+
+    step: int = 0
+    update: int = 0
+    tokens_seen: int = 0
+    consumed: int = 0
+    """Samples of the data stream consumed (its position)."""
+    rollbacks: int = 0
+    anneal: Anneal | None = None
+
+
+def fingerprint(compiled: Compiled) -> str:
+    """A digest of the model's architecture: every tensor's name and shape, and the config."""
+    model_config = compiled.blueprint.model
+    shapes = sorted(
+        (name, list(shape)) for name, shape in model_spec(model_config).shapes().items()
+    )
+    text = json.dumps([shapes, model_config.model_dump(mode="json")], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _shared_state(compiled: Compiled, optimizer: MasterOptimizer) -> dict[str, Any]:
+    return {"model": compiled.model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def snapshot(
+    compiled: Compiled,
+    optimizer: MasterOptimizer,
+    monitors: Monitors,
+    position: Position,
+    data_state: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(DCP state, process-local state, meta) of the run as it stands."""
+    local = {
+        "rng": _rng_state(),
+        "precision": compiled.precision.state_dict() if compiled.precision else None,
+    }
+    meta = {
+        "blueprint": compiled.blueprint.meta.name,
+        "fingerprint": fingerprint(compiled),
+        "position": asdict(position),
+        "data": data_state,
+        "monitors": monitors.state_dict(),
+    }
+    return _shared_state(compiled, optimizer), local, meta
+
+
+def restore(
+    path: Path, compiled: Compiled, optimizer: MasterOptimizer, monitors: Monitors
+) -> tuple[Position, dict[str, Any]]:
+    """Load checkpoint ``path`` into the run; return its position and data state."""
+    state = {"model": compiled.model.state_dict(), "optimizer": optimizer.empty_state_dict()}
+    meta, local = checkpoint.load(path, state, fingerprint(compiled))
+    optimizer.load_state_dict(state["optimizer"])
+    _set_rng_state(local["rng"])
+    if compiled.precision is not None and local["precision"] is not None:
+        compiled.precision.load_state_dict(local["precision"])
+    monitors.load_state_dict(meta["monitors"])
+    raw = dict(meta["position"])
+    anneal = raw.pop("anneal")
+    position = Position(**raw, anneal=Anneal(**anneal) if anneal else None)
+    return position, meta["data"]

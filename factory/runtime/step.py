@@ -1,0 +1,73 @@
+"""One optimizer step's forward and backward passes over its micro-batches, and their statistics.
+
+The token losses (LM and MTP) are averaged over the step's loss tokens, not per
+micro-batch (Megatron's per-token loss): each micro-batch's mean is weighted
+by its share of the step's target tokens, so a micro-batch that is all prompt
+or padding neither counts as a zero loss nor dilutes the others. The MoE aux
+loss, a per-batch statistic, is averaged over micro-batches. Packed documents
+stay apart whenever a micro-batch carries their ``document_ids``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from factory.graph.loss import language_model_loss
+from factory.runtime.batches import MicroBatch
+from factory.runtime.monitors import max_violation
+
+__all__ = ["StepOutcome", "forward_backward"]
+
+
+@dataclass
+class StepOutcome:
+    """What the micro-batches of one step produced (gradients are left on the parameters)."""
+
+    loss: float = 0.0
+    """The optimised loss: LM + scaled MTP + MoE aux."""
+    lm_loss: float = 0.0
+    tokens: int = 0
+    tokens_per_expert: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per MoE layer, summed over the micro-batches: what the expert-bias update and MaxVio
+    read."""
+    residual_rms: dict[str, float] = field(default_factory=dict)
+    """Per main-stack layer, averaged over the micro-batches."""
+
+    def max_vio(self) -> dict[str, float]:
+        return {
+            name: max_violation(load.double().tolist())
+            for name, load in self.tokens_per_expert.items()
+        }
+
+
+def forward_backward(model: nn.Module, micro: list[MicroBatch], mtp_scale: float) -> StepOutcome:
+    """Accumulate one step's gradients over ``micro``; return the step's statistics."""
+    counts = [int(batch.target_mask.sum()) for batch in micro]
+    outcome = StepOutcome()
+    rms: dict[str, torch.Tensor] = {}
+    for batch, count in zip(micro, counts, strict=True):
+        weight = count / max(1, sum(counts))
+        output = model(batch.input_ids, batch.document_ids)
+        for name, tokens in output.tokens_per_expert.items():
+            previous = outcome.tokens_per_expert.get(name)
+            outcome.tokens_per_expert[name] = tokens if previous is None else previous + tokens
+        for name, value in output.residual_rms.items():
+            rms[name] = rms[name] + value if name in rms else value
+        losses = language_model_loss(
+            output,
+            batch.input_ids,
+            batch.loss_mask,
+            mtp_loss_scale=mtp_scale,
+            document_ids=batch.document_ids,
+        )
+        aux = losses.aux if losses.aux is not None else losses.total.new_zeros(())
+        loss = weight * (losses.total - aux) + aux / len(micro)
+        loss.backward()
+        outcome.loss += loss.item()
+        outcome.lm_loss += weight * losses.lm.item()
+        outcome.tokens += batch.num_tokens
+    outcome.residual_rms = {name: float(total) / len(micro) for name, total in rms.items()}
+    return outcome
