@@ -272,7 +272,8 @@ def _rollback(run: _Run, display: StepDisplay) -> bool:
     run.ckpt.wait()
     consumed, update, rollbacks, from_step = p.consumed, p.update, p.rollbacks, p.step
     position, _ = restore(target, run.compiled, run.optimizer, run.monitors)
-    position.consumed, position.update, position.rollbacks = consumed, update, rollbacks + 1
+    # The refused attempt keeps its update number: updates count attempts, monotonically.
+    position.consumed, position.update, position.rollbacks = consumed, update + 1, rollbacks + 1
     anneal_steps = max(1, round(cfg.anneal_fraction * run.steps))
     rate = _lr(position, run.steps, run.compiled)
     position.anneal = Anneal(start=position.step, rate=rate, steps=anneal_steps)

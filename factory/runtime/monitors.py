@@ -25,6 +25,9 @@ SEVERITY = {"warn": 0, "rollback": 1, "stop": 2}
 """When events disagree, the most severe action wins: a stop the user asked for is never
 turned into a rollback."""
 _MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
+_RELATIVE_FLOOR = 0.01
+"""A spread below 1% of the median never counts: a flat window (a loss at min_lr, a clipped
+gradient norm) would otherwise make any wobble a spike."""
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,7 @@ class _Baseline:
             return None
         median = statistics.median(self.values)
         mad = statistics.median(abs(v - median) for v in self.values)
-        scale = max(_MAD_TO_SIGMA * mad, 1e-6 * max(1.0, abs(median)))
+        scale = max(_MAD_TO_SIGMA * mad, _RELATIVE_FLOOR * abs(median), 1e-12)
         return (value - median) / scale
 
 
