@@ -89,3 +89,83 @@ def test_te_without_transformer_engine_exits_2(cli: Cli, tmp_path: Path) -> None
     )
     assert status == 2 and "factory[gpu]" in err
     assert not (tmp_path / "x").exists()
+
+
+def test_writes_checkpoints_metrics_and_report(trained: Path) -> None:
+    lines = (trained / "metrics.jsonl").read_text().splitlines()
+    kinds = [json.loads(line)["kind"] for line in lines]
+    assert kinds[0] == "run" and kinds.count("step") == 2 and kinds[-1] == "end"
+    assert (trained / "checkpoints" / "step_00000002" / "meta.json").is_file()
+    page = (trained / "report" / "report.html").read_text()
+    assert "data:image/png;base64," in page
+
+
+def _copy_run(trained: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(trained, out)
+    return out
+
+
+def test_rerunning_into_the_folder_resumes_and_continues(cli: Cli, trained: Path, tmp_path):
+    out = _copy_run(trained, tmp_path)
+    status, _, err = cli("train", "nano", "--proxy", "--steps", "3", "--out", str(out))
+    assert status == 0, err
+    steps = [
+        json.loads(line)
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if '"kind": "step"' in line
+    ]
+    assert [s["step"] for s in steps] == [0, 1, 2]  # steps 0 and 1 were not run again
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()
+    }
+
+
+@pytest.mark.parametrize("damage", ["truncate", "other_blueprint"])
+def test_a_bad_checkpoint_exits_2_and_damages_nothing(
+    cli: Cli, trained: Path, tmp_path: Path, damage: str
+) -> None:
+    out = _copy_run(trained, tmp_path)
+    checkpoint = out / "checkpoints" / "step_00000002"
+    if damage == "truncate":
+        shard = next(checkpoint.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:100])
+        args: tuple[str, ...] = ("nano", "--proxy")
+    else:
+        args = ("super", "--proxy", "--data", str(trained / "data"))
+    before = _tree(out)
+    status, _, err = cli("train", *args, "--steps", "3", "--out", str(out))
+    assert status == 2, err
+    assert "step_00000002" in err
+    assert ("cannot be read" if damage == "truncate" else "written for another model") in err
+    assert _tree(out) == before
+
+
+def test_resume_with_nothing_to_resume_exits_2(cli: Cli, trained: Path, tmp_path: Path) -> None:
+    out = tmp_path / "fresh"
+    status, _, err = cli(
+        "train", "nano", "--proxy", "--steps", "1", "--data", str(trained / "data"),
+        "--out", str(out), "--resume",
+    )  # fmt: skip
+    assert status == 2 and "no complete checkpoint to resume from" in err
+
+
+def test_data_that_does_not_verify_exits_2(cli: Cli, trained: Path, tmp_path: Path) -> None:
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(trained / "data", data)
+    shard = sorted((data / "shards").glob("*.tar"))[0]
+    raw = bytearray(shard.read_bytes())
+    raw[700] ^= 0xFF  # one flipped bit inside a sample
+    shard.write_bytes(bytes(raw))
+    out = tmp_path / "run"
+    status, _, err = cli(
+        "train", "nano", "--proxy", "--steps", "1", "--data", str(data), "--out", str(out)
+    )
+    assert status == 2 and shard.name in err

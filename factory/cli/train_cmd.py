@@ -13,9 +13,12 @@ from typing import Annotated
 
 import typer
 
-from factory.cli.app import app
 from factory.cli.output import EXIT_INVALID, print_diagnostics
+from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
+from factory.jobs.progress import RichProgress
+from factory.jobs.train import CheckpointPolicy, TrainRefused
+from factory.jobs.train import train as train_job
 
 PRECISION_HELP = "Backend of the precision policy: auto, emulate, te or off (factory.compile's)."
 """Names the backends for --help, which must not import torch; a test holds it to the Literal."""
@@ -81,9 +84,6 @@ def train(
     data/, checkpoints/, metrics.jsonl, and at the end train.json, model/ and report/."""
     from rich.console import Console
 
-    from factory.jobs.progress import RichProgress
-    from factory.jobs.train import CheckpointPolicy, TrainRefused
-    from factory.jobs.train import train as train_job
     from factory.loading.load import load
 
     console = Console(stderr=True)
@@ -104,7 +104,7 @@ def train(
                 checkpoints=CheckpointPolicy(checkpoint_every, keep, async_checkpoint, resume),
             )
     except TrainRefused as exc:
-        console.print(f"factory train: {exc}", markup=False)
+        console.print(f"factory train: {exc}", markup=False, soft_wrap=True)
         raise typer.Exit(EXIT_INVALID) from None
     name, records, history = result.blueprint.meta.name, result.records, result.history
     if history.end != "completed":

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 __all__ = ["CheckpointError", "Checkpointer", "complete_checkpoints", "load", "read_meta"]
 
@@ -172,7 +173,8 @@ def load(path: Path, state: dict[str, Any], fingerprint: str) -> tuple[dict[str,
         with _single_process_quiet():
             dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
         local = torch.load(path / "rank0.pt", weights_only=False)
-    except Exception as exc:  # DCP raises several kinds for missing or truncated files
+    # DCP reports a damaged file as CheckpointException, a BaseException, besides the usual kinds.
+    except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from exc
     return meta, local
 

@@ -48,6 +48,7 @@ from factory.runtime.run_state import Anneal, Position, restore, snapshot
 from factory.runtime.schedule import annealed_rate, learning_rate
 from factory.runtime.step import StepOutcome, forward_backward
 from factory.schemas.model import MTPConfig
+from factory.spec.model import model_spec
 
 __all__ = ["BatchSource", "RunOptions", "StepRecord", "TrainResult", "train"]
 
@@ -307,8 +308,10 @@ def train(
     torch.manual_seed(bp.training.seed if o.seed is None else o.seed)
     compiled.model.train()
     run = _Run(compiled, batches, total, o)
+    layers = [layer.prefix for layer in model_spec(bp.model).layers]
     run.metrics.write("run", name=bp.meta.name, steps=total, seq_len=bp.data.seq_len,
-                      global_batch_size=par.global_batch_size, resumed_at=run.position.step,
+                      global_batch_size=par.global_batch_size, layers=layers,
+                      resumed_at=run.position.step,
                       started=time.strftime("%Y-%m-%dT%H:%M:%S"))  # fmt: skip
     display = StepDisplay(o.progress, total, run.position.step, o.description, o.log_every)
     with display:
