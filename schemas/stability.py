@@ -33,51 +33,56 @@ _MAX_WINDOW = 100_000
 _MAX_STEPS = 2**40
 
 
-class MaxVioMonitor(Section):
+class _Monitor(Section):
+    """What every thresholded monitor has: its action, when it starts judging, how many
+    consecutive steps over the threshold it waits for."""
+
+    action: Action = "warn"
+    after_step: int = Field(default=0, ge=0, le=_MAX_STEPS)
+    """Steps not judged at the start of the run."""
+    patience: int = Field(default=1, ge=1, le=_MAX_WINDOW)
+    """Consecutive steps over the threshold before acting."""
+
+
+class MaxVioMonitor(_Monitor):
     """MoE load imbalance per layer: MaxVio = max over experts of load / mean load - 1."""
 
     threshold: float = Field(default=10.0, gt=0)
     """Act when a layer's MaxVio exceeds this (10: its busiest expert gets 11x the mean;
     the Ultra divergence showed 12x in the first MoE layer)."""
-    action: Action = "warn"
     after_step: int = Field(default=100, ge=0, le=_MAX_STEPS)
-    """Ignore the first steps: a freshly initialised router is unbalanced by construction."""
+    """A freshly initialised router is unbalanced by construction: the first steps are not
+    judged."""
     patience: int = Field(default=5, ge=1, le=_MAX_WINDOW)
-    """Consecutive steps over the threshold before acting."""
 
 
-class ResidualRMSMonitor(Section):
+class ResidualRMSMonitor(_Monitor):
     """Spread of the residual stream across depth: max over layers of RMS / min over layers."""
 
     threshold: float = Field(default=1e3, gt=1)
     """Act when the largest per-layer RMS exceeds the smallest by this factor (the Ultra
     divergence showed four orders of magnitude)."""
-    action: Action = "warn"
-    after_step: int = Field(default=0, ge=0, le=_MAX_STEPS)
-    patience: int = Field(default=1, ge=1, le=_MAX_WINDOW)
 
 
-class LossSpikeMonitor(Section):
-    """The loss against a running baseline: median and median absolute deviation (MAD)."""
+class _SpikeMonitor(_Monitor):
+    window: int = Field(default=50, ge=5, le=_MAX_WINDOW)
+    """Steps in the running baseline (median and MAD); no verdict until it is full."""
+
+
+class LossSpikeMonitor(_SpikeMonitor):
+    """The loss against its running median: a robust z-score (``docs/stability.md``)."""
 
     threshold: float = Field(default=8.0, gt=0)
-    """Act when loss > median + threshold * 1.4826 * MAD of the window (a robust z-score)."""
-    window: int = Field(default=50, ge=5, le=_MAX_WINDOW)
-    """Steps in the running baseline; no verdict until it is full."""
+    """Act when (loss - median) / (1.4826 * MAD) of the window exceeds this."""
     action: Action = "rollback"
-    after_step: int = Field(default=0, ge=0, le=_MAX_STEPS)
     patience: int = Field(default=2, ge=1, le=_MAX_WINDOW)
-    """Consecutive spiking steps before acting: one noisy batch is not a divergence."""
+    """One noisy batch is not a divergence."""
 
 
-class GradSpikeMonitor(Section):
-    """The global gradient norm against the same kind of running baseline."""
+class GradSpikeMonitor(_SpikeMonitor):
+    """The global gradient norm against its running median, likewise."""
 
     threshold: float = Field(default=10.0, gt=0)
-    window: int = Field(default=50, ge=5, le=_MAX_WINDOW)
-    action: Action = "warn"
-    after_step: int = Field(default=0, ge=0, le=_MAX_STEPS)
-    patience: int = Field(default=1, ge=1, le=_MAX_WINDOW)
 
 
 class NonFiniteMonitor(Section):

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from factory.io import staged_directory
+from factory.runtime.monitors import Event
 from factory.runtime.report_plots import ACTION_COLOURS, CAPTIONS, MARKS, plots
 
 __all__ = [
@@ -66,18 +67,6 @@ class StepRecord:
     finite: bool
     max_vio: dict[str, float]
     residual_rms: dict[str, float]
-
-
-@dataclass(frozen=True)
-class Event:
-    update: int
-    step: int
-    monitor: str
-    action: str
-    message: str
-    value: float | None
-    threshold: float | None
-    layer: str | None
 
 
 @dataclass(frozen=True)
