@@ -16,6 +16,7 @@ The jobs the CLI runs are library calls (``factory.jobs``)::
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -61,8 +62,6 @@ def __getattr__(name: str) -> Any:
     module_name = _LAZY.get(name)
     if module_name is None:
         raise AttributeError(f"module 'factory' has no attribute {name!r}")
-    import importlib
-
     if module_name == __name__:
         value = importlib.import_module(f"{__name__}.{name}")
     else:

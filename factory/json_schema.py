@@ -12,7 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from factory.io import atomic_write_text
 from factory.schemas.blueprint import Blueprint
+from factory.schemas.data_recipe import DataRecipe
 
 __all__ = ["render_schemas", "write_schemas"]
 
@@ -64,8 +66,6 @@ def render_schemas() -> dict[str, str]:
     schema = _allow_interpolation(schema)
     fragment = _without_required(copy.deepcopy(schema))
     fragment["title"] = "factory blueprint fragment"
-    from factory.schemas.data_recipe import DataRecipe
-
     recipe = DataRecipe.model_json_schema()
     recipe["$schema"] = schema["$schema"]
     recipe["title"] = "factory data recipe"
@@ -78,8 +78,6 @@ def render_schemas() -> dict[str, str]:
 
 
 def write_schemas(out: Path) -> list[Path]:
-    from factory.io import atomic_write_text
-
     written = []
     for name, text in render_schemas().items():
         atomic_write_text(out / name, text)

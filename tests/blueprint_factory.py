@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from factory.checks.registry import Finding
+from factory.checks import RULES, Finding
 from factory.schemas import Blueprint
 
 __all__ = ["BASE", "DELETE", "assert_fires", "findings", "make"]
@@ -61,11 +61,7 @@ def make(**overrides: Any) -> Blueprint:
 
 
 def findings(rule_name: str, bp: Blueprint) -> list[Finding]:
-    """What one registered rule says about ``bp``."""
-    from factory.checks.registry import RULES, run_rules
-
-    if rule_name not in RULES:
-        run_rules(bp)  # imports every rule module, registering the rules
+    """What one registered rule says about ``bp`` (``factory.checks`` registers them all)."""
     return list(RULES[rule_name].check(bp))
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from blueprint_factory import DELETE, assert_fires, findings, make
 
-from factory.checks import model_rules
-from factory.checks.registry import RULES, run_rules
+from factory.checks import RULES, model_rules, run_rules
 
 MODEL_RULES = sorted(name for name in RULES if name.startswith("model."))
 

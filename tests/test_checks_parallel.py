@@ -9,8 +9,7 @@ from __future__ import annotations
 import pytest
 from blueprint_factory import DELETE, assert_fires, findings, make
 
-from factory.checks import parallel_rules  # noqa: F401  (registers the rules)
-from factory.checks.registry import RULES
+from factory.checks import RULES
 
 PARALLEL_RULES = sorted(name for name in RULES if name.startswith("parallelism."))
 FOUR_STAGES = "M*|ME|-M|*ME"

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 from blueprint_factory import assert_fires, findings, make
 
-from factory.checks import precision_rules  # noqa: F401  (registers the rules)
-from factory.checks.registry import RULES
+from factory.checks import RULES
 
 PRECISION_RULES = sorted(name for name in RULES if name.startswith("precision."))
 HP = "precision.high_precision"

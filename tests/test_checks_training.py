@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 from blueprint_factory import DELETE, assert_fires, findings, make
 
-from factory.checks import training_rules
-from factory.checks.registry import RULES
+from factory.checks import RULES, training_rules
 
 TRAINING_RULES = sorted(
     name for name, r in RULES.items() if r.check.__module__ == training_rules.__name__

@@ -1,0 +1,33 @@
+"""Cross-field rules: every rule module is imported here, so importing ``factory.checks``
+registers them all, and :func:`run_rules` runs them.
+
+Add a rule module by importing it below (alphabetical order is the order rules
+register, run and report in). The registry itself (``factory.checks.registry``)
+imports no rule module; the rule modules import it.
+"""
+
+from __future__ import annotations
+
+from factory.checks import (
+    data_rules,
+    memory_rules,
+    model_rules,
+    parallel_rules,
+    precision_rules,
+    training_rules,
+)
+from factory.checks.registry import RULES, Finding, Rule, rule, run_rules
+
+__all__ = [
+    "RULES",
+    "Finding",
+    "Rule",
+    "data_rules",
+    "memory_rules",
+    "model_rules",
+    "parallel_rules",
+    "precision_rules",
+    "rule",
+    "run_rules",
+    "training_rules",
+]

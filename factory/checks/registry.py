@@ -3,7 +3,9 @@
 A rule is a function from a validated :class:`Blueprint` to the findings it
 makes. Rules register themselves with :func:`rule`, so adding one never
 touches a central switch, and ``factory validate --rules`` can list them.
-Each finding names its rule and the numbers involved.
+Each finding names its rule and the numbers involved. The rule modules are
+listed in ``factory/checks/__init__.py``, which imports them all: importing any
+module of ``factory.checks`` registers every rule.
 """
 
 from __future__ import annotations
@@ -53,15 +55,9 @@ def rule(name: str) -> Callable[[RuleFn], RuleFn]:
 
 
 def run_rules(bp: Blueprint) -> list[tuple[Rule, Finding]]:
-    """Run every registered rule; findings come back in registration order."""
-    # Rule modules register on import; importing them here keeps callers simple.
-    from factory.checks import (  # noqa: F401
-        data_rules,
-        memory_rules,
-        model_rules,
-        parallel_rules,
-        precision_rules,
-        training_rules,
-    )
+    """Run every registered rule; findings come back in registration order.
 
+    Every rule is registered by then: Python runs ``factory/checks/__init__.py``,
+    which imports every rule module, before this module.
+    """
     return [(r, finding) for r in RULES.values() for finding in r.check(bp)]

@@ -1,8 +1,9 @@
 """The ``factory`` command.
 
-Each subcommand lives in its own module and registers on :data:`app`. Bad
-input never shows a traceback: it prints ``file:line: path: message`` lines
-and exits with status 2.
+Each subcommand lives in its own module and registers on :data:`app`
+(``factory.cli.root``); importing this module imports every command module, so
+they are all registered. Bad input never shows a traceback: it prints
+``file:line: path: message`` lines and exits with status 2.
 """
 
 from __future__ import annotations
@@ -12,6 +13,19 @@ import sys
 
 import typer
 
+# Importing a command module registers its command on `app`; the order is --help's.
+from factory.cli import (  # noqa: F401
+    build_cmd,
+    data_cmd,
+    export_cmd,
+    plan_cmd,
+    report_cmd,
+    schema_cmd,
+    train_cmd,
+    validate_cmd,
+)
+from factory.cli.output import print_diagnostics
+from factory.cli.root import app
 from factory.errors import BlueprintError
 
 __all__ = ["app", "main"]
@@ -19,32 +33,10 @@ __all__ = ["app", "main"]
 EXIT_USAGE = 2
 """Click's status for usage mistakes: unknown command or option, missing argument."""
 
-app = typer.Typer(
-    name="factory",
-    help="Blueprints in: training graphs, plans, exports and data shards out.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
-
-def _register() -> None:
-    # Importing a command module registers its command on `app`.
-    from factory.cli import (  # noqa: F401
-        build_cmd,
-        data_cmd,
-        export_cmd,
-        plan_cmd,
-        report_cmd,
-        schema_cmd,
-        train_cmd,
-        validate_cmd,
-    )
-
 
 def _click_errors() -> tuple[type[Exception], ...]:
     """Click's exception base, and Typer's where Typer vendors its own copy of click."""
-    import click
+    import click  # deferred: Typer uses its vendored copy, so this is a second, slow import
 
     vendored = getattr(getattr(typer, "exceptions", None), "TyperException", None)
     return (click.ClickException, vendored) if vendored else (click.ClickException,)
@@ -69,15 +61,12 @@ def _show_click_error(exc: Exception) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
-    _register()
     try:
         # Without standalone mode, click returns an Exit's code instead of raising it.
         result = app(args=argv, prog_name="factory", standalone_mode=False)
     except typer.Exit as exc:
         return exc.exit_code
     except BlueprintError as exc:
-        from factory.cli.output import print_diagnostics
-
         print_diagnostics(exc.diagnostics)
         return 2
     except (typer.Abort, KeyboardInterrupt):

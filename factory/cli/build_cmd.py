@@ -7,9 +7,11 @@ from typing import Annotated
 
 import typer
 
-from factory.cli.app import app
 from factory.cli.output import print_diagnostics
+from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
+from factory.jobs.build import build as build_job
+from factory.jobs.progress import RichProgress
 
 
 @app.command()
@@ -23,8 +25,6 @@ def build(
     """Validate, plan, and write resolved.yaml, plan.json, report.md, report.html and data/."""
     from rich.console import Console
 
-    from factory.jobs.build import build as build_job
-    from factory.jobs.progress import RichProgress
     from factory.loading.load import load
 
     console = Console(stderr=True)

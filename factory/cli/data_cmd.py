@@ -7,7 +7,10 @@ from typing import Annotated
 
 import typer
 
-from factory.cli.app import app
+from factory.cli.root import app
+from factory.data.inspect import inspect_table, write_share_plot
+from factory.data.manifest import verify
+from factory.jobs.progress import RichProgress
 
 data_app = typer.Typer(help="Build, verify and inspect curated data shards.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
@@ -23,7 +26,6 @@ def build_cmd(
     from rich.console import Console
 
     from factory.data.pipeline import build
-    from factory.jobs.progress import RichProgress
 
     with RichProgress(Console(stderr=True)) as progress:
         manifest = build(recipe, out, workers=workers, progress=progress)
@@ -37,8 +39,6 @@ def build_cmd(
 @data_app.command("verify")
 def verify_cmd(directory: Annotated[Path, typer.Argument(help="A built data folder.")]) -> None:
     """Re-hash every shard against manifest.json; exit 1 and name each bad shard."""
-    from factory.data.manifest import verify
-
     bad = verify(directory)
     for name in bad:
         typer.echo(f"bad shard: {name}", err=True)
@@ -55,8 +55,6 @@ def inspect_cmd(
     """Token shares per category and per source: a table, and a PNG (default DIR/shares.png)."""
     from rich.console import Console
     from rich.table import Table
-
-    from factory.data.inspect import inspect_table, write_share_plot
 
     table = Table(title=f"{directory}: token shares")
     for column, justify in (

@@ -7,9 +7,11 @@ from typing import Annotated
 
 import typer
 
-from factory.cli.app import app
+import factory
 from factory.cli.output import EXIT_INVALID
+from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
+from factory.io import atomic_write_text
 
 export_app = typer.Typer(
     help="Export a blueprint's model for another engine.", no_args_is_help=True
@@ -34,7 +36,6 @@ def export_hf_cmd(
     overrides: SetOption = None,
 ) -> None:
     """Write config.json and model.safetensors that transformers loads as NemotronHForCausalLM."""
-    import factory
     from factory.exports.hf import export_hf
     from factory.exports.hf_config import ExportError, hf_config
     from factory.graph.weights import load_weights
@@ -68,7 +69,6 @@ def import_hf_cmd(
 ) -> None:
     """Write a blueprint reproducing a NemotronH checkpoint; it starts from that checkpoint's weights."""
     from factory.exports.hf_import import blueprint_yaml_from_hf
-    from factory.io import atomic_write_text
 
     atomic_write_text(out, blueprint_yaml_from_hf(directory))
     typer.echo(f"wrote {out}")

@@ -7,9 +7,10 @@ from typing import Annotated
 
 import typer
 
-from factory.cli.app import app
 from factory.cli.output import print_diagnostics
+from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
+from factory.planner.report import rich_tables
 
 
 @app.command()
@@ -44,8 +45,6 @@ def plan(
         typer.echo(json.dumps(result, indent=2))
         return
     from rich.console import Console
-
-    from factory.planner.report import rich_tables
 
     console = Console()
     console.print(f"[bold]{blueprint.meta.name}[/bold]: {blueprint.meta.description}")

@@ -8,9 +8,8 @@ from typing import Annotated
 
 import typer
 
-from factory.cli.app import app
 from factory.cli.output import EXIT_INVALID
-from factory.runtime.report import ReportError, write_report
+from factory.cli.root import app
 
 
 @app.command()
@@ -26,6 +25,10 @@ def report(
 
     Works on a live run too: a last line the run is still writing is skipped.
     """
+    # Deferred: this module loads pydantic (the monitors' schemas); every command module is
+    # imported at startup, and `factory validate` does not need it.
+    from factory.runtime.report import ReportError, write_report
+
     try:
         page = write_report(run_dir, out)
     except ReportError as exc:

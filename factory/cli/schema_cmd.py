@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from factory.cli.app import app
+from factory.cli.root import app
 
 
 @app.command()

@@ -7,9 +7,10 @@ from typing import Annotated
 
 import typer
 
-from factory.cli.app import app
 from factory.cli.output import EXIT_INVALID, print_diagnostics
+from factory.cli.root import app
 from factory.errors import BlueprintError, Diagnostic
+from factory.loading.shipped import shipped_dir, shipped_names
 
 SetOption = Annotated[
     list[str] | None,
@@ -20,7 +21,6 @@ SetOption = Annotated[
 def _default_targets(with_recipes: bool) -> list[tuple[str, Path | None]]:
     """Every preset and, unless overrides were given (they address blueprints), every recipe."""
     from factory.loading.load import preset_names
-    from factory.loading.shipped import shipped_dir, shipped_names
 
     targets: list[tuple[str, Path | None]] = [(name, None) for name in preset_names()]
     if with_recipes:

@@ -11,6 +11,7 @@ Stages, in order: read (``readers``) -> format (``formatting``) -> filter
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 __all__ = ["LoadedRecipe", "build", "load_recipe"]
@@ -32,8 +33,6 @@ def __getattr__(name: str) -> Any:
     module_name = _LAZY.get(name)
     if module_name is None:
         raise AttributeError(f"module 'factory.data' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(module_name), name)
     globals()[name] = value
     return value

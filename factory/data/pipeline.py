@@ -20,14 +20,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from factory.data.energon import write_energon_metadata
+from factory.data.manifest import sha256_file, write_manifest
+from factory.data.megatron_index import IndexedDatasetWriter
+from factory.data.mixing import plan_mixture
+from factory.data.readers import expand_source_paths
 from factory.data.recipe_loading import LoadedRecipe, load_recipe, with_seq_len
 from factory.data.stage_curate import UnitTask, curate_unit
+from factory.data.stage_dedup import dedup_units
+from factory.data.stage_write import MixedStream, tokens_per_source, write_shards
+from factory.data.tokenize import DocumentTokenizer
 from factory.data.unit_io import read_unit_stats, unit_done
+from factory.io import atomic_write_text
 from factory.jobs.progress import Progress, silent
 
 __all__ = ["build", "recipe_hash"]
@@ -40,8 +50,6 @@ def recipe_hash(loaded: LoadedRecipe) -> str:
 
 
 def _tasks(loaded: LoadedRecipe, work: Path) -> list[UnitTask]:
-    from factory.data.readers import expand_source_paths
-
     recipe = loaded.recipe
     tokenizer = loaded.resolve(recipe.tokenizer.path) if recipe.tokenizer.path else None
     benchmarks = tuple(loaded.resolve(b) for b in recipe.decontam.benchmarks)
@@ -96,8 +104,6 @@ def _run_units(tasks: list[UnitTask], workers: int, progress: Progress) -> None:
             done += 1
             progress("curate", done, len(tasks))
         return
-    import multiprocessing
-
     # fork: workers inherit the imported modules; the tokenizer is only ever
     # loaded inside a worker, so there is no Rust thread pool to fork over.
     with multiprocessing.get_context("fork").Pool(min(workers, len(pending))) as pool:
@@ -136,11 +142,6 @@ def build(
 
 
 def _build(loaded: LoadedRecipe, out: Path, workers: int, progress: Progress) -> dict[str, Any]:
-    from factory.data.mixing import plan_mixture
-    from factory.data.stage_dedup import dedup_units
-    from factory.data.stage_write import MixedStream, tokens_per_source, write_shards
-    from factory.data.tokenize import DocumentTokenizer
-
     recipe = loaded.recipe
     digest = recipe_hash(loaded)
     out.mkdir(parents=True, exist_ok=True)
@@ -162,8 +163,6 @@ def _build(loaded: LoadedRecipe, out: Path, workers: int, progress: Progress) ->
     tokenizer = DocumentTokenizer(tokenizer_path, eos=recipe.tokenizer.eos)
     megatron = None
     if recipe.output.megatron:
-        from factory.data.megatron_index import IndexedDatasetWriter
-
         (out / "megatron").mkdir(exist_ok=True)
         megatron = IndexedDatasetWriter(
             out / "megatron" / recipe.name, vocab_size=tokenizer.vocab_size
@@ -182,22 +181,16 @@ def _build(loaded: LoadedRecipe, out: Path, workers: int, progress: Progress) ->
     if megatron is not None:
         megatron.finalize()
     if recipe.output.energon:
-        from factory.data.energon import write_energon_metadata
-
         write_energon_metadata(out, [s["name"] for s in shards], [s["samples"] for s in shards])
     manifest = _manifest(
         loaded, digest, tasks, units, dedup, plans, stream, shards, packing, tokenizer
     )
     _write_quarantine(out, tasks)
-    from factory.data.manifest import write_manifest
-
     write_manifest(out, manifest)
     return manifest
 
 
 def _write_quarantine(out: Path, tasks: list[UnitTask]) -> None:
-    from factory.io import atomic_write_text
-
     lines = [
         json.dumps(q, sort_keys=True)
         for t in tasks
@@ -261,8 +254,6 @@ def _manifest(
         agg = categories.setdefault(entry["category"], {"documents": 0, "tokens": 0})
         agg["documents"] += entry["after"]["documents"]
         agg["tokens"] += entry["after"]["tokens"]
-    from factory.data.manifest import sha256_file
-
     return {
         "recipe": {"name": recipe.name, "sha256": digest, "seed": recipe.seed},
         "tokenizer": {"sha256": sha256_file(tokenizer.path), "vocab_size": tokenizer.vocab_size},

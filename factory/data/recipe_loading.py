@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
+from factory.data.readers import expand_source_paths
 from factory.errors import BlueprintError, Diagnostic, SourceMap, did_you_mean
 from factory.loading.paths import join_path
 from factory.loading.shipped import resolve_named_yaml, shipped_names
@@ -42,8 +43,6 @@ class LoadedRecipe:
 
 def load_recipe(name_or_path: str | Path) -> LoadedRecipe:
     """Parse and validate; missing inputs fail here, before any work starts."""
-    from factory.data.readers import expand_source_paths
-
     source = resolve_recipe(name_or_path).resolve()
     try:
         shown = str(source.relative_to(Path.cwd().resolve()))

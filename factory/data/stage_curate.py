@@ -16,6 +16,7 @@ from typing import Any
 from factory.data.document import Document, RawRecord
 from factory.data.readers import Quarantined, iter_records
 from factory.data.steps import Chain, build_chain
+from factory.data.tokenize import DocumentTokenizer
 from factory.data.unit_io import CuratedDoc, UnitWriter
 from factory.schemas.data_recipe import DataRecipe
 
@@ -63,7 +64,6 @@ class _Counts:
 def curate_unit(task: UnitTask) -> dict[str, Any]:
     from factory.data.decontam import NgramIndex
     from factory.data.dedup import MinHasher, content_hash, prepare
-    from factory.data.tokenize import DocumentTokenizer
 
     recipe = task.recipe
     source = recipe.sources[task.source_index]

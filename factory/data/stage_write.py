@@ -20,6 +20,7 @@ import numpy as np
 
 from factory.data.mixing import SourcePlan, repeats
 from factory.data.packing import PackedSample, PackingStats, TokenizedDoc, pack_best_fit_decreasing
+from factory.data.shards import write_shard
 from factory.data.stage_dedup import read_keep_mask
 from factory.data.unit_io import read_unit
 
@@ -86,8 +87,6 @@ def write_shards(
     on_document: Callable[[np.ndarray], None] | None = None,
 ) -> tuple[list[dict], PackingStats]:
     """Write ``shards/shard-NNNNNN.tar``; return [{name, sha256, samples}] and packing stats."""
-    from factory.data.shards import write_shard
-
     receipts_path = out / ".work" / "shards.json"
     receipts: dict[str, dict] = (
         json.loads(receipts_path.read_text(encoding="utf-8")) if receipts_path.is_file() else {}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+import factory.data_recipes
 from factory.data.document import Document
 from factory.data.packing import TokenizedDoc
 
@@ -22,8 +23,6 @@ PAD = "<pad>"
 
 
 def _default_tokenizer() -> Path:
-    import factory.data_recipes
-
     return Path(factory.data_recipes.__file__).parent / "tokenizer" / "tokenizer.json"
 
 

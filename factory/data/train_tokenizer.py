@@ -39,6 +39,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from factory.data.samples import DEFAULT_COUNTS, sample_file
+
 __all__ = [
     "DEFAULT_SAMPLES",
     "DEFAULT_TOKENIZER",
@@ -88,8 +90,6 @@ def corpus_texts(samples_dir: Path = DEFAULT_SAMPLES) -> Iterator[str]:
     Records with a planted defect (junk, duplicates, leaks) are skipped, as a
     curated corpus would skip them; ``benchmarks.jsonl`` is not read.
     """
-    from factory.data.samples import DEFAULT_COUNTS, sample_file
-
     for category in DEFAULT_COUNTS:
         path = Path(samples_dir) / sample_file(category)
         opener = gzip.open if path.suffix == ".gz" else open

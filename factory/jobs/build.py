@@ -20,7 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from factory.io import staged_directory
 from factory.jobs.progress import Progress, silent
+from factory.planner.report import markdown_report
+from factory.planner.report_html import html_report
 
 if TYPE_CHECKING:
     from factory.planner.plan import Plan
@@ -58,7 +61,6 @@ def build(
     only when the whole build succeeds.
     """
     from factory.data.pipeline import build as build_data
-    from factory.io import staged_directory
     from factory.planner.plan import plan as make_plan
 
     report = progress or silent
@@ -87,8 +89,6 @@ def _write_reports(
     """resolved.yaml, plan.json, report.md and report.html into ``folder``."""
     import yaml
 
-    from factory.planner.report import markdown_report
-    from factory.planner.report_html import html_report
     from factory.schemas.parallelism import GPU_SPECS
 
     resolved = yaml.safe_dump(blueprint.model_dump(mode="json"), sort_keys=False)

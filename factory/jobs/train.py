@@ -32,6 +32,8 @@ import typing
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import factory
+from factory.io import atomic_write_text
 from factory.jobs.progress import Progress, silent
 
 if TYPE_CHECKING:
@@ -254,7 +256,6 @@ class _Job:
         return folder
 
     def _train(self, shards: Path, device: str) -> tuple[Compiled, LoopResult]:
-        import factory
         from factory.runtime.checkpoint import CheckpointError, complete_checkpoints
         from factory.runtime.loader import DataError, ShardLoader
         from factory.runtime.loop import RunOptions
@@ -293,7 +294,6 @@ class _Job:
     ) -> None:
         """train.json, the Hugging Face checkpoint in model/ and the report, each whole."""
         from factory.exports.hf import export_hf
-        from factory.io import atomic_write_text
         from factory.runtime.report import ReportError, write_report
 
         summary = {

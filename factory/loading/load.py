@@ -5,18 +5,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from factory.checks import RULES, Finding, Rule, run_rules
 from factory.errors import BlueprintError, Diagnostic, SourceMap
 from factory.loading.compose import compose
 from factory.loading.shipped import resolve_named_yaml, shipped_names
 from factory.loading.validation_errors import diagnostics_from_validation_error
 from factory.schemas.blueprint import Blueprint
-
-if TYPE_CHECKING:
-    from factory.checks.registry import Finding, Rule
 
 __all__ = ["LoadedBlueprint", "load", "load_blueprint", "preset_names", "resolve_source"]
 
@@ -54,8 +51,6 @@ def _run_rules(bp: Blueprint) -> list[tuple[Rule, Finding]]:
     when other rules found errors (those explain it); on a blueprint no rule
     faults it is a bug and propagates.
     """
-    from factory.checks.registry import RULES, run_rules
-
     try:
         return run_rules(bp)
     except Exception as exc:
