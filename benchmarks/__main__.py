@@ -20,6 +20,10 @@ BENCHMARKS = {
         "benchmarks.nvfp4_replication",
         "Super CPU proxy trained in NVFP4 (with/without Hadamard, SR) vs BF16: loss gap",
     ),
+    "train": (
+        "benchmarks.train",
+        "CPU proxy training step split into data/fwd/bwd/optimizer, with sync/async checkpoints",
+    ),
     "data_pipeline": (
         "benchmarks.data_pipeline",
         "data build throughput vs DataTrove and vs the tokenizer alone",
