@@ -107,7 +107,8 @@ class Checkpointer:
         started = time.perf_counter()
         if self.async_save:
             with _single_process_quiet():
-                future = dcp.async_save(_clone(state), checkpoint_id=str(tmp), no_dist=_no_dist())
+                # DCP stages (copies) the tensors before returning: training may go on.
+                future = dcp.async_save(state, checkpoint_id=str(tmp), no_dist=_no_dist())
             self.pending = _Pending(future, tmp, final, meta, _clone(local), started)
         else:
             with _single_process_quiet():
