@@ -62,7 +62,7 @@ class Section(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
         frozen=True,
-        use_attribute_docstrings=True,
+        use_attribute_docstrings=False,  # factory.json_schema reads them when writing schemas
         validate_default=True,
         allow_inf_nan=False,
     )
