@@ -21,7 +21,7 @@ from factory.io import atomic_write_text
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.data_recipe import DataRecipe
 
-__all__ = ["render_schemas", "write_schemas"]
+__all__ = ["described_schema", "render_schemas", "write_schemas"]
 
 _EXTENDS = {
     "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
@@ -123,16 +123,21 @@ def _described(schema: dict[str, Any], root: type[BaseModel]) -> dict[str, Any]:
     return schema
 
 
+def described_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """``model``'s JSON Schema with every field's attribute docstring as its description."""
+    return _described(model.model_json_schema(), model)
+
+
 def render_schemas() -> dict[str, str]:
     """File name -> JSON text, deterministic (sorted keys, trailing newline)."""
-    schema = _described(Blueprint.model_json_schema(), Blueprint)
+    schema = described_schema(Blueprint)
     schema["properties"]["extends"] = _EXTENDS
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "factory blueprint"
     schema = _allow_interpolation(schema)
     fragment = _without_required(copy.deepcopy(schema))
     fragment["title"] = "factory blueprint fragment"
-    recipe = _described(DataRecipe.model_json_schema(), DataRecipe)
+    recipe = described_schema(DataRecipe)
     recipe["$schema"] = schema["$schema"]
     recipe["title"] = "factory data recipe"
     docs = (

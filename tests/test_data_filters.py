@@ -345,7 +345,9 @@ def test_heuristic_thresholds_are_validated(values: dict[str, Any], message: str
 
 def test_every_threshold_is_a_recipe_field_with_a_description() -> None:
     """No threshold is a constant in filters.py: each is settable in YAML and documented."""
-    params = HeuristicFilter.model_json_schema()["properties"]
+    from factory.json_schema import described_schema
+
+    params = described_schema(HeuristicFilter)["properties"]
     for name in ("max_top_ngram_fraction", "max_duplicate_ngram_fraction", "min_words"):
         assert params[name]["description"]
     # As YAML writes it: a list of [n, fraction] lists.
