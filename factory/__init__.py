@@ -16,8 +16,9 @@ The jobs the CLI runs are library calls (``factory.jobs``)::
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from factory.lazy import lazy_getattr
 
 __version__ = "0.1.0"
 __all__ = [
@@ -58,13 +59,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'factory' has no attribute {name!r}")
-    if module_name == __name__:
-        value = importlib.import_module(f"{__name__}.{name}")
-    else:
-        value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

@@ -11,8 +11,9 @@ Stages, in order: read (``readers``) -> format (``formatting``) -> filter
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from factory.lazy import lazy_getattr
 
 __all__ = ["LoadedRecipe", "build", "load_recipe"]
 
@@ -29,10 +30,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'factory.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module_name), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
