@@ -1,6 +1,7 @@
 """One tensor of the model, described without torch.
 
-A :class:`TensorSpec` says everything the rest of factory needs to know about
+A :class:`TensorSpec` (an immutable named tuple: the Ultra spec has thousands,
+and ``factory validate`` builds the spec of every preset) says everything the rest of factory needs to know about
 a parameter: its name in the graph's ``state_dict``, its shape, what it is
 (:class:`Role`), the dtype it is kept in, how tensor and expert parallelism
 split it, how it is initialised, and, for the weights of matrix products, the
@@ -10,9 +11,9 @@ constructors below, so a shape or a sharding rule is written once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import StrEnum
 from math import prod
+from typing import NamedTuple
 
 __all__ = [
     "Gemm",
@@ -48,8 +49,7 @@ class Role(StrEnum):
     """Mamba's per-head A_log, D and dt_bias."""
 
 
-@dataclass(frozen=True)
-class Split:
+class Split(NamedTuple):
     """How tensor parallelism splits a tensor: along ``dim``, in ``segments`` split separately.
 
     ``kind`` is Megatron's vocabulary: ``column`` splits a linear's output
@@ -65,8 +65,7 @@ class Split:
     segments: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
-class Init:
+class Init(NamedTuple):
     """An initialisation rule: ``kind`` names it, ``args`` are its numbers.
 
     Kinds: ``normal`` (std), ``scaled_normal`` (std / sqrt(2 * layers),
@@ -80,8 +79,7 @@ class Init:
     args: tuple[float, ...] = ()
 
 
-@dataclass(frozen=True)
-class Gemm:
+class Gemm(NamedTuple):
     """The matrix product a weight feeds: ``in_features`` -> ``out_features``, ``uses`` times
     per token (top_k for routed experts), and whether the precision policy may quantize it."""
 
@@ -91,8 +89,7 @@ class Gemm:
     quantizable: bool = True
 
 
-@dataclass(frozen=True)
-class TensorSpec:
+class TensorSpec(NamedTuple):
     name: str
     """Full name, exactly the key in the built graph's ``state_dict``."""
     shape: tuple[int, ...]
@@ -156,6 +153,10 @@ class TensorSpec:
         return 0
 
 
+_SPLIT_DIM = {"column": 0, "vocab": 0, "heads": 0, "row": 1}
+"""The weight dimension each tensor-parallel kind splits ([out, in] weights)."""
+
+
 def linear(
     module: str,
     in_features: int,
@@ -174,12 +175,8 @@ def linear(
     (split inputs; the bias is added after the all-reduce, so it is replicated),
     ``vocab`` or ``none``.
     """
-    weight_split = {
-        "column": Split("column", 0, segments),
-        "vocab": Split("vocab", 0),
-        "heads": Split("heads", 0, segments),
-        "row": Split("row", 1, segments),
-    }.get(tp)
+    dim = _SPLIT_DIM.get(tp)
+    weight_split = None if dim is None else Split(tp, dim, segments if tp != "vocab" else ())
     weight = TensorSpec(
         f"{module}.weight",
         (out_features, in_features),
