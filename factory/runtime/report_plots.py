@@ -76,15 +76,16 @@ def _mark(ax: Any, metrics: RunMetrics, on_map: bool = False) -> None:
         ax.annotate("", (start, 0.94), (stop, 0.94), xycoords=across, arrowprops=arrow)
     for action in _actions(metrics):
         updates = [e.update for e in metrics.events if e.action == action]
-        if (
-            action == "warn"
-        ):  # a run may warn thousands of times: tick above the frame, off the data
+        if action == "warn":  # a run may warn thousands of times: tick above the frame
             ticks = [1.0] * len(updates)
             ax.plot(updates, ticks, transform=across, clip_on=False, **WARN)
         else:
             ax.vlines(updates, 0, 1, transform=across, colors=_colour(action), lw=1.2, alpha=0.8)
     if metrics.checkpoints:
-        ticks = [c.update for c in metrics.checkpoints]
+        # A checkpoint is taken between updates (its ``update`` is the next one); the one
+        # written at the end sits on the last update, inside the frame.
+        right = limits[0][1]
+        ticks = [min(c.update - 0.5, right) for c in metrics.checkpoints]
         ax.plot(ticks, [0.0] * len(ticks), transform=across, clip_on=False, **CHECKPOINT)
     # vlines and plot in axes units would otherwise stretch the data limits
     ax.set_xlim(*limits[0])
