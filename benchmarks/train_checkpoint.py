@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+from factory.runtime.checkpoint import clone_tensors
 
 __all__ = ["Saves", "save_async", "save_async_idle", "save_sync", "steps_under_async_save"]
 
@@ -52,16 +52,8 @@ def save_sync(trainer: Trainer, root: Path, saves: Saves) -> None:
     saves.snapshot.append(snapped - start)
     saves.size = _folder_bytes(path)
     start = time.perf_counter()
-    _clone(state)
+    clone_tensors(state)
     saves.clone.append(time.perf_counter() - start)
-
-
-def _clone(state: Any) -> Any:
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    if isinstance(state, dict):
-        return {k: _clone(v) for k, v in state.items()}
-    return state
 
 
 def save_async(trainer: Trainer, ckpt: Any, saves: Saves) -> float:

@@ -21,6 +21,7 @@ def layer_symbols() -> dict[str, str]:
     """Registered layer symbols mapped to their layer-type names (``factory.layers``)."""
     return {symbol: kind.name for symbol, kind in LAYER_TYPES.items()}
 
+
 PIPE = "|"
 MTP_SEPARATOR = "/"
 # Symbols Megatron knows but factory does not build, so the error can say why.
@@ -63,9 +64,7 @@ class HybridPattern:
             if char in _MEGATRON_ONLY:
                 raise PatternError(
                     f"symbol {char!r} at position {position} ({_MEGATRON_ONLY[char]}) is "
-                    "Megatron's but not built by factory; use "
-                    + " ".join(known)
-                    + " | /",
+                    "Megatron's but not built by factory; use " + " ".join(known) + " | /",
                     position,
                 )
             legend = ", ".join(f"{symbol} ({name})" for symbol, name in known.items())

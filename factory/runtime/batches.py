@@ -281,13 +281,8 @@ def build_shards(blueprint: Blueprint, out: Path, workers: int = 1) -> Path:
     this again on the same folder reuses the curated intermediates.
     """
     from factory.data.pipeline import build
-    from factory.data.recipe_loading import load_recipe, with_seq_len
 
-    build(
-        with_seq_len(load_recipe(blueprint.data.recipe), blueprint.data.seq_len),
-        out,
-        workers=workers,
-    )
+    build(blueprint.data.recipe, out, workers=workers, seq_len=blueprint.data.seq_len)
     return out
 
 

@@ -37,7 +37,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-__all__ = ["CheckpointError", "Checkpointer", "complete_checkpoints", "load", "read_meta"]
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "clone_tensors",
+    "complete_checkpoints",
+    "load",
+    "read_meta",
+]
 
 _NAME = re.compile(r"^step_(\d{8,})$")
 
@@ -58,12 +65,12 @@ def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _clone(state: Any) -> Any:
+def clone_tensors(state: Any) -> Any:
     """A copy of every tensor, so training may change the originals during an async write."""
     if isinstance(state, torch.Tensor):
         return state.detach().clone()
     if isinstance(state, dict):
-        return {k: _clone(v) for k, v in state.items()}
+        return {k: clone_tensors(v) for k, v in state.items()}
     return state
 
 
@@ -109,7 +116,7 @@ class Checkpointer:
             with _single_process_quiet():
                 # DCP stages (copies) the tensors before returning: training may go on.
                 future = dcp.async_save(state, checkpoint_id=str(tmp), no_dist=_no_dist())
-            self.pending = _Pending(future, tmp, final, meta, _clone(local), started)
+            self.pending = _Pending(future, tmp, final, meta, clone_tensors(local), started)
         else:
             with _single_process_quiet():
                 dcp.save(state, checkpoint_id=str(tmp), no_dist=_no_dist())

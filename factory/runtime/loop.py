@@ -273,6 +273,7 @@ def _rollback(run: _Run, display: StepDisplay) -> bool:
     run.ckpt.wait()
     consumed, update, rollbacks, from_step = p.consumed, p.update, p.rollbacks, p.step
     position, _ = restore(target, run.compiled, run.optimizer, run.monitors)
+    skipped = consumed - position.consumed  # the window that led to the trouble
     # The refused attempt keeps its update number: updates count attempts, monotonically.
     position.consumed, position.update, position.rollbacks = consumed, update + 1, rollbacks + 1
     anneal_steps = max(1, round(cfg.anneal_fraction * run.steps))
@@ -280,7 +281,6 @@ def _rollback(run: _Run, display: StepDisplay) -> bool:
     position.anneal = Anneal(start=position.step, rate=rate, steps=anneal_steps)
     run.position = position
     run.batches.seek(consumed)  # the window that led to the trouble is skipped
-    skipped = consumed - checkpoint.read_meta(target)["position"]["consumed"]
     run.metrics.write(
         "rollback", update=update, from_step=from_step, to_step=position.step,
         skipped_samples=skipped, anneal_steps=anneal_steps,
