@@ -1,0 +1,83 @@
+"""Run a function on N gloo processes of this machine, with a timeout, for the distributed tests.
+
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` spawned processes
+that each join one gloo process group and call ``fn(rank, world_size, *args)``;
+it returns the values in rank order. An exception on any rank is re-raised
+here with that rank's traceback; a run past ``timeout`` seconds is killed and
+fails (a hung collective must fail the test, not stall CI). ``fn`` must be a
+top-level function of an importable module (a test module is).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT_S = 60
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _entry(
+    fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, out: Any
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
+    torch.set_num_threads(1)  # N processes share this machine's cores
+    try:
+        dist.init_process_group(
+            "gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        )
+        out.put((rank, True, fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, whatever it was
+        out.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180
+) -> list[Any]:
+    """``[fn(0, W, *args), ..., fn(W-1, W, *args)]``, each on its own gloo rank."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_entry, args=(fn, rank, world_size, port, args, out), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    try:
+        while len(results) < world_size:
+            try:
+                rank, ok, value = out.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(
+                    f"{world_size} ranks: no result within {timeout} s (a hang?); "
+                    f"got ranks {sorted(results)}"
+                ) from None
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return [results[rank] for rank in range(world_size)]
