@@ -8,6 +8,7 @@ dispatch and expert weights shrink by d/latent; the shared expert stays at d.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -17,7 +18,7 @@ from factory.graph.outputs import RoutedOutput
 from factory.kernels.moe_dispatch import Dispatch, ExpertLinear, grouped_mlp, route_tokens
 from factory.schemas.model import MoEConfig, RouterConfig
 
-__all__ = ["MoE", "RoutedExperts", "Router"]
+__all__ = ["ExpertDispatcher", "MoE", "RoutedExperts", "Router"]
 
 
 class Router(nn.Module):
@@ -105,17 +106,39 @@ class RoutedExperts(nn.Module):
         self.linear: ExpertLinear | None = None
         """Runs the expert GEMMs when set (``factory.precision`` installs quantized ones)."""
 
-    def forward(self, x: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Under expert parallelism the weights are ``Shard(0)`` DTensors and ``dispatch`` routes
+        over this rank's experts only, so the GEMMs take the local shards (``to_local`` hands
+        the gradient back to the DTensor). The dispatcher calls this module rather than
+        reading its weights so that module hooks (FSDP's gather and reshard) still run."""
+        gate = _local(self.gate_proj) if self.gate_proj is not None else None
         return grouped_mlp(
             x,
             dispatch,
-            self.up_proj,
-            self.down_proj,
+            _local(self.up_proj),
+            _local(self.down_proj),
             activation=self.activation,
-            gate=self.gate_proj,
+            gate=gate,
             weights=weights,
             linear=self.linear,
         )
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor weight, any other weight as it is. Duck-typed so that
+    single-process runs never import ``torch.distributed.tensor`` (over a second)."""
+    to_local = getattr(weight, "to_local", None)
+    return to_local() if to_local is not None else weight
+
+
+ExpertDispatcher = Callable[
+    [RoutedExperts, torch.Tensor, Dispatch, torch.Tensor, int | None], torch.Tensor
+]
+"""``(experts, x [T, d_in], dispatch, weights [T, k], capacity) -> [T, d_in]``: runs the routed
+experts in place of ``experts(x, dispatch, weights)``; ``capacity`` (None when dropless) is the
+per-expert count of pairs kept, the rest already carry weight 0."""
 
 
 class MoE(nn.Module):
@@ -134,16 +157,26 @@ class MoE(nn.Module):
         )
         self.fc1_latent_proj = nn.Linear(width, inner, bias=mlp_bias) if cfg.latent_size else None
         self.fc2_latent_proj = nn.Linear(inner, width, bias=mlp_bias) if cfg.latent_size else None
+        self.dispatcher: ExpertDispatcher | None = None
+        """Runs the routed experts when set: expert parallelism
+        (``factory.distributed.expert_parallel``) sends the kept pairs to the ranks holding
+        their experts. Routing, aux loss and capacity stay local either way."""
+
+    def capacity(self, dispatch: Dispatch) -> int | None:
+        """Pairs each expert keeps, ceil(cf * T * k / E); None without a capacity factor."""
+        if self.cfg.capacity_factor is None:
+            return None
+        return math.ceil(
+            self.cfg.capacity_factor * dispatch.num_tokens * dispatch.top_k / self.cfg.num_experts
+        )
 
     def _drop_over_capacity(self, dispatch: Dispatch, weights: torch.Tensor) -> torch.Tensor:
         """With a capacity factor, each expert keeps its first ceil(cf * T * k / E) assignments
         in token order (the dispatch's stable sort ranks them); the rest get weight 0 and the
         token keeps its residual path."""
-        if self.cfg.capacity_factor is None:
+        capacity = self.capacity(dispatch)
+        if capacity is None:
             return weights
-        capacity = math.ceil(
-            self.cfg.capacity_factor * dispatch.num_tokens * dispatch.top_k / self.cfg.num_experts
-        )
         kept = dispatch.unpermute(dispatch.rank_in_expert < capacity)
         return weights * kept.to(weights.dtype)
 
@@ -156,7 +189,10 @@ class MoE(nn.Module):
         dispatch = route_tokens(indices, self.cfg.num_experts)
         weights = self._drop_over_capacity(dispatch, weights)
         h = self.fc1_latent_proj(flat) if self.fc1_latent_proj is not None else flat
-        y = self.experts(h, dispatch, weights)
+        if self.dispatcher is None:
+            y = self.experts(h, dispatch, weights)
+        else:
+            y = self.dispatcher(self.experts, h, dispatch, weights, self.capacity(dispatch))
         if self.fc2_latent_proj is not None:
             y = self.fc2_latent_proj(y)
         if self.shared_experts is not None:
