@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -31,18 +32,16 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _entry(
-    fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, out: Any
-) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
     torch.set_num_threads(1)  # N processes share this machine's cores
     try:
-        dist.init_process_group(
-            "gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
-        )
-        out.put((rank, True, fn(rank, world, *args)))
-    except BaseException:  # noqa: BLE001 - reported to the parent, whatever it was
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        # Plain pickle: by value (torch's queue pickler shares storage through file
+        # descriptors, which die with this process).
+        out.put((rank, True, pickle.dumps(fn(rank, world, *args))))
+    except BaseException:  # reported to the parent, whatever it was
         out.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
@@ -74,7 +73,7 @@ def run_ranks(
                 ) from None
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for proc in procs:
             proc.join(timeout=10)

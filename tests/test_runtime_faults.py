@@ -51,12 +51,12 @@ def _run(
     original = loop.forward_backward
     attempts = {"n": 0}
 
-    def forward_backward(model: torch.nn.Module, micro: list, scale: float) -> Any:
+    def forward_backward(model: torch.nn.Module, micro: list, scale: float, ranks: Any) -> Any:
         n = attempts["n"]
         attempts["n"] += 1
         if before is not None:
             before(n, model)
-        out = original(model, micro, scale)
+        out = original(model, micro, scale, ranks)
         if after is not None:
             after(n, model)
         return out

@@ -140,7 +140,11 @@ def test_ranks_interleave_into_the_global_stream(data: Path) -> None:
         with ShardLoader(data, micro, seed=8, rank=rank, world_size=world) as loader:
             streams.append(ids(take(loader, steps)))
             assert loader.position == steps * micro * world  # every rank agrees
-    merged = [streams[g % world][g // world] for g in range(steps * micro * world)]
+    window = micro * world  # rank r takes the r-th block of `micro` samples of each window
+    merged = [
+        streams[g // micro % world][g // window * micro + g % micro]
+        for g in range(steps * micro * world)
+    ]
     assert merged == reference(8, 4)[: len(merged)]
 
 

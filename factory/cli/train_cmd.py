@@ -6,19 +6,26 @@ The job, its output folder and its refusals are documented in
 
 from __future__ import annotations
 
+import os
 import sys
 import typing
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from factory.cli.output import EXIT_INVALID, print_diagnostics
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
+from factory.jobs.launch import LaunchRefused, check_launch, launched_world_size, torchrun_command
 from factory.jobs.progress import RichProgress
 from factory.jobs.train import CheckpointPolicy, TrainRefused
 from factory.jobs.train import train as train_job
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from factory.schemas.blueprint import Blueprint
 
 PRECISION_HELP = "Backend of the precision policy: auto, emulate, te or off (factory.compile's)."
 """Names the backends for --help, which must not import torch; a test holds it to the Literal."""
@@ -78,6 +85,15 @@ def train(
         bool,
         typer.Option("--async-checkpoint", help="Write checkpoints in the background."),
     ] = False,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            "--nproc",
+            min=1,
+            help="Start N processes on this machine with torchrun (the same as "
+            "'torchrun --nproc-per-node N -m factory train ...').",
+        ),
+    ] = None,
     overrides: SetOption = None,
 ) -> None:
     """Train on the blueprint's data recipe with checkpoints and stability monitors; write
@@ -88,7 +104,17 @@ def train(
 
     console = Console(stderr=True)
     loaded = load(target, overrides or [])
-    print_diagnostics(loaded.warnings)
+    main_rank = os.environ.get("RANK", "0") == "0"
+    if main_rank:  # one copy of each message, not one per process
+        print_diagnostics(loaded.warnings)
+    if nproc is not None and launched_world_size() == 1:
+        raise typer.Exit(_relaunch(loaded.blueprint, proxy, nproc, console))
+    if proxy and launched_world_size() > 1 and main_rank:
+        from factory.proxy_layout import derive_proxy_layout
+
+        _, changes = derive_proxy_layout(loaded.blueprint, launched_world_size())
+        if changes:
+            console.print("proxy layout: " + "; ".join(changes), highlight=False)
     try:
         with RichProgress(console) as progress:
             result = train_job(
@@ -107,6 +133,8 @@ def train(
         console.print(f"factory train: {exc}", markup=False, soft_wrap=True)
         raise typer.Exit(EXIT_INVALID) from None
     name, records, history = result.blueprint.meta.name, result.records, result.history
+    if not main_rank:
+        raise typer.Exit(0 if history.end == "completed" else 1)
     if history.end != "completed":
         console.print(
             f"[red]{history.end}[/red]: {history.message}; resumable checkpoint and metrics in "
@@ -122,3 +150,33 @@ def train(
     report = result.out / "report" / "report.html"
     if report.is_file():
         console.print(f"report: {report}", highlight=False)
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` minus ``--nproc N`` / ``--nproc=N`` (the relaunched processes must not
+    relaunch)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            kept.append(arg)
+    return kept
+
+
+def _relaunch(blueprint: Blueprint, proxy: bool, nproc: int, console: Console) -> int:
+    """Check the layout against ``nproc`` here (exit 2 before any process starts), then run
+    torchrun; its exit status is ours."""
+    import subprocess
+
+    from factory.jobs.train import trained_blueprint
+
+    try:
+        check_launch(trained_blueprint(blueprint, proxy, nproc), nproc)
+    except LaunchRefused as exc:
+        console.print(f"factory train: {exc}", markup=False, soft_wrap=True)
+        return EXIT_INVALID
+    command = torchrun_command(nproc, _without_nproc(sys.argv[1:]))
+    return subprocess.call(command)

@@ -34,17 +34,20 @@ from typing import TYPE_CHECKING
 
 import factory
 from factory.io import atomic_write_text
+from factory.jobs.launch import LaunchRefused, check_launch, launched_world_size
 from factory.jobs.progress import Progress, silent
 
 if TYPE_CHECKING:
     from factory.graph.compile import Compiled, PrecisionBackend
     from factory.runtime.loop import StepRecord
     from factory.runtime.loop import TrainResult as LoopResult
+    from factory.runtime.ranks import Ranks
     from factory.schemas.blueprint import Blueprint
 
 __all__ = [
     "BackendUnavailable",
     "BadData",
+    "CannotLaunch",
     "CannotResume",
     "CheckpointPolicy",
     "ModelTooBig",
@@ -80,6 +83,11 @@ class BackendUnavailable(TrainRefused, ImportError):
 
 class CannotResume(TrainRefused):
     """Nothing to resume, a checkpoint of another model, or one that cannot be read."""
+
+
+class CannotLaunch(TrainRefused):
+    """The launch does not fit the blueprint's layout, or runs what factory's runtime does not
+    (``factory.jobs.launch``); refused before any process group is made."""
 
 
 class BadData(TrainRefused):
@@ -157,8 +165,12 @@ def train(
     :class:`CannotResume` or :class:`BadData` before any step, and ``ValueError``
     for a precision backend that does not exist.
     """
-    bp = _trained_blueprint(blueprint, proxy)
+    bp = trained_blueprint(blueprint, proxy, launched_world_size())
     _check_request(bp, proxy, precision)
+    try:
+        check_launch(bp, launched_world_size())
+    except LaunchRefused as exc:
+        raise CannotLaunch(str(exc)) from exc
     destination = (out or Path("runs") / bp.meta.name).resolve()
     run_seed = bp.training.seed if seed is None else seed
     job = _Job(
@@ -176,12 +188,14 @@ def train(
     return job.run()
 
 
-def _trained_blueprint(blueprint: Blueprint, proxy: bool) -> Blueprint:
+def trained_blueprint(blueprint: Blueprint, proxy: bool, world_size: int = 1) -> Blueprint:
+    """The blueprint that trains: ``blueprint``, or its proxy laid out on ``world_size`` ranks
+    (``factory.proxy_layout``)."""
     if not proxy:
         return blueprint
-    from factory.proxy import derive_proxy
+    from factory.proxy_layout import derive_proxy_layout
 
-    return derive_proxy(blueprint)
+    return derive_proxy_layout(blueprint, world_size)[0]
 
 
 def _check_request(bp: Blueprint, proxy: bool, precision: str) -> None:
@@ -231,12 +245,21 @@ class _Job:
     def run(self) -> TrainResult:
         import torch
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.out.mkdir(parents=True, exist_ok=True)
-        shards = self.data if self.data is not None else self._build_data(self.out / "data")
-        compiled, history = self._train(shards, device)
+        shards = self.data if self.data is not None else self.out / "data"
+        if launched_world_size() > 1:
+            from factory.jobs.distributed_train import run_rank
+
+            compiled, history, device = run_rank(self)
+            main = int(os.environ.get("RANK", "0")) == 0
+        else:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.out.mkdir(parents=True, exist_ok=True)
+            if self.data is None:
+                self._build_data(shards)
+            (compiled, history), main = self._train(shards, device), True
         table = dict(compiled.precision.recipes()) if compiled.precision else {}
-        self._write(compiled, history, device, table)
+        if main:
+            self._write(compiled, history, device, table)
         return TrainResult(self.out, self.bp, device, table, self.seed, shards, history)
 
     def _build_data(self, folder: Path) -> Path:
@@ -256,17 +279,26 @@ class _Job:
         return folder
 
     def _train(self, shards: Path, device: str) -> tuple[Compiled, LoopResult]:
+        self.report("compile", 0, 1)
+        compiled = factory.compile(self.bp, device=device, seed=self.seed, precision=self.precision)
+        self.report("compile", 1, 1)
+        return compiled, self._train_loop(compiled, shards)
+
+    def _train_loop(
+        self, compiled: Compiled, shards: Path, ranks: Ranks | None = None
+    ) -> LoopResult:
+        """Train ``compiled`` on ``shards`` (this rank's data-parallel share of them)."""
         from factory.runtime.checkpoint import CheckpointError, complete_checkpoints
         from factory.runtime.loader import DataError, ShardLoader
         from factory.runtime.loop import RunOptions
         from factory.runtime.loop import train as train_loop
+        from factory.runtime.ranks import SingleProcess
 
+        ranks = ranks or SingleProcess()
         bp, policy = self.bp, self.checkpoints
         total = self.steps if self.steps is not None else bp.training_steps
         resume = policy.resume or bool(complete_checkpoints(self.out / "checkpoints"))
-        self.report("compile", 0, 1)
-        compiled = factory.compile(bp, device=device, seed=self.seed, precision=self.precision)
-        self.report("compile", 1, 1)
+        report = self.report if ranks.is_main else silent
         options = RunOptions(
             run_dir=self.out,
             checkpoint_every=policy.every,
@@ -275,19 +307,20 @@ class _Job:
             resume=resume,
             seed=self.seed,
             progress=self.show_steps,
-            on_step=None if self.show_steps else lambda done: self.report("train", done, total),
+            on_step=None if self.show_steps else lambda done: report("train", done, total),
+            ranks=ranks,
         )
         if not self.show_steps:
-            self.report("train", 0, total)
+            report("train", 0, total)
+        micro = bp.parallelism.micro_batch_size
+        share = {"rank": ranks.data_rank, "world_size": ranks.data_size}
         try:
-            micro = bp.parallelism.micro_batch_size
-            with ShardLoader(shards, micro, seed=self.seed, verify=True) as batches:
-                history = train_loop(compiled, batches, total, options)
+            with ShardLoader(shards, micro, seed=self.seed, verify=True, **share) as batches:
+                return train_loop(compiled, batches, total, options)
         except DataError as exc:
             raise BadData(str(exc)) from exc
         except CheckpointError as exc:
             raise CannotResume(str(exc)) from exc
-        return compiled, history
 
     def _write(
         self, compiled: Compiled, history: LoopResult, device: str, table: dict[str, str]

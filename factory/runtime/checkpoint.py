@@ -5,9 +5,10 @@ Layout of ``RUN_DIR/checkpoints/step_00000100/`` (the step is the next one to ru
 * DCP files (``.metadata``, ``*.distcp``): the model, the fp32 masters and the
   optimizer state, keyed by parameter name, so a different number of ranks can
   read them back;
-* ``rank0.pt``: what is private to a process: RNG states and the precision
-  runtime's state (stochastic-rounding generators, FP8 amax histories, the BF16
-  switch);
+* ``rank0.pt`` (and ``rankN.pt`` for every other rank of a distributed run):
+  what is private to a process: RNG states and the precision runtime's state
+  (stochastic-rounding generators, FP8 amax histories, the BF16 switch). A run
+  resumed on more ranks than wrote the checkpoint gives the new ranks rank 0's;
 * ``meta.json``, written last: the step, the data position, the monitors, the
   learning-rate annealing, and the fingerprint of the model it belongs to.
 
@@ -16,6 +17,12 @@ once complete, so a process killed mid-write leaves only a temporary folder,
 which is never read and is removed by the next run. With ``async_save`` the
 DCP write runs in a background thread on a copy of the state while training
 goes on; the rename happens when it has finished.
+
+With several processes (``factory.distributed``) every rank calls ``save``,
+``wait`` and ``load`` at the same points: rank 0 makes the folder, all ranks
+write their DCP shards (a DCP collective) and their own ``rankN.pt``, and rank
+0 alone writes ``meta.json``, renames and prunes. DCP stores every tensor under
+its global name and shape, so a checkpoint written by 4 ranks loads on 2 or 1.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from factory.runtime.ranks import Ranks, SingleProcess
+
 __all__ = [
     "CheckpointError",
     "Checkpointer",
@@ -44,6 +53,7 @@ __all__ = [
     "complete_checkpoints",
     "load",
     "read_meta",
+    "single_process_quiet",
 ]
 
 _NAME = re.compile(r"^step_(\d{8,})$")
@@ -80,7 +90,6 @@ class _Pending:
     tmp: Path
     final: Path
     meta: dict[str, Any]
-    local: dict[str, Any]
     started: float
 
 
@@ -92,14 +101,17 @@ class Checkpointer:
     keep: int = 3
     """Complete checkpoints kept; older ones are deleted once a newer one is complete."""
     async_save: bool = False
+    ranks: Ranks = field(default_factory=SingleProcess)
     pending: _Pending | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.keep < 1:
             raise ValueError(f"keep must be >= 1, got {self.keep}")
-        self.root.mkdir(parents=True, exist_ok=True)
-        for stale in self.root.glob(".step_*.tmp"):  # a write that never completed
-            shutil.rmtree(stale, ignore_errors=True)
+        if self.ranks.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob(".step_*.tmp"):  # a write that never completed
+                shutil.rmtree(stale, ignore_errors=True)
+        self.ranks.barrier()
 
     def save(
         self, step: int, state: dict[str, Any], local: dict[str, Any], meta: dict[str, Any]
@@ -109,18 +121,23 @@ class Checkpointer:
         self.wait()
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f".{final.name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        if self.ranks.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        self.ranks.barrier()
         started = time.perf_counter()
+        torch.save(local, tmp / _local_file(self.ranks.rank))
         if self.async_save:
-            with _single_process_quiet():
-                # DCP stages (copies) the tensors before returning: training may go on.
+            with single_process_quiet():
+                # DCP stages (copies) the tensors before returning: training may go on. Its
+                # planning is a collective, so every rank's own file above is written by then.
                 future = dcp.async_save(state, checkpoint_id=str(tmp), no_dist=_no_dist())
-            self.pending = _Pending(future, tmp, final, meta, clone_tensors(local), started)
+            self.pending = _Pending(future, tmp, final, meta, started)
         else:
-            with _single_process_quiet():
+            with single_process_quiet():
                 dcp.save(state, checkpoint_id=str(tmp), no_dist=_no_dist())
-            self._finish(_Pending(_done(), tmp, final, meta, local, started))
+            self._finish(_Pending(_done(), tmp, final, meta, started))
+            self.ranks.barrier()
         return final
 
     def poll(self) -> Path | None:
@@ -130,15 +147,21 @@ class Checkpointer:
         return None
 
     def wait(self) -> Path | None:
-        """Block until the async write in flight (if any) is complete and renamed."""
+        """Block until the async write in flight (if any) is complete and renamed. Every rank
+        calls it at the same points: it ends with all ranks agreeing the write is done."""
         pending, self.pending = self.pending, None
         if pending is None:
             return None
         pending.future.result()
-        return self._finish(pending)
+        final = self._finish(pending)
+        self.ranks.barrier()
+        return final
 
     def _finish(self, pending: _Pending) -> Path:
-        torch.save(pending.local, pending.tmp / "rank0.pt")
+        """Publish a complete write; rank 0's job (DCP's future on rank 0 completes only after
+        every rank's shards and the global metadata are written)."""
+        if not self.ranks.is_main:
+            return pending.final
         meta = {**pending.meta, "seconds": time.perf_counter() - pending.started}
         (pending.tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
         _fsync_tree(pending.tmp)
@@ -152,12 +175,13 @@ class Checkpointer:
             shutil.rmtree(path, ignore_errors=True)
 
     def latest(self, before_step: int | None = None) -> Path | None:
-        """The newest complete checkpoint (whose step is below ``before_step`` if given)."""
+        """The newest complete checkpoint (whose step is below ``before_step`` if given), as
+        rank 0 sees it (every rank must resume the same one)."""
         found = [
             path for step, path in complete_checkpoints(self.root)
             if before_step is None or step < before_step
         ]  # fmt: skip
-        return found[-1] if found else None
+        return self.ranks.agree(found[-1] if found else None)
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -167,9 +191,15 @@ def read_meta(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: unreadable meta.json ({exc})") from exc
 
 
-def load(path: Path, state: dict[str, Any], fingerprint: str) -> tuple[dict[str, Any], dict]:
-    """Fill ``state`` (tensors of the right shapes) from checkpoint ``path`` in place; return
-    (meta, local). Raises :class:`CheckpointError` naming the checkpoint and the problem."""
+def _local_file(rank: int) -> str:
+    return f"rank{rank}.pt"
+
+
+def load(
+    path: Path, state: dict[str, Any], fingerprint: str, rank: int = 0
+) -> tuple[dict[str, Any], dict]:
+    """Fill ``state`` (tensors of the right shapes, DTensors for sharded ones) from checkpoint
+    ``path`` in place; return (meta, this rank's local state). Raises :class:`CheckpointError` naming the checkpoint and the problem."""
     meta = read_meta(path)
     if meta.get("fingerprint") != fingerprint:
         raise CheckpointError(
@@ -178,9 +208,10 @@ def load(path: Path, state: dict[str, Any], fingerprint: str) -> tuple[dict[str,
             f"{fingerprint[:12]}"
         )
     try:
-        with _single_process_quiet():
+        with single_process_quiet():
             dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
-        local = torch.load(path / "rank0.pt", weights_only=False)
+        own = path / _local_file(rank)
+        local = torch.load(own if own.is_file() else path / _local_file(0), weights_only=False)
     # DCP reports a damaged file as CheckpointException, a BaseException, besides the usual kinds.
     except (Exception, CheckpointException) as exc:
         raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from exc
@@ -193,7 +224,7 @@ def _no_dist() -> bool:
 
 
 @contextlib.contextmanager
-def _single_process_quiet() -> Iterator[None]:
+def single_process_quiet() -> Iterator[None]:
     """DCP warns that it assumes one process even when told so; that is the intent here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -26,9 +26,12 @@ without yielding (to skip a data window after a rollback), and
 ``state_dict()`` / ``load_state_dict()`` save and restore it exactly.
 
 **Ranks.** For data parallelism, rank ``r`` of ``world_size`` takes the global
-samples ``g`` with ``g % world_size == r``: each window above holds exactly
-``micro_batch_size`` of them, every rank moves the same global position, and
-the ranks' streams interleave back into the global stream.
+samples ``g`` with ``(g // micro_batch_size) % world_size == r``: the ``r``-th
+block of ``micro_batch_size`` samples of each window above (Megatron's split of
+a global batch), so every rank moves the same global position, the ranks'
+micro-batches are exactly the one-process run's micro-batches dealt out in
+turn, and a step's statistics that depend on how samples are grouped into
+micro-batches (the MTP and aux losses) are those of one process.
 
 **Memory.** A background thread decodes one shard at a time (a second one only
 while a micro-batch straddles two shards) and puts collated micro-batches into
@@ -155,7 +158,7 @@ def _micro_batches(
     pending: list[Sample] = []
     seq_len: int | None = None
     for shard, within, first in _runs(counts, spec["seed"], spec["shuffle"], start):
-        mine = within[(first + np.arange(within.size)) % world == rank]
+        mine = within[(first + np.arange(within.size)) // size % world == rank]
         if not mine.size:
             continue  # a rank never reads a shard it takes nothing from
         samples, seq_len = _decode(shards[shard], seq_len)

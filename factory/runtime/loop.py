@@ -44,6 +44,7 @@ from factory.runtime.batches import MicroBatch
 from factory.runtime.metrics import MetricsLog, StepDisplay
 from factory.runtime.monitors import Event, Monitors, StepStats, verdict
 from factory.runtime.optimizer import MasterOptimizer
+from factory.runtime.ranks import Ranks, SingleProcess
 from factory.runtime.run_state import Anneal, Position, restore, snapshot
 from factory.runtime.schedule import annealed_rate, learning_rate
 from factory.runtime.step import StepOutcome, forward_backward
@@ -91,6 +92,10 @@ class RunOptions:
     description: str = "train"
     on_step: Callable[[int], None] | None = None
     """Called with the number of steps done after each optimizer step (progress reports)."""
+    ranks: Ranks = field(default_factory=SingleProcess)
+    """The other processes of a distributed run (``factory.distributed``); this rank's batches
+    are its data-parallel share. Rank 0 writes ``metrics.jsonl`` and shows progress; every
+    other rank writes ``ranks/rank_NNNNN.jsonl``."""
 
 
 @dataclass
@@ -168,13 +173,13 @@ class _Run:
         self.monitors = Monitors(bp.training.stability)
         if o.run_dir is not None:
             self.ckpt = checkpoint.Checkpointer(
-                o.run_dir / "checkpoints", o.keep_checkpoints, o.async_checkpoint
+                o.run_dir / "checkpoints", o.keep_checkpoints, o.async_checkpoint, o.ranks
             )
         if o.resume:
             self._resume()
         else:
             self.batches.seek(0)
-        self.metrics = MetricsLog(o.run_dir / "metrics.jsonl" if o.run_dir else None)
+        self.metrics = MetricsLog(_metrics_path(o))
         self.stream = iter(self.batches)
 
     def _resume(self) -> None:
@@ -182,7 +187,9 @@ class _Run:
         if latest is None:
             where = self.options.run_dir or "a run without a run folder"
             raise checkpoint.CheckpointError(f"{where}: no complete checkpoint to resume from")
-        self.position, data_state = restore(latest, self.compiled, self.optimizer, self.monitors)
+        self.position, data_state = restore(
+            latest, self.compiled, self.optimizer, self.monitors, self.options.ranks.rank
+        )
         try:
             self.batches.load_state_dict(data_state)
         except ValueError as exc:
@@ -212,6 +219,14 @@ class _Run:
             seconds=time.perf_counter() - started,
             **{"async": self.options.async_checkpoint},
         )
+
+
+def _metrics_path(options: RunOptions) -> Path | None:
+    if options.run_dir is None:
+        return None
+    if options.ranks.is_main:
+        return options.run_dir / "metrics.jsonl"
+    return options.run_dir / "ranks" / f"rank_{options.ranks.rank:05d}.jsonl"
 
 
 def _stats(run: _Run, outcome: StepOutcome, grad_norm: float) -> StepStats:
@@ -272,7 +287,7 @@ def _rollback(run: _Run, display: StepDisplay) -> bool:
         return False
     run.ckpt.wait()
     consumed, update, rollbacks, from_step = p.consumed, p.update, p.rollbacks, p.step
-    position, _ = restore(target, run.compiled, run.optimizer, run.monitors)
+    position, _ = restore(target, run.compiled, run.optimizer, run.monitors, run.options.ranks.rank)
     skipped = consumed - position.consumed  # the window that led to the trouble
     # The refused attempt keeps its update number: updates count attempts, monotonically.
     position.consumed, position.update, position.rollbacks = consumed, update + 1, rollbacks + 1
@@ -305,6 +320,11 @@ def train(
             f"global_batch_size {par.global_batch_size} is not a multiple of "
             f"micro_batch_size {par.micro_batch_size}"
         )
+    if (par.global_batch_size // par.micro_batch_size) % o.ranks.data_size:
+        raise ValueError(
+            f"global_batch_size {par.global_batch_size} is not a multiple of micro_batch_size "
+            f"{par.micro_batch_size} x {o.ranks.data_size} data-parallel replicas"
+        )
     torch.manual_seed(bp.training.seed if o.seed is None else o.seed)
     compiled.model.train()
     run = _Run(compiled, batches, total, o)
@@ -313,7 +333,10 @@ def train(
                       global_batch_size=par.global_batch_size, layers=layers,
                       resumed_at=run.position.step,
                       started=time.strftime("%Y-%m-%dT%H:%M:%S"))  # fmt: skip
-    display = StepDisplay(o.progress, total, run.position.step, o.description, o.log_every)
+    shown = o.ranks.is_main
+    display = StepDisplay(
+        o.progress and shown, total, run.position.step, o.description, o.log_every if shown else 0
+    )
     with display:
         _loop(run, display)
     if run.ckpt is not None:
@@ -326,10 +349,21 @@ def train(
     return run.result
 
 
+def _clip(params: list[nn.Parameter], cap: float, norm: float) -> None:
+    """Scale the gradients to norm ``cap`` when above it (torch's rule, with a norm that
+    may come from several ranks)."""
+    coef = min(1.0, cap / (norm + 1e-6))
+    if coef < 1.0:
+        for param in params:
+            if param.grad is not None:
+                param.grad.mul_(coef)
+
+
 def _loop(run: _Run, display: StepDisplay) -> None:
     o, bp = run.options, run.compiled.blueprint
     every = o.checkpoint_every or bp.training.checkpoint_interval
-    accumulation = bp.parallelism.global_batch_size // bp.parallelism.micro_batch_size
+    micro_per_step = bp.parallelism.global_batch_size // bp.parallelism.micro_batch_size
+    accumulation = micro_per_step // o.ranks.data_size
     clip = bp.training.optimizer.grad_clip
     mtp_scale = _mtp_loss_scale(run.compiled)
     while run.position.step < run.steps:
@@ -339,17 +373,18 @@ def _loop(run: _Run, display: StepDisplay) -> None:
         run.optimizer.zero_grad()
         consumed_before = run.position.consumed
         outcome = forward_backward(
-            run.compiled.model, run.next_micro_batches(accumulation), mtp_scale
+            run.compiled.model, run.next_micro_batches(accumulation), mtp_scale, o.ranks
         )
         run.optimizer.grads_to_masters()
-        cap = clip if clip is not None else math.inf
-        grad_norm = nn.utils.clip_grad_norm_(run.optimizer.masters, cap).item()
+        grad_norm = float(o.ranks.grad_norm(run.optimizer.masters))
+        if clip is not None:
+            _clip(run.optimizer.masters, clip, grad_norm)
         events = run.monitors.observe(_stats(run, outcome, grad_norm))
         for event in events:
             run.result.events.append(event)
             run.metrics.write(**event.to_dict())
             display.say(f"[{event.action}] {event.monitor}: {event.message}")
-        action = verdict(events)
+        action = o.ranks.agree(verdict(events))  # the same on every rank by construction
         if action == "rollback" and _rollback(run, display):
             continue
         if action != "continue":

@@ -99,11 +99,16 @@ def snapshot(
 
 
 def restore(
-    path: Path, compiled: Compiled, optimizer: MasterOptimizer, monitors: Monitors
+    path: Path,
+    compiled: Compiled,
+    optimizer: MasterOptimizer,
+    monitors: Monitors,
+    rank: int = 0,
 ) -> tuple[Position, dict[str, Any]]:
-    """Load checkpoint ``path`` into the run; return its position and data state."""
+    """Load checkpoint ``path`` into the run (``rank``'s process-local state); return its
+    position and data state."""
     state = {"model": compiled.model.state_dict(), "optimizer": optimizer.empty_state_dict()}
-    meta, local = checkpoint.load(path, state, fingerprint(compiled))
+    meta, local = checkpoint.load(path, state, fingerprint(compiled), rank)
     optimizer.load_state_dict(state["optimizer"])
     _set_rng_state(local["rng"])
     if compiled.precision is not None and local["precision"] is not None:

@@ -6,6 +6,12 @@ by its share of the step's target tokens, so a micro-batch that is all prompt
 or padding neither counts as a zero loss nor dilutes the others. The MoE aux
 loss, a per-batch statistic, is averaged over micro-batches. Packed documents
 stay apart whenever a micro-batch carries their ``document_ids``.
+
+With data parallelism each rank runs its own share of the step's micro-batches
+and the weights above are shares of the *global* step: every rank divides by
+the target tokens of all replicas and by the micro-batches of all replicas, so
+the gradients summed over the replicas (``factory.distributed.data_parallel``)
+are those of the whole step on one process.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from torch import nn
 from factory.graph.loss import language_model_loss
 from factory.runtime.batches import MicroBatch
 from factory.runtime.monitors import max_violation
+from factory.runtime.ranks import Ranks, SingleProcess
 
 __all__ = ["StepOutcome", "forward_backward"]
 
@@ -43,13 +50,21 @@ class StepOutcome:
         }
 
 
-def forward_backward(model: nn.Module, micro: list[MicroBatch], mtp_scale: float) -> StepOutcome:
-    """Accumulate one step's gradients over ``micro``; return the step's statistics."""
+def forward_backward(
+    model: nn.Module, micro: list[MicroBatch], mtp_scale: float, ranks: Ranks | None = None
+) -> StepOutcome:
+    """Accumulate one step's gradients over ``micro`` (this rank's share of the step); return
+    the step's statistics, global over the ranks."""
+    ranks = ranks or SingleProcess()
     counts = [int(batch.target_mask.sum()) for batch in micro]
+    step_targets = int(ranks.sum_over_data(torch.tensor(sum(counts))).item())
+    step_micro = len(micro) * ranks.data_size
     outcome = StepOutcome()
     rms: dict[str, torch.Tensor] = {}
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    lm_sum = torch.zeros((), dtype=torch.float64)
     for batch, count in zip(micro, counts, strict=True):
-        weight = count / max(1, sum(counts))
+        weight = count / max(1, step_targets)
         output = model(batch.input_ids, batch.document_ids)
         for name, tokens in output.tokens_per_expert.items():
             previous = outcome.tokens_per_expert.get(name)
@@ -64,10 +79,18 @@ def forward_backward(model: nn.Module, micro: list[MicroBatch], mtp_scale: float
             document_ids=batch.document_ids,
         )
         aux = losses.aux if losses.aux is not None else losses.total.new_zeros(())
-        loss = weight * (losses.total - aux) + aux / len(micro)
+        loss = weight * (losses.total - aux) + aux / step_micro
         loss.backward()
-        outcome.loss += loss.item()
-        outcome.lm_loss += weight * losses.lm.item()
+        loss_sum += loss.item()
+        lm_sum += weight * losses.lm.item()
         outcome.tokens += batch.num_tokens
-    outcome.residual_rms = {name: float(total) / len(micro) for name, total in rms.items()}
+    totals = ranks.sum_over_data(
+        torch.stack([loss_sum, lm_sum, torch.tensor(outcome.tokens).double()])
+    )
+    outcome.loss, outcome.lm_loss, tokens = totals.tolist()
+    outcome.tokens = int(tokens)
+    outcome.tokens_per_expert = ranks.sum_over_routing(outcome.tokens_per_expert)
+    outcome.residual_rms = ranks.mean_over_data(
+        {name: float(total) / len(micro) for name, total in rms.items()}
+    )
     return outcome

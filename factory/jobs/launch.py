@@ -1,0 +1,90 @@
+"""Launching a blueprint's layout on several processes: what is refused before any process
+group exists, and the ``torchrun`` command that ``factory train --nproc N`` runs.
+
+``torchrun --nproc-per-node N -m factory train BLUEPRINT`` starts N copies of
+``factory train``; each finds ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK`` in
+its environment (``factory.jobs.train``). What factory's runtime does not run
+yet is refused here, naming the field and the value that would work:
+
+* ``WORLD_SIZE`` must equal ``parallelism.world_size`` (the layout is the
+  blueprint's, not the launcher's);
+* context parallelism (``cp > 1``) is not built: the Megatron export carries
+  it; factory's runtime refuses it;
+* expert tensor parallelism (``etp > 1``): routed experts are split across EP
+  ranks whole (ETP = 1, what the Nemotron 3 recipes use);
+* per-module (heterogeneous) layouts.
+
+This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from factory.schemas.blueprint import Blueprint
+
+__all__ = ["LaunchRefused", "check_launch", "launched_world_size", "torchrun_command"]
+
+
+class LaunchRefused(ValueError):
+    """A layout that cannot be launched with this many processes or by this runtime."""
+
+
+def launched_world_size() -> int:
+    """Processes in this launch: torchrun's ``WORLD_SIZE``, 1 when not launched by it."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        raise LaunchRefused(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number") from None
+
+
+def check_launch(bp: Blueprint, world_size: int) -> None:
+    """Raise :class:`LaunchRefused` unless factory's runtime can run ``bp``'s layout on
+    ``world_size`` processes."""
+    par = bp.parallelism
+    if world_size != par.world_size:
+        raise LaunchRefused(
+            f"{world_size} processes were launched but {bp.meta.name}'s layout has "
+            f"parallelism.world_size={par.world_size}: launch {par.world_size}, or pass "
+            f"--set parallelism.world_size={world_size} (dp is derived from it)"
+        )
+    if world_size == 1:
+        return
+    if par.cp > 1:
+        raise LaunchRefused(
+            f"parallelism.cp={par.cp}: context parallelism is not run by factory's runtime "
+            "yet (the Megatron export carries it); use --set parallelism.cp=1"
+        )
+    has_moe = bp.model.moe is not None and "E" in bp.model.pattern
+    if has_moe and par.expert_tp > 1:
+        raise LaunchRefused(
+            f"parallelism.etp={par.expert_tp} (it defaults to tp): factory's runtime keeps "
+            "each routed expert whole on one EP rank; use --set parallelism.etp=1"
+        )
+    if has_moe and par.tp > 1 and not par.sequence_parallel:
+        raise LaunchRefused(
+            f"tp={par.tp} with MoE layers needs sequence parallelism (each TP rank routes its "
+            "own part of the sequence); use --set parallelism.sequence_parallel=true"
+        )
+    if par.modules:
+        raise LaunchRefused(
+            f"parallelism.modules ({', '.join(par.modules)}): per-module layouts are not run "
+            "by factory's runtime"
+        )
+
+
+def torchrun_command(nproc: int, factory_args: Sequence[str]) -> list[str]:
+    """The command that ``factory train --nproc N`` runs: torchrun on this machine (one
+    node, a free rendezvous port), N copies of ``factory`` with ``factory_args``."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "factory",
+        *factory_args,
+    ]

@@ -1,0 +1,91 @@
+"""A CPU proxy that keeps its blueprint's parallel layout, as far as the proxy allows.
+
+``factory train --proxy`` launched on W processes trains the proxy
+(``factory.proxy``) on W ranks. The proxy has few heads, experts and layers,
+so the source's degrees may not fit it: each degree is kept when the proxy
+can run it and reduced otherwise, and every change is said.
+
+The rule, in this order, each time taking the largest divisor of the source's
+degree that gives a layout the proxy passes ``factory.checks`` with and that
+factory's runtime launches (``factory.jobs.launch``): pipeline (pp), tensor
+(tp, with sequence parallelism as the source has it, and required with MoE),
+expert (ep). ETP is 1 and CP is 1 (the runtime splits neither); dp is what is
+left of W. When the proxy's global batch of 8 sequences cannot feed dp
+replicas, it grows to the least multiple that can.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from factory.checks import run_rules
+from factory.proxy import PROXY_GLOBAL_BATCH, PROXY_MICRO_BATCH, derive_proxy
+from factory.schemas.blueprint import Blueprint
+
+__all__ = ["ProxyLayout", "derive_proxy_layout"]
+
+
+class ProxyLayout(tuple[Blueprint, list[str]]):
+    """(the proxy blueprint, what changed in the layout, one sentence each)."""
+
+
+def _divisors_down(n: int) -> list[int]:
+    return [d for d in range(n, 0, -1) if n % d == 0]
+
+
+def _with(proxy: Blueprint, world: int, degrees: dict[str, Any]) -> Blueprint | None:
+    """The proxy with ``degrees`` on ``world`` ranks, or None if it breaks a rule."""
+    tp, pp, ep = degrees["tp"], degrees["pp"], degrees["ep"]
+    if world % (tp * pp) or world % (ep * pp):
+        return None
+    dp = world // (tp * pp)
+    per_step = PROXY_MICRO_BATCH * dp
+    batch = -(-PROXY_GLOBAL_BATCH // per_step) * per_step
+    data = proxy.model_dump(exclude_unset=True)
+    data["parallelism"].update(
+        world_size=world, tp=tp, pp=pp, ep=ep, etp=1, cp=1,
+        sequence_parallel=degrees["sp"] and tp > 1, global_batch_size=batch,
+    )  # fmt: skip
+    if pp == 1:
+        data["model"]["pattern"] = data["model"]["pattern"].replace("|", "")
+    try:
+        candidate = Blueprint.model_validate(data)
+    except ValueError:
+        return None
+    errors = [f for _, f in run_rules(candidate) if f.severity == "error"]
+    return None if errors else candidate
+
+
+def derive_proxy_layout(bp: Blueprint, world_size: int, width: int = 256) -> ProxyLayout:
+    """``bp``'s proxy laid out on ``world_size`` ranks, and the changes made to the layout."""
+    proxy = derive_proxy(bp, width)
+    if world_size == 1:
+        return ProxyLayout((proxy, []))
+    par = bp.parallelism
+    has_moe = bp.model.moe is not None and "E" in bp.model.pattern
+    wanted = {"pp": par.pp, "tp": par.tp, "ep": par.ep if has_moe else 1}
+    degrees: dict[str, Any] = {"pp": 1, "tp": 1, "ep": 1, "sp": par.sequence_parallel or has_moe}
+    for name in ("pp", "tp", "ep"):
+        for value in _divisors_down(wanted[name]):
+            if _with(proxy, world_size, {**degrees, name: value}) is not None:
+                degrees[name] = value
+                break
+    chosen = _with(proxy, world_size, degrees)
+    assert chosen is not None  # all-ones on world_size ranks is pure data parallelism
+    changes = [
+        f"{name} {wanted[name]} -> {degrees[name]}"
+        for name in ("pp", "tp", "ep")
+        if degrees[name] != wanted[name]
+    ]
+    if par.world_size != world_size:
+        changes.insert(0, f"world_size {par.world_size} -> {world_size}")
+    if par.cp > 1:
+        changes.append(f"cp {par.cp} -> 1 (not run by factory's runtime)")
+    if has_moe and par.expert_tp > 1:
+        changes.append(f"etp {par.expert_tp} -> 1 (not run by factory's runtime)")
+    if chosen.parallelism.global_batch_size != PROXY_GLOBAL_BATCH:
+        changes.append(
+            f"global_batch_size {PROXY_GLOBAL_BATCH} -> {chosen.parallelism.global_batch_size} "
+            f"(dp {chosen.parallelism.world_size // (degrees['tp'] * degrees['pp'])})"
+        )
+    return ProxyLayout((chosen, changes))
