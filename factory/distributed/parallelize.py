@@ -12,6 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from factory.distributed.data_parallel import apply_data_parallel
+from factory.distributed.expert_parallel import apply_expert_parallel
 from factory.distributed.mesh import Meshes
 
 __all__ = ["parallelize"]
@@ -25,8 +26,6 @@ def parallelize(model: nn.Module, meshes: Meshes, distributed_optimizer: bool = 
 
         apply_tensor_parallel(model, meshes.dense["tp"], layout.sequence_parallel)
     if layout.ep > 1:
-        from factory.distributed.expert_parallel import apply_expert_parallel
-
         apply_expert_parallel(model, meshes.expert["ep"])
     apply_data_parallel(
         model,

@@ -1,0 +1,115 @@
+"""Training on several gloo processes gives the one-process run's losses and weights.
+
+Each layout trains the tiny blueprint (``runtime_helpers``) for a few steps on
+the same shards with precision off (fp32), then compares the loss curve and
+the final weights (``model/model.safetensors``, read back from the run's DCP
+checkpoint) with a one-process run. Tolerance: the ranks sum gradients in
+another order than one process does, so values agree to float32 rounding
+amplified by a few Adam steps: losses within 1e-5 relative, weights within
+1e-4 of the largest entry of each tensor (measured: see docs/distributed.md).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from distributed_harness import run_ranks
+from runtime_helpers import GLOBAL, tiny_blueprint
+from safetensors.torch import load_file
+
+import factory
+from factory.runtime.batches import build_shards
+
+STEPS = 4
+LOSS_RTOL, WEIGHT_TOL = 1e-5, 1e-4
+
+
+def _blueprint(world: int, **parallelism: Any) -> factory.Blueprint:
+    return tiny_blueprint(
+        parallelism={"world_size": world, "global_batch_size": 2 * GLOBAL, **parallelism},
+        training={"steps": STEPS, "checkpoint_interval": 2},
+    )
+
+
+def _train(bp: factory.Blueprint, out: Path, data: Path) -> dict[str, Any]:
+    factory.train(bp, out=out, data=data, precision="off", seed=0)
+    return json.loads((out / "train.json").read_text()) if (out / "train.json").is_file() else {}
+
+
+def _train_rank(rank: int, world: int, bp: factory.Blueprint, out: Path, data: Path) -> Any:
+    return _train(bp, out, data)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_shards(_blueprint(1), tmp_path_factory.mktemp("dist-data"))
+
+
+@pytest.fixture(scope="module")
+def reference(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("one-process")
+    _train(_blueprint(1), out, shards)
+    return out
+
+
+def _compare(run: Path, reference: Path) -> None:
+    """The run's steps have the reference's losses, and its final weights are the reference's."""
+    ours = json.loads((run / "train.json").read_text())["records"]
+    theirs = {r["step"]: r for r in json.loads((reference / "train.json").read_text())["records"]}
+    assert [r["step"] for r in ours] == sorted(theirs)[-len(ours) :]
+    for a in ours:
+        b = theirs[a["step"]]
+        assert a["lm_loss"] == pytest.approx(b["lm_loss"], rel=LOSS_RTOL)
+        assert a["tokens_seen"] == b["tokens_seen"]
+    got = load_file(run / "model" / "model.safetensors")
+    want = load_file(reference / "model" / "model.safetensors")
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        scale = max(tensor.abs().max().item(), 1e-6)
+        assert (got[name] - tensor).abs().max().item() <= WEIGHT_TOL * scale, name
+
+
+@pytest.mark.parametrize(
+    ("world", "parallelism"),
+    [
+        pytest.param(2, {}, id="dp2-fsdp"),
+        pytest.param(2, {"distributed_optimizer": False}, id="dp2-ddp"),
+        pytest.param(2, {"ep": 2}, id="ep2"),
+    ],
+)
+def test_a_layout_trains_as_one_process_does(
+    world: int, parallelism: dict[str, Any], shards: Path, reference: Path, tmp_path: Path
+) -> None:
+    bp = _blueprint(world, **parallelism)
+    run_ranks(_train_rank, world, bp, tmp_path, shards, timeout=240)
+    _compare(tmp_path, reference)
+    assert (tmp_path / "ranks" / "rank_00001.jsonl").is_file()
+
+
+def test_a_checkpoint_of_4_ranks_resumes_on_2_and_on_1(
+    shards: Path, reference: Path, tmp_path: Path
+) -> None:
+    """DP=2 x EP=2 folded on 4 ranks trains as one process does; its step-2 checkpoint (DCP,
+    sharded 4 ways) resumes on 2 ranks (EP=2) and on one process, and the losses and the final
+    weights continue as the uninterrupted one-process run's."""
+    four = tmp_path / "four"
+    run_ranks(_train_rank, 4, _blueprint(4, ep=2), four, shards, timeout=300)
+    _compare(four, reference)
+    for world, parallelism in ((2, {"ep": 2}), (1, {})):
+        run = tmp_path / f"resumed-on-{world}"
+        shutil.copytree(four, run)
+        shutil.rmtree(run / "checkpoints" / f"step_{STEPS:08d}")
+        shutil.rmtree(run / "model")
+        (run / "train.json").unlink()
+        bp = _blueprint(world, **parallelism)
+        if world > 1:
+            run_ranks(_train_rank, world, bp, run, shards, timeout=240)
+        else:
+            _train(bp, run, shards)
+        records = json.loads((run / "train.json").read_text())["records"]
+        assert [r["step"] for r in records] == list(range(2, STEPS))
+        _compare(run, reference)
