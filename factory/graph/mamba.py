@@ -55,6 +55,9 @@ class Mamba2Mixer(nn.Module):
     def __init__(self, width: int, cfg: MambaConfig, norm_eps: float) -> None:
         super().__init__()
         self.cfg = cfg
+        # The heads and groups this module computes: all of them, or one rank's share once
+        # tensor parallelism (factory.distributed.tensor_parallel) splits the mixer.
+        self.heads, self.groups = cfg.heads, cfg.groups
         self.in_proj = nn.Linear(width, cfg.in_proj_dim, bias=cfg.bias)
         self.conv1d = nn.Conv1d(
             cfg.conv_dim,
@@ -71,26 +74,27 @@ class Mamba2Mixer(nn.Module):
         self.out_proj = nn.Linear(cfg.d_inner, width, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        cfg = self.cfg
+        cfg, heads, groups = self.cfg, self.heads, self.groups
         b, s, _ = x.shape
-        z, xbc, dt = self.in_proj(x).split([cfg.d_inner, cfg.conv_dim, cfg.heads], dim=-1)
+        d_inner, group_width = heads * cfg.head_dim, groups * cfg.state_size
+        conv_dim = d_inner + 2 * group_width
+        z, xbc, dt = self.in_proj(x).split([d_inner, conv_dim, heads], dim=-1)
         conv = _causal_depthwise_conv(xbc, self.conv1d.weight, self.conv1d.bias, document_ids)
         xbc = F.silu(conv)
-        group_width = cfg.groups * cfg.state_size
-        xs, B, C = xbc.split([cfg.d_inner, group_width, group_width], dim=-1)
+        xs, B, C = xbc.split([d_inner, group_width, group_width], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
         upper = cfg.dt_limit_max if cfg.dt_limit_max is not None else float("inf")
         dt = dt.clamp(min=cfg.dt_limit_min, max=upper)
         A = -torch.exp(self.A_log.float())
         y = ssd_chunked_scan(
-            xs.view(b, s, cfg.heads, cfg.head_dim),
+            xs.view(b, s, heads, cfg.head_dim),
             dt,
             A,
-            B.view(b, s, cfg.groups, cfg.state_size),
-            C.view(b, s, cfg.groups, cfg.state_size),
+            B.view(b, s, groups, cfg.state_size),
+            C.view(b, s, groups, cfg.state_size),
             cfg.chunk_size,
             D=self.D,
             seq_idx=document_ids,
         )
-        y = self.norm(y.reshape(b, s, cfg.d_inner), z)
+        y = self.norm(y.reshape(b, s, d_inner), z)
         return self.out_proj(y.to(x.dtype))
