@@ -1,0 +1,73 @@
+"""Bytes of model state each rank of factory's own distributed runtime holds (pp = 1).
+
+``factory.planner.memory`` plans Megatron's accounting (BF16 weights, FP32
+gradients, a distributed optimizer sharding FP32 masters and Adam states): what
+the exported job will hold on the cluster. Factory's runtime
+(``factory.distributed``) keeps the parameters themselves in FP32 as the
+optimizer's masters and shards differently, so it is planned here, tensor by
+tensor from the model spec, and ``tests/test_distributed_memory.py`` checks the
+plan against what the ranks really hold:
+
+* tensor parallelism splits a tensor the spec splits (``tp``) over TP;
+* routed-expert tensors split over EP (whole experts; ETP is 1);
+* FSDP2 (``distributed_optimizer``) shards every trainable tensor again over
+  its data-parallel group: DP for dense tensors, EDP for experts; DDP does not;
+* a frozen tensor (the aux-loss-free expert bias) is held whole by every rank,
+  with no gradient and no optimizer state;
+* weights and gradients are FP32 (4 bytes), Adam keeps two FP32 moments (8).
+
+FSDP2 splits a tensor's first dimension into ``ceil(n / d)``-row chunks, so a
+rank holds its exact share only up to one row per tensor: the plan gives the
+exact share (a fraction), summed over the ranks it is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from factory.planner.layout import Layout
+from factory.schemas.blueprint import Blueprint
+from factory.spec.model import model_spec
+
+__all__ = ["RuntimeState", "runtime_state_per_rank"]
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class RuntimeState:
+    """Bytes of one rank's share of the model state (fractions: exact shares)."""
+
+    weights: Fraction
+    gradients: Fraction
+    optimizer: Fraction
+
+    @property
+    def total(self) -> Fraction:
+        return self.weights + self.gradients + self.optimizer
+
+
+def runtime_state_per_rank(bp: Blueprint, layout: Layout) -> RuntimeState:
+    """The exact share of weights, gradients and Adam state per rank (pp must be 1)."""
+    if layout.pp != 1:
+        raise ValueError("runtime_state_per_rank plans pp=1 layouts (stages hold different layers)")
+    sharded = bp.parallelism.distributed_optimizer
+    weights = trainable = Fraction(0)
+    for tensor in model_spec(bp.model).tensors():
+        if tensor.tied_to is not None:
+            continue
+        share = Fraction(tensor.numel)
+        if tensor.expert_dim is not None:
+            share /= layout.ep * layout.etp
+            replicas = layout.edp
+        else:
+            share /= layout.tp if tensor.tp is not None else 1
+            replicas = layout.dp * layout.cp
+        if not tensor.trainable:
+            weights += share
+            continue
+        share /= replicas if sharded else 1
+        weights += share
+        trainable += share
+    return RuntimeState(FP32 * weights, FP32 * trainable, 2 * FP32 * trainable)
