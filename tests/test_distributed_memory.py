@@ -22,10 +22,11 @@ from torch.distributed.tensor import DTensor
 import factory
 from factory.planner.layout import resolve_layout
 from factory.planner.runtime_memory import runtime_state_per_rank
+from factory.schemas.blueprint import Blueprint
 from factory.spec.model import model_spec
 
 
-def _blueprint(world: int, **parallelism: Any) -> factory.Blueprint:
+def _blueprint(world: int, **parallelism: Any) -> Blueprint:
     return tiny_blueprint(
         parallelism={"world_size": world, "global_batch_size": 2 * GLOBAL, **parallelism}
     )
@@ -36,7 +37,7 @@ def _local_bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def _held(rank: int, world: int, bp: factory.Blueprint) -> dict[str, int]:
+def _held(rank: int, world: int, bp: Blueprint) -> dict[str, int]:
     from factory.distributed.mesh import build_meshes
     from factory.distributed.parallelize import parallelize
     from factory.runtime.optimizer import MasterOptimizer

@@ -6,7 +6,10 @@ the final weights (``model/model.safetensors``, read back from the run's DCP
 checkpoint) with a one-process run. Tolerance: the ranks sum gradients in
 another order than one process does, so values agree to float32 rounding
 amplified by a few Adam steps: losses within 1e-5 relative, weights within
-1e-4 of the largest entry of each tensor (measured: see docs/distributed.md).
+1e-3 of the largest entry of each tensor. Adam divides each gradient by its own
+running RMS, so an embedding row whose gradient is near zero moves by up to the
+learning rate whatever its size, and rounding there shows in the weights
+(measured: docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -23,24 +26,35 @@ from safetensors.torch import load_file
 
 import factory
 from factory.runtime.batches import build_shards
+from factory.schemas.blueprint import Blueprint
 
 STEPS = 4
-LOSS_RTOL, WEIGHT_TOL = 1e-5, 1e-4
+LOSS_RTOL, WEIGHT_TOL = 1e-5, 1e-3
 
 
-def _blueprint(world: int, **parallelism: Any) -> factory.Blueprint:
-    return tiny_blueprint(
+_TP = {"tp": 2, "sequence_parallel": True, "etp": 1}
+
+
+def _blueprint(world: int, **parallelism: Any) -> Blueprint:
+    """The tiny blueprint on ``world`` ranks; its pattern has a pipeline cut (one segment per
+    rank with pp=2, the whole stack otherwise). No aux loss: with sequence parallelism each TP
+    rank's aux loss would see half of each sequence (docs/distributed.md, 'What differs')."""
+    bp = tiny_blueprint(
         parallelism={"world_size": world, "global_batch_size": 2 * GLOBAL, **parallelism},
         training={"steps": STEPS, "checkpoint_interval": 2},
     )
+    data = bp.model_dump(exclude_unset=True)
+    data["model"]["pattern"] = "ME|M*E" if parallelism.get("pp", 1) > 1 else "MEM*E"
+    data["model"]["moe"].setdefault("router", {})["aux_loss"] = "none"
+    return Blueprint.model_validate(data)
 
 
-def _train(bp: factory.Blueprint, out: Path, data: Path) -> dict[str, Any]:
+def _train(bp: Blueprint, out: Path, data: Path) -> dict[str, Any]:
     factory.train(bp, out=out, data=data, precision="off", seed=0)
     return json.loads((out / "train.json").read_text()) if (out / "train.json").is_file() else {}
 
 
-def _train_rank(rank: int, world: int, bp: factory.Blueprint, out: Path, data: Path) -> Any:
+def _train_rank(rank: int, world: int, bp: Blueprint, out: Path, data: Path) -> Any:
     return _train(bp, out, data)
 
 
@@ -79,6 +93,8 @@ def _compare(run: Path, reference: Path) -> None:
         pytest.param(2, {}, id="dp2-fsdp"),
         pytest.param(2, {"distributed_optimizer": False}, id="dp2-ddp"),
         pytest.param(2, {"ep": 2}, id="ep2"),
+        pytest.param(2, _TP, id="tp2-sp"),
+        pytest.param(2, {"pp": 2}, id="pp2-1f1b"),
     ],
 )
 def test_a_layout_trains_as_one_process_does(

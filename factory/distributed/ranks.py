@@ -5,9 +5,11 @@ Groups, from the layout's meshes (``factory.distributed.mesh``):
 
 * data: the dense grid's ``dp`` dimension, over which the global batch is split
   (losses and target-token counts are summed over it);
-* routing: every rank of this pipeline stage (``dp x cp x tp``): with sequence
-  parallelism each TP rank routes its own part of the sequence, so all of them
-  route distinct tokens and their expert loads add up;
+* routing: the data-parallel group as well: with sequence parallelism each TP
+  rank routes its own part of the sequence, and tensor parallelism already sums
+  the loads over the TP group in the forward pass
+  (``factory.distributed.tensor_parallel``), so every TP rank moves its expert
+  biases alike;
 * pipeline: the ``pp`` dimension; stages hold different layers, so per-layer
   statistics are gathered over it, and gradient norms summed.
 """
@@ -58,8 +60,6 @@ class DistributedRanks:
         self._pipeline = meshes.dense["pp"].get_group()
         layout = meshes.layout
         self._stage_ranks = layout.dp * layout.cp * layout.tp
-        stage = meshes.dense["dp", "cp", "tp"]._flatten("stage")
-        self._stage = stage.get_group()
 
     @property
     def is_main(self) -> bool:
@@ -91,7 +91,7 @@ class DistributedRanks:
         names = sorted(loads)
         if names:
             stacked = torch.stack([loads[n].to(self._device, torch.int64) for n in names])
-            dist.all_reduce(stacked, group=self._stage)
+            dist.all_reduce(stacked, group=self._data)
             loads = dict(zip(names, stacked.unbind(0), strict=True))
         if self.meshes.layout.pp == 1:
             return {n: t.cpu() for n, t in loads.items()}

@@ -135,7 +135,7 @@ class TrainResult:
         return [r.lm_loss for r in self.records]
 
 
-def _mtp_loss_scale(compiled: Compiled) -> float:
+def mtp_loss_scale(compiled: Compiled) -> float:
     cfg = compiled.blueprint.model
     return (cfg.mtp or MTPConfig()).loss_scale if cfg.mtp_depth else 0.0
 
@@ -349,6 +349,17 @@ def train(
     return run.result
 
 
+def _norm_masters(run: _Run) -> list[nn.Parameter]:
+    """The masters whose gradients make up this rank's part of the global norm (a pipeline's
+    last stage leaves out its copy of the embedding, which the first stage counts)."""
+    opt = run.optimizer
+    excluded_from = getattr(run.compiled.model, "excluded_from_norm", None)
+    if excluded_from is None:
+        return opt.masters
+    excluded = excluded_from()
+    return [m for n, m in zip(opt.names, opt.masters, strict=True) if n not in excluded]
+
+
 def _clip(params: list[nn.Parameter], cap: float, norm: float) -> None:
     """Scale the gradients to norm ``cap`` when above it (torch's rule, with a norm that
     may come from several ranks)."""
@@ -365,7 +376,7 @@ def _loop(run: _Run, display: StepDisplay) -> None:
     micro_per_step = bp.parallelism.global_batch_size // bp.parallelism.micro_batch_size
     accumulation = micro_per_step // o.ranks.data_size
     clip = bp.training.optimizer.grad_clip
-    mtp_scale = _mtp_loss_scale(run.compiled)
+    mtp_scale = mtp_loss_scale(run.compiled)
     while run.position.step < run.steps:
         start = time.perf_counter()
         lr = _lr(run.position, run.steps, run.compiled)
@@ -376,7 +387,7 @@ def _loop(run: _Run, display: StepDisplay) -> None:
             run.compiled.model, run.next_micro_batches(accumulation), mtp_scale, o.ranks
         )
         run.optimizer.grads_to_masters()
-        grad_norm = float(o.ranks.grad_norm(run.optimizer.masters))
+        grad_norm = float(o.ranks.grad_norm(_norm_masters(run)))
         if clip is not None:
             _clip(run.optimizer.masters, clip, grad_norm)
         events = run.monitors.observe(_stats(run, outcome, grad_norm))

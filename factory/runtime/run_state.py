@@ -109,6 +109,9 @@ def restore(
     position and data state."""
     state = {"model": compiled.model.state_dict(), "optimizer": optimizer.empty_state_dict()}
     meta, local = checkpoint.load(path, state, fingerprint(compiled), rank)
+    # DCP filled the state dict's tensors in place; a model whose state dict presents some
+    # tensors in another layout (tensor parallelism's Mamba projections) takes them back here.
+    compiled.model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     _set_rng_state(local["rng"])
     if compiled.precision is not None and local["precision"] is not None:

@@ -56,6 +56,9 @@ def forward_backward(
     """Accumulate one step's gradients over ``micro`` (this rank's share of the step); return
     the step's statistics, global over the ranks."""
     ranks = ranks or SingleProcess()
+    pipelined = getattr(model, "forward_backward", None)
+    if pipelined is not None:  # a pipeline stage's model runs the step through its schedule
+        return pipelined(micro, mtp_scale, ranks)
     counts = [int(batch.target_mask.sum()) for batch in micro]
     step_targets = int(ranks.sum_over_data(torch.tensor(sum(counts))).item())
     step_micro = len(micro) * ranks.data_size
