@@ -7,6 +7,7 @@ The job, its output folder and its refusals are documented in
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import typing
 from pathlib import Path
@@ -19,8 +20,9 @@ from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.jobs.launch import LaunchRefused, check_launch, launched_world_size, torchrun_command
 from factory.jobs.progress import RichProgress
-from factory.jobs.train import CheckpointPolicy, TrainRefused
+from factory.jobs.train import CheckpointPolicy, TrainRefused, trained_blueprint
 from factory.jobs.train import train as train_job
+from factory.proxy_layout import derive_proxy_layout
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -110,8 +112,6 @@ def train(
     if nproc is not None and launched_world_size() == 1:
         raise typer.Exit(_relaunch(loaded.blueprint, proxy, nproc, console))
     if proxy and launched_world_size() > 1 and main_rank:
-        from factory.proxy_layout import derive_proxy_layout
-
         _, changes = derive_proxy_layout(loaded.blueprint, launched_world_size())
         if changes:
             console.print("proxy layout: " + "; ".join(changes), highlight=False)
@@ -169,10 +169,6 @@ def _without_nproc(argv: list[str]) -> list[str]:
 def _relaunch(blueprint: Blueprint, proxy: bool, nproc: int, console: Console) -> int:
     """Check the layout against ``nproc`` here (exit 2 before any process starts), then run
     torchrun; its exit status is ours."""
-    import subprocess
-
-    from factory.jobs.train import trained_blueprint
-
     try:
         check_launch(trained_blueprint(blueprint, proxy, nproc), nproc)
     except LaunchRefused as exc:

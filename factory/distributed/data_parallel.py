@@ -34,6 +34,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -67,8 +68,6 @@ def _wrap(
     if shard:
         fully_shard(module, mesh=mesh, mp_policy=policy, ignored_params=ignored)
     else:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
         replicate(module, mesh=mesh, mp_policy=policy, ignored_params=ignored)
 
 

@@ -14,6 +14,7 @@ from torch import nn
 from factory.distributed.data_parallel import apply_data_parallel
 from factory.distributed.expert_parallel import apply_expert_parallel
 from factory.distributed.mesh import Meshes
+from factory.distributed.tensor_parallel import apply_tensor_parallel
 
 __all__ = ["parallelize"]
 
@@ -22,8 +23,6 @@ def parallelize(model: nn.Module, meshes: Meshes, distributed_optimizer: bool = 
     """Shard ``model`` (a whole model, or one pipeline stage of it) over ``meshes``."""
     layout = meshes.layout
     if layout.tp > 1:
-        from factory.distributed.tensor_parallel import apply_tensor_parallel
-
         apply_tensor_parallel(model, meshes.dense["tp"], layout.sequence_parallel)
     if layout.ep > 1:
         apply_expert_parallel(model, meshes.expert["ep"])

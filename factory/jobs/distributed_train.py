@@ -28,6 +28,8 @@ import os
 import warnings
 from typing import TYPE_CHECKING
 
+import factory
+
 if TYPE_CHECKING:
     from factory.distributed.mesh import Meshes
     from factory.distributed.pipelined_model import PipelinedModel
@@ -66,7 +68,6 @@ def run_rank(job: _Job) -> tuple[Compiled, LoopResult, str]:
 def _train(job: _Job, device_type: str) -> tuple[Compiled, LoopResult, str]:
     import torch.distributed as dist
 
-    import factory
     from factory.distributed.mesh import build_meshes
     from factory.distributed.parallelize import parallelize
     from factory.distributed.ranks import DistributedRanks
@@ -119,7 +120,6 @@ def _read_back(job: _Job, compiled: Compiled) -> Compiled:
     """A one-process copy of the trained model, read from the run's last checkpoint."""
     import torch.distributed.checkpoint as dcp
 
-    import factory
     from factory.runtime.checkpoint import complete_checkpoints, single_process_quiet
 
     single = factory.compile(job.bp, device="cpu", seed=job.seed, precision=job.precision)

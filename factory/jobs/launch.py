@@ -22,8 +22,10 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from factory.schemas.blueprint import Blueprint
+if TYPE_CHECKING:
+    from factory.schemas.blueprint import Blueprint
 
 __all__ = ["LaunchRefused", "check_launch", "launched_world_size", "torchrun_command"]
 

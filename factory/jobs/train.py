@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import factory
 from factory.io import atomic_write_text
+from factory.jobs.distributed_train import run_rank
 from factory.jobs.launch import LaunchRefused, check_launch, launched_world_size
 from factory.jobs.progress import Progress, silent
 
@@ -247,8 +248,6 @@ class _Job:
 
         shards = self.data if self.data is not None else self.out / "data"
         if launched_world_size() > 1:
-            from factory.jobs.distributed_train import run_rank
-
             compiled, history, device = run_rank(self)
             main = int(os.environ.get("RANK", "0")) == 0
         else:
