@@ -7,7 +7,6 @@ The job, its output folder and its refusals are documented in
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import typing
 from pathlib import Path
@@ -18,7 +17,8 @@ import typer
 from factory.cli.output import EXIT_INVALID, print_diagnostics
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
-from factory.jobs.launch import LaunchRefused, check_launch, launched_world_size, torchrun_command
+from factory.jobs.distributed_train import RankLost
+from factory.jobs.launch import LaunchRefused, check_launch, launched_world_size, torchrun_args
 from factory.jobs.progress import RichProgress
 from factory.jobs.train import CheckpointPolicy, TrainRefused, trained_blueprint
 from factory.jobs.train import train as train_job
@@ -132,6 +132,9 @@ def train(
     except TrainRefused as exc:
         console.print(f"factory train: {exc}", markup=False, soft_wrap=True)
         raise typer.Exit(EXIT_INVALID) from None
+    except RankLost as exc:
+        console.print(f"factory train: {exc}", markup=False, soft_wrap=True)
+        raise typer.Exit(1) from None
     name, records, history = result.blueprint.meta.name, result.records, result.history
     if not main_rank:
         raise typer.Exit(0 if history.end == "completed" else 1)
@@ -174,5 +177,24 @@ def _relaunch(blueprint: Blueprint, proxy: bool, nproc: int, console: Console) -
     except LaunchRefused as exc:
         console.print(f"factory train: {exc}", markup=False, soft_wrap=True)
         return EXIT_INVALID
-    command = torchrun_command(nproc, _without_nproc(sys.argv[1:]))
-    return subprocess.call(command)
+    return _torchrun(torchrun_args(nproc, _without_nproc(sys.argv[1:])), console)
+
+
+def _torchrun(args: list[str], console: Console) -> int:
+    """Run torchrun here (it starts the workers); on a failure say which rank failed first
+    instead of torchrun's traceback."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    try:
+        run(get_args_parser().parse_args(args))
+    except ChildFailedError as exc:
+        rank, first = exc.get_first_failure()  # the global rank, and how it ended
+        how = f"signal {-first.exitcode}" if first.exitcode < 0 else f"exit {first.exitcode}"
+        console.print(
+            f"factory train: rank {rank} failed first ({how}); torchrun stopped the "
+            f"other ranks. Logs of each rank are above; resume with the same command.",
+            highlight=False,
+        )
+        return 1
+    return 0

@@ -37,7 +37,11 @@ if TYPE_CHECKING:
     from factory.jobs.train import _Job
     from factory.runtime.loop import TrainResult as LoopResult
 
-__all__ = ["collective_timeout", "run_rank"]
+__all__ = ["RankLost", "collective_timeout", "run_rank"]
+
+
+class RankLost(RuntimeError):
+    """A collective failed mid-run: another rank died or stopped answering."""
 
 
 def collective_timeout() -> datetime.timedelta:
@@ -60,9 +64,29 @@ def run_rank(job: _Job) -> tuple[Compiled, LoopResult, str]:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=collective_timeout())
     try:
         return _train(job, "cuda" if cuda else "cpu")
+    except (dist.DistError, RuntimeError) as exc:
+        if not _is_transport_failure(exc):
+            raise
+        first_line = str(exc).strip().splitlines()[0][:300]
+        raise RankLost(
+            f"rank {dist.get_rank()}: a collective failed, so another rank has died or stopped "
+            f"answering ({first_line}); the launcher names the rank that failed first, and "
+            "rerunning the same command resumes from the last checkpoint"
+        ) from exc
     finally:
         if owned:
             dist.destroy_process_group()
+
+
+def _is_transport_failure(exc: BaseException) -> bool:
+    """A failure of the other end (gloo's TCP pairs, NCCL, a collective's timeout), not a bug
+    on this rank."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return any(sign in text for sign in ("gloo", "NCCL", "Connection reset", "Connection closed"))
 
 
 def _train(job: _Job, device_type: str) -> tuple[Compiled, LoopResult, str]:

@@ -77,16 +77,12 @@ def check_launch(bp: Blueprint, world_size: int) -> None:
         )
 
 
+def torchrun_args(nproc: int, factory_args: Sequence[str]) -> list[str]:
+    """torchrun's arguments for ``factory train --nproc N``: this machine (one node, a free
+    rendezvous port), N copies of ``python -m factory`` with ``factory_args``."""
+    return ["--standalone", f"--nproc-per-node={nproc}", "-m", "factory", *factory_args]
+
+
 def torchrun_command(nproc: int, factory_args: Sequence[str]) -> list[str]:
-    """The command that ``factory train --nproc N`` runs: torchrun on this machine (one
-    node, a free rendezvous port), N copies of ``factory`` with ``factory_args``."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "factory",
-        *factory_args,
-    ]
+    """The same launch as a shell command."""
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(nproc, factory_args)]

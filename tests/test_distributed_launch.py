@@ -1,0 +1,99 @@
+"""Launching a layout: refusals before any process starts, and a rank that dies mid-run.
+
+The refusals run in-process through the CLI. The fault test starts
+``factory train --nproc 2`` (torchrun, two gloo ranks), SIGKILLs rank 1 once
+rank 0 has logged its first step, and checks that the launch ends, failing,
+within the timeout and names the rank that died.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from runtime_helpers import tiny_blueprint
+
+from factory.runtime.batches import build_shards
+
+DP_ONLY = ["--set", "parallelism.tp=1", "--set", "parallelism.ep=1",
+           "--set", "parallelism.sequence_parallel=false"]  # fmt: skip
+
+
+def test_a_launch_whose_size_differs_from_the_layout_exits_2_naming_both(
+    cli: Callable[..., tuple[int, str, str]],
+) -> None:
+    status, _, err = cli("train", "super", "--nproc", "2")
+    assert status == 2
+    assert "2 processes" in err and "parallelism.world_size=64" in err
+    assert "--set parallelism.world_size=2" in err
+
+
+def test_context_parallelism_is_refused_before_launch(
+    cli: Callable[..., tuple[int, str, str]],
+) -> None:
+    status, _, err = cli(
+        "train", "nano", "--nproc", "64", "--set", "parallelism.world_size=64",
+        "--set", "parallelism.cp=2",
+    )  # fmt: skip
+    assert status == 2
+    assert "context parallelism" in err and "parallelism.cp=1" in err
+
+
+def _ranks_of(marker: str) -> dict[int, int]:
+    """pid of each rank of the launch whose environment carries ``marker``."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = dict(
+                item.split("=", 1)
+                for item in (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+                if "=" in item
+            )
+        except OSError:
+            continue
+        if env.get("FACTORY_TEST_LAUNCH") == marker and "LOCAL_RANK" in env:
+            found[int(env["RANK"])] = int(entry.name)
+    return found
+
+
+def _first_step_logged(run: Path) -> bool:
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        return False
+    return any(json.loads(line)["kind"] == "step" for line in metrics.read_text().splitlines())
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").is_file(), reason="needs Linux /proc")
+def test_a_rank_that_dies_ends_the_launch_naming_it(tmp_path: Path) -> None:
+    data = build_shards(tiny_blueprint(), tmp_path / "data")
+    run, marker = tmp_path / "run", uuid.uuid4().hex
+    env = {**os.environ, "FACTORY_TEST_LAUNCH": marker, "FACTORY_COLLECTIVE_TIMEOUT_S": "60"}
+    command = [sys.executable, "-m", "factory", "train", "super", "--proxy", "--nproc", "2",
+               "--steps", "200", "--data", str(data), "--out", str(run), *DP_ONLY]  # fmt: skip
+    launch = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 240
+        while not _first_step_logged(run):
+            assert launch.poll() is None, launch.stdout.read().decode()  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "no step within 240 s"
+            time.sleep(0.5)
+        os.kill(_ranks_of(marker)[1], signal.SIGKILL)
+        output, _ = launch.communicate(timeout=180)  # a hang fails here
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    text = output.decode(errors="replace")
+    assert launch.returncode != 0
+    assert "rank 1 failed first (signal 9)" in text, text[-3000:]
+    assert "another rank has died or stopped answering" in text  # rank 0's own words
+    assert "internal error" not in text
