@@ -24,6 +24,10 @@ BENCHMARKS = {
         "benchmarks.train",
         "CPU proxy training step split into data/fwd/bwd/optimizer, with sync/async checkpoints",
     ),
+    "distributed": (
+        "benchmarks.distributed",
+        "CPU proxy tokens/s and communication share per parallel layout on 1, 2, 4 processes",
+    ),
     "data_pipeline": (
         "benchmarks.data_pipeline",
         "data build throughput vs DataTrove and vs the tokenizer alone",

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_harness import run_ranks
 from runtime_helpers import tiny_blueprint
 from torch.distributed.tensor import DTensor
 
 import factory
 from factory.distributed.expert_parallel import apply_expert_parallel, local_experts
+from factory.distributed.local import run_ranks
 from factory.distributed.mesh import build_meshes
 from factory.graph.moe import MoE
 from factory.planner.layout import resolve_layout

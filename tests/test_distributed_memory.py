@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from distributed_harness import run_ranks
 from runtime_helpers import GLOBAL, tiny_blueprint
 from torch.distributed.tensor import DTensor
 
 import factory
+from factory.distributed.local import run_ranks
 from factory.planner.layout import resolve_layout
 from factory.planner.runtime_memory import runtime_state_per_rank
 from factory.schemas.blueprint import Blueprint

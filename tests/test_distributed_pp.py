@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
-from distributed_harness import run_ranks
 from runtime_helpers import tiny_blueprint
 
 import factory
+from factory.distributed.local import run_ranks
 from factory.distributed.mesh import build_meshes
 from factory.distributed.pipeline import PipelineRunner, check_microbatch_count
 from factory.distributed.pipeline_stages import split_stages

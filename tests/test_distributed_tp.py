@@ -20,11 +20,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from distributed_harness import run_ranks
 from runtime_helpers import tiny_blueprint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from factory.distributed.local import run_ranks
 from factory.distributed.tensor_parallel import (
     apply_tensor_parallel,
     check_tensor_parallel,

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from distributed_harness import run_ranks
 from runtime_helpers import GLOBAL, tiny_blueprint
 from safetensors.torch import load_file
 
 import factory
+from factory.distributed.local import run_ranks
 from factory.runtime.batches import build_shards
 from factory.schemas.blueprint import Blueprint
 

@@ -1,5 +1,6 @@
-"""Run a function on N gloo processes of this machine, with a timeout, for the distributed tests.
+"""Run a function on N gloo processes of this machine, with a timeout.
 
+For tests, benchmarks and notebooks: no launcher needed.
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` spawned processes
 that each join one gloo process group and call ``fn(rank, world_size, *args)``;
 it returns the values in rank order. An exception on any rank is re-raised
@@ -15,6 +16,7 @@ import os
 import pickle
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+__all__ = ["free_port", "run_ranks"]
 
 COLLECTIVE_TIMEOUT_S = 60
 
@@ -62,15 +66,25 @@ def run_ranks(
     for proc in procs:
         proc.start()
     results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
     try:
         while len(results) < world_size:
             try:
-                rank, ok, value = out.get(timeout=timeout)
+                rank, ok, value = out.get(timeout=1.0)
             except queue.Empty:
-                raise TimeoutError(
-                    f"{world_size} ranks: no result within {timeout} s (a hang?); "
-                    f"got ranks {sorted(results)}"
-                ) from None
+                dead = [
+                    r for r, p in enumerate(procs) if p.exitcode is not None and r not in results
+                ]
+                if dead:  # died before reporting (killed, or failed to start)
+                    codes = ", ".join(f"rank {r}: exit {procs[r].exitcode}" for r in dead)
+                    message = f"{world_size} ranks: ended without a result ({codes})"
+                    raise RuntimeError(message) from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{world_size} ranks: no result within {timeout} s (a hang?); "
+                        f"got ranks {sorted(results)}"
+                    ) from None
+                continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = pickle.loads(value)
