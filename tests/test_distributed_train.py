@@ -44,7 +44,9 @@ def _blueprint(world: int, **parallelism: Any) -> Blueprint:
         training={"steps": STEPS, "checkpoint_interval": 2},
     )
     data = bp.model_dump(exclude_unset=True)
-    data["model"]["pattern"] = "ME|M*E" if parallelism.get("pp", 1) > 1 else "MEM*E"
+    # The same five layers, cut into one pipeline segment per (virtual) stage.
+    stages = parallelism.get("pp", 1) * parallelism.get("vpp", 1)
+    data["model"]["pattern"] = {1: "MEM*E", 2: "ME|M*E", 4: "M|E|M*|E"}[stages]
     data["model"]["moe"].setdefault("router", {})["aux_loss"] = "none"
     return Blueprint.model_validate(data)
 
@@ -95,6 +97,7 @@ def _compare(run: Path, reference: Path) -> None:
         pytest.param(2, {"ep": 2}, id="ep2"),
         pytest.param(2, _TP, id="tp2-sp"),
         pytest.param(2, {"pp": 2}, id="pp2-1f1b"),
+        pytest.param(2, {"pp": 2, "vpp": 2}, id="pp2-interleaved"),
     ],
 )
 def test_a_layout_trains_as_one_process_does(
