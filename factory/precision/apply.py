@@ -77,6 +77,15 @@ class PrecisionRuntime:
             )
             self.switched = True
 
+    def weights_updated(self) -> None:
+        """Forget every cached weight cast: call after each optimizer step and checkpoint load.
+
+        The cache notices an in-place update of the tensor it cast (its version moves),
+        but FSDP2 gathers each step's weights into the same unsharded tensor without
+        moving its version, so the runtime says it instead."""
+        for quantizer in self.quantizers.values():
+            quantizer.forget_weight_cast()
+
     def on_tokens(self, tokens_seen: int) -> bool:
         """Call after each step; switches to BF16 once ``after_fraction`` of the training
         tokens are seen (scope ``forward``: only the forward GEMMs). True on the switch."""

@@ -81,6 +81,10 @@ class GemmQuantizer:
         assert self._cached_weight is not None
         return self._cached_weight
 
+    def forget_weight_cast(self) -> None:
+        """Drop the cached cast: the next ``fprop_weight`` casts again."""
+        self._cached_source, self._cached_version, self._cached_weight = None, -1, None
+
     def input(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 

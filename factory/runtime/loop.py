@@ -246,6 +246,8 @@ def _apply(run: _Run, outcome: StepOutcome, lr: float, grad_norm: float, seconds
     """Take the optimizer step and record it."""
     model: nn.Module = run.compiled.model
     run.optimizer.step()
+    if run.compiled.precision is not None:
+        run.compiled.precision.weights_updated()
     model.update_expert_biases(outcome.tokens_per_expert)
     p = run.position
     p.tokens_seen += outcome.tokens

@@ -113,6 +113,8 @@ def restore(
     # tensors in another layout (tensor parallelism's Mamba projections) takes them back here.
     compiled.model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    if compiled.precision is not None:
+        compiled.precision.weights_updated()
     _set_rng_state(local["rng"])
     if compiled.precision is not None and local["precision"] is not None:
         compiled.precision.load_state_dict(local["precision"])
