@@ -189,6 +189,13 @@ CASES = [
         ("[0, 4)", "[0, 8)"),
         "error",
     ),
+    (
+        "parallelism.moe_bias_etp",
+        {"model.mlp.bias": True, "parallelism.etp": 2},
+        "parallelism.etp",
+        ("etp=2", "model.mlp.bias"),
+        "error",
+    ),
 ]
 
 

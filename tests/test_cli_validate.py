@@ -285,7 +285,7 @@ def test_control_characters_stay_on_one_line(cli, write_yaml) -> None:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["export", "megatron"], "No such command 'megatron'; choose from: hf."),
+        (["export", "onnx"], "No such command 'onnx'; choose from: hf, megatron."),
         (["train", "--bogus"], "No such option: --bogus"),
         (["frobnicate"], "choose from: validate, build, plan"),
         (["plan"], "Missing argument"),

@@ -271,6 +271,24 @@ def flex_dispatcher(bp: Blueprint) -> Iterator[Finding]:
         )
 
 
+@rule("parallelism.moe_bias_etp")
+def moe_bias_etp(bp: Blueprint) -> Iterator[Finding]:
+    """Linear biases with MoE layers need etp=1 (Megatron's one add_bias_linear covers experts)."""
+    m, par = bp.model, bp.parallelism
+    biased = [
+        name
+        for name, section in (("attention", m.attention), ("mlp", m.mlp))
+        if section is not None and section.bias
+    ]
+    if "E" in used_symbols(m) and biased and par.expert_tp > 1:
+        yield Finding(
+            "parallelism.etp",
+            f"biases on linear layers (model.{', model.'.join(f'{b}.bias' for b in biased)}) "
+            f"with MoE layers need etp=1, got etp={par.expert_tp}; Megatron-Core refuses "
+            "'Bias in Moe is only supported when ETP==1'",
+        )
+
+
 @rule("parallelism.nvlink_domain")
 def nvlink_domain(bp: Blueprint) -> Iterator[Finding]:
     """TP and the expert group (etp*ep) communicate every layer; keep them inside NVLink."""

@@ -1,4 +1,4 @@
-"""``factory export hf`` and ``factory import hf``: Hugging Face NemotronH checkpoints."""
+"""``factory export hf``/``megatron`` and ``factory import hf``: other engines' formats."""
 
 from __future__ import annotations
 
@@ -55,6 +55,33 @@ def export_hf_cmd(
         load_weights(compiled.model, weights)
     export_hf(compiled.model, compiled.blueprint, out)
     typer.echo(f"wrote {out}/config.json and {out}/model.safetensors")
+
+
+@export_app.command("megatron")
+def export_megatron_cmd(
+    target: Annotated[str, typer.Argument(help="Preset name or blueprint path.")],
+    out: Annotated[Path, typer.Option("--out", help="Output folder.")],
+    allow_unexpressed: Annotated[
+        bool,
+        typer.Option(
+            "--allow-unexpressed",
+            help="Export anyway, listing in README.md what Megatron cannot express.",
+        ),
+    ] = False,
+    overrides: SetOption = None,
+) -> None:
+    """Write a Megatron-Bridge recipe.py, overrides.yaml, launch.sh, hf/ and README.md."""
+    from factory.exports.megatron import MegatronExportError, export_megatron
+
+    bp = factory.load_blueprint(target, overrides or [])
+    try:
+        export_megatron(bp, out, allow_unexpressed=allow_unexpressed)
+    except MegatronExportError as exc:
+        typer.echo(f"{target}: cannot export to Megatron-Bridge:", err=True)
+        for path, why in exc.fields:
+            typer.echo(f"  {path}: {why}", err=True)
+        raise typer.Exit(EXIT_INVALID) from None
+    typer.echo(f"wrote {out}/recipe.py, overrides.yaml, launch.sh, README.md")
 
 
 @import_app.command("hf")

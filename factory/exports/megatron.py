@@ -1,0 +1,236 @@
+"""``factory export megatron``: a Megatron-Bridge pretraining recipe from a blueprint, torch-free.
+
+Writes ``recipe.py`` (a ``<name>_pretrain_config()`` returning a Bridge
+``ConfigContainer``), ``overrides.yaml`` (the same values as OmegaConf YAML),
+``launch.sh`` (torchrun and srun), ``hf/config.json`` (``hf_config``) and a
+``README.md`` that lists everything Megatron does not carry. Every value comes
+from ``megatron_fields.FIELDS``; what cannot be expressed is refused
+(``megatron_refusals``) unless the caller allows it, and then it is listed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from factory.exports.hf_config import ExportError, hf_config
+from factory.exports.megatron_fields import (
+    BRIDGE_COMMIT,
+    MEGATRON_CORE_VERSION,
+    SECTIONS,
+    Ref,
+    megatron_fields,
+)
+from factory.exports.megatron_refusals import not_carried, refusals
+from factory.io import staged_directory
+from factory.schemas.blueprint import Blueprint
+
+__all__ = ["EXTRA_KEYWORDS", "MegatronExportError", "export_megatron", "recipe_source"]
+
+# Fields the recipe sets that no blueprint field decides: paths, logging, data split. Listed
+# in docs/megatron.md beside the mapping; the tests allow exactly these beyond FIELDS.
+EXTRA_KEYWORDS: dict[str, dict[str, str]] = {
+    "dataset": {"blend": "(data_paths, None)", "split": '"99990,8,2"'},
+    "checkpoint": {
+        "save": "checkpoint_dir",
+        "load": "checkpoint_dir",
+        "ckpt_format": '"torch_dist"',
+    },
+    "tokenizer": {"tokenizer_type": '"HuggingFaceTokenizer"', "tokenizer_model": "tokenizer"},
+    "logger": {"log_interval": "10"},
+    "dist": {},
+}
+_EXTRA_CLASSES = {
+    "tokenizer": ("megatron.bridge.training.config", "TokenizerConfig"),
+    "logger": ("megatron.bridge.training.config", "LoggerConfig"),
+    "dist": ("megatron.bridge.training.config", "DistributedInitConfig"),
+}
+_GPUS_PER_NODE = {"gb200": 4, "gb300": 4}  # NVL72 compute trays hold 4 GPUs; HGX nodes 8
+
+
+class MegatronExportError(ExportError):
+    """The blueprint has fields a Megatron recipe cannot express; ``fields`` names them."""
+
+    def __init__(self, fields: list[tuple[str, str]]) -> None:
+        self.fields = fields
+        lines = "\n".join(f"  {path}: {why}" for path, why in fields)
+        super().__init__(f"cannot export to Megatron-Bridge:\n{lines}")
+
+
+def _py(value: Any) -> str:
+    if isinstance(value, Ref):
+        return value.path.rsplit(".", 1)[-1] if value.path.startswith("megatron") else value.path
+    return repr(value)
+
+
+def _yaml_value(value: Any) -> Any:
+    # Bridge's OmegaConf round trip names callables and dtypes by import path.
+    if isinstance(value, Ref):
+        return {"_target_": value.path, "_call_": False}
+    return value
+
+
+def _func_name(bp: Blueprint) -> str:
+    return re.sub(r"\W", "_", bp.meta.name).strip("_").lower() + "_pretrain_config"
+
+
+def _data_path(bp: Blueprint) -> str:
+    # factory's data pipeline writes <out>/megatron/<recipe name>.{bin,idx}.
+    name = Path(bp.data.recipe).stem
+    return f"data/{name}/megatron/{name}"
+
+
+def _call(cls: str, kwargs: dict[str, str], indent: str) -> str:
+    if not kwargs:
+        return f"{cls}()"
+    inner = "".join(f"{indent}    {k}={v},\n" for k, v in kwargs.items())
+    return f"{cls}(\n{inner}{indent})"
+
+
+def recipe_source(bp: Blueprint) -> str:
+    """The text of ``recipe.py``."""
+    fields = megatron_fields(bp)
+    imports: dict[str, set[str]] = {}
+    for section, (module, cls) in {**SECTIONS, **_EXTRA_CLASSES}.items():
+        if section != "mixed_precision":
+            imports.setdefault(module, set()).add(cls)
+    imports.setdefault("megatron.bridge.training.config", set()).add("ConfigContainer")
+    for value in fields["model"].values():
+        if isinstance(value, Ref) and value.path.startswith("megatron"):
+            module, name = value.path.rsplit(".", 1)
+            imports.setdefault(module, set()).add(name)
+    uses_torch = any(
+        isinstance(v, Ref) and v.path.startswith("torch") for v in fields["model"].values()
+    )
+    head = ("import torch\n" if uses_torch else "") + "\n".join(
+        f"from {module} import {', '.join(sorted(names))}"
+        for module, names in sorted(imports.items())
+    )
+    sections = []
+    for section, (_, cls) in {**SECTIONS, **_EXTRA_CLASSES}.items():
+        if section == "mixed_precision":
+            sections.append(f"        mixed_precision={fields[section]['name']!r},")
+            continue
+        kwargs = {k: _py(v) for k, v in fields.get(section, {}).items()}
+        kwargs |= EXTRA_KEYWORDS.get(section, {})
+        sections.append(f"        {section}={_call(cls, kwargs, '        ')},")
+    name = _func_name(bp)
+    return f'''"""Megatron-Bridge pretraining recipe for {bp.meta.name}, written by `factory export megatron`.
+
+Every value comes from the blueprint (mapping: docs/megatron.md in nemotron-factory).
+Checked against megatron-core {MEGATRON_CORE_VERSION} and Megatron-Bridge {BRIDGE_COMMIT[:7]}.
+"""
+
+{head}
+
+
+def {name}(
+    data_paths: list[str] | None = None,
+    checkpoint_dir: str = "checkpoints/{bp.meta.name}",
+    tokenizer: str = {bp.meta.hf_id or "tokenizer"!r},
+) -> ConfigContainer:
+    """The ConfigContainer of blueprint {bp.meta.name!r}; data_paths are indexed-dataset prefixes."""
+    data_paths = data_paths or [{_data_path(bp)!r}]
+    return ConfigContainer(
+{chr(10).join(sections)}
+    )
+
+
+if __name__ == "__main__":
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    pretrain({name}(), forward_step)
+'''
+
+
+def overrides_yaml(bp: Blueprint) -> str:
+    """``overrides.yaml``: the recipe's blueprint-derived values as OmegaConf YAML."""
+    fields = megatron_fields(bp)
+    doc: dict[str, Any] = {}
+    for section, values in fields.items():
+        if section == "mixed_precision":
+            doc[section] = values["name"]
+        else:
+            doc[section] = {k: _yaml_value(v) for k, v in values.items()}
+    header = (
+        f"# Megatron-Bridge overrides for {bp.meta.name} (factory export megatron).\n"
+        f"# Same values as recipe.py; megatron-core {MEGATRON_CORE_VERSION}.\n"
+    )
+    return header + yaml.safe_dump(doc, sort_keys=False)
+
+
+def launch_sh(bp: Blueprint) -> str:
+    """``launch.sh``: torchrun on one node or per node, srun under Slurm."""
+    par = bp.parallelism
+    per_node = min(_GPUS_PER_NODE.get(par.gpu, 8), par.world_size)
+    nodes = -(-par.world_size // per_node)
+    layout = (
+        f"tp={par.tp} pp={par.pp} cp={par.cp} ep={par.ep} etp={par.expert_tp} "
+        f"sp={par.sequence_parallel}"
+    )
+    return f"""#!/usr/bin/env bash
+# {bp.meta.name}: {par.world_size} {par.gpu} GPUs = {nodes} node(s) x {per_node}; {layout}
+set -euo pipefail
+HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
+NODES="${{NODES:-{nodes}}}"
+GPUS_PER_NODE="${{GPUS_PER_NODE:-{per_node}}}"
+if [ -n "${{SLURM_JOB_ID:-}}" ]; then
+  srun --nodes="$NODES" --ntasks-per-node="$GPUS_PER_NODE" --gpus-per-node="$GPUS_PER_NODE" \\
+    python "$HERE/recipe.py" "$@"
+else
+  torchrun --nnodes="$NODES" --nproc-per-node="$GPUS_PER_NODE" --node-rank="${{NODE_RANK:-0}}" \\
+    --master-addr="${{MASTER_ADDR:-localhost}}" --master-port="${{MASTER_PORT:-29500}}" \\
+    "$HERE/recipe.py" "$@"
+fi
+"""
+
+
+def readme(bp: Blueprint, unexpressed: list[tuple[str, str]], hf_note: str) -> str:
+    lines = [
+        f"# {bp.meta.name}: Megatron-Bridge export",
+        "",
+        f"Written by `factory export megatron`; megatron-core {MEGATRON_CORE_VERSION}, "
+        f"Megatron-Bridge {BRIDGE_COMMIT[:7]}.",
+        "",
+        f"- `recipe.py`: `{_func_name(bp)}()` returns the ConfigContainer; run as a script it "
+        "pretrains.",
+        "- `overrides.yaml`: the same blueprint-derived values as OmegaConf YAML.",
+        "- `launch.sh`: torchrun (set NODES, NODE_RANK, MASTER_ADDR) or srun under Slurm.",
+        f"- `hf/`: {hf_note}",
+        f"- data: indexed-dataset prefix `{_data_path(bp)}` from `factory data` (recipe "
+        f"{bp.data.recipe!r}); pass others as `data_paths`.",
+        "",
+        "## Not expressed in Megatron (refused unless --allow-unexpressed)",
+        "",
+    ]
+    lines += [f"- `{p}`: {why}" for p, why in unexpressed] or ["- none"]
+    lines += ["", "## Not carried (factory runtime only)", ""]
+    lines += [f"- `{p}`: {why}" for p, why in not_carried(bp)]
+    return "\n".join(lines) + "\n"
+
+
+def export_megatron(bp: Blueprint, out: Path, allow_unexpressed: bool = False) -> Path:
+    """Write the recipe folder ``out`` atomically; raises MegatronExportError for refusals."""
+    unexpressed = refusals(bp)
+    if unexpressed and not allow_unexpressed:
+        raise MegatronExportError(unexpressed)
+    try:
+        hf = hf_config(bp, dtype="bfloat16")
+        hf_note = "`config.json` for Hugging Face NemotronH (`factory export hf` adds weights)."
+    except ExportError as exc:
+        hf, hf_note = None, f"not written: {exc}"
+    with staged_directory(out) as tmp:
+        (tmp / "recipe.py").write_text(recipe_source(bp))
+        (tmp / "overrides.yaml").write_text(overrides_yaml(bp))
+        (tmp / "launch.sh").write_text(launch_sh(bp))
+        (tmp / "launch.sh").chmod(0o755)
+        (tmp / "README.md").write_text(readme(bp, unexpressed, hf_note))
+        if hf is not None:
+            (tmp / "hf").mkdir()
+            (tmp / "hf" / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return out

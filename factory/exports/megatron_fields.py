@@ -1,0 +1,371 @@
+"""Blueprint -> Megatron-Bridge ``ConfigContainer`` fields: the one mapping table, torch-free.
+
+``FIELDS`` is the only place a blueprint field meets a Megatron field: the
+generated ``recipe.py`` and ``overrides.yaml`` are rendered from it,
+``docs/megatron.md`` carries its table (``mapping_markdown``, compared by the
+tests) and the tests check every ``config``/``model`` name against the installed
+megatron-core. Versions checked against: megatron-core 0.16.1 (``TransformerConfig``,
+``ModelParallelConfig``, ``MambaModel``, ``OptimizerConfig``,
+``DistributedDataParallelConfig``) and Megatron-Bridge main at commit 2106e93
+(``HybridModelProvider``, which adds ``hybrid_layer_pattern`` and the MTP fields that
+0.16.1's ``MambaModel`` lacks). What Megatron cannot express is in
+``factory.exports.megatron_refusals``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from factory.schemas.blueprint import Blueprint
+
+__all__ = [
+    "FIELDS",
+    "SECTIONS",
+    "Field",
+    "Ref",
+    "mapping_markdown",
+    "megatron_fields",
+    "pipeline_stage_sizes",
+]
+
+MEGATRON_CORE_VERSION = "0.16.1"
+BRIDGE_COMMIT = "2106e9317453a4e9a39a1e056f31fbfba915e904"
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A Python object named by import path (a callable or a torch dtype), not a literal."""
+
+    path: str
+
+
+Kind = Literal["config", "model", "provider", "container"]
+"""config: a megatron-core 0.16.1 TransformerConfig/ModelParallelConfig field. model: a
+parameter of 0.16.1's MambaModel (named in ``Field.mcore``). provider: Megatron-Bridge's
+HybridModelProvider only. container: a field of another ConfigContainer section."""
+
+
+@dataclass(frozen=True)
+class Field:
+    blueprint: str
+    section: str
+    name: str
+    kind: Kind
+    get: Callable[[Blueprint], Any]
+    mcore: str | None = None
+
+
+SKIP = object()
+"""``get`` returns this when the field does not apply (no attention layers, no MoE, ...)."""
+
+# ConfigContainer sections and the class each is built from in recipe.py (module, class).
+SECTIONS: dict[str, tuple[str, str]] = {
+    "model": ("megatron.bridge.models.hybrid.hybrid_provider", "HybridModelProvider"),
+    "train": ("megatron.bridge.training.config", "TrainingConfig"),
+    "optimizer": ("megatron.core.optimizer", "OptimizerConfig"),
+    "scheduler": ("megatron.bridge.training.config", "SchedulerConfig"),
+    "ddp": ("megatron.core.distributed", "DistributedDataParallelConfig"),
+    "dataset": ("megatron.bridge.training.config", "GPTDatasetConfig"),
+    "checkpoint": ("megatron.bridge.training.config", "CheckpointConfig"),
+    "rng": ("megatron.bridge.training.config", "RNGConfig"),
+    "mixed_precision": ("megatron.bridge.training.mixed_precision", "get_mixed_precision_config"),
+}
+
+_ACTIVATIONS = {
+    "relu2": (Ref("megatron.core.activations.squared_relu"), False),
+    "swiglu": (Ref("torch.nn.functional.silu"), True),
+}
+_WSD_SHAPES = {"linear": "linear", "cosine": "cosine", "minus_sqrt": "minus_sqrt"}
+# Bridge's named mixed-precision presets (training/mixed_precision.py) per factory recipe.
+_MIXED = {
+    ("bf16", None): "bf16_mixed",
+    ("fp8", "tensorwise"): "bf16_with_fp8_current_scaling_mixed",
+    ("fp8", "delayed"): "bf16_with_fp8_delayed_scaling_mixed",
+    ("fp8", "blockwise"): "bf16_with_fp8_subchannel_scaling_mixed",
+    ("mxfp8", None): "bf16_with_mxfp8_mixed",
+    ("nvfp4", None): "bf16_with_nvfp4_mixed",
+}
+
+
+def _has(bp: Blueprint, symbol: str) -> bool:
+    return symbol in bp.model.layout.main or symbol in bp.model.mtp_pattern
+
+
+def _attn(fn: Callable[[Any], Any]) -> Callable[[Blueprint], Any]:
+    return lambda bp: fn(bp.model.attention) if _has(bp, "*") else SKIP
+
+
+def _mamba(fn: Callable[[Any], Any]) -> Callable[[Blueprint], Any]:
+    return lambda bp: fn(bp.model.mamba) if _has(bp, "M") else SKIP
+
+
+def _moe(fn: Callable[[Any], Any]) -> Callable[[Blueprint], Any]:
+    return lambda bp: fn(bp.model.moe) if _has(bp, "E") else SKIP
+
+
+def _activation(bp: Blueprint) -> tuple[Ref, bool]:
+    m = bp.model
+    kind = m.mlp.activation if _has(bp, "-") else m.moe.activation if _has(bp, "E") else "relu2"
+    return _ACTIVATIONS[kind]
+
+
+def _bias(bp: Blueprint) -> bool:
+    m = bp.model
+    return bool((_has(bp, "*") and m.attention.bias) or (m.mlp is not None and m.mlp.bias))
+
+
+def pipeline_stage_sizes(bp: Blueprint) -> list[int]:
+    """Layers per pipeline stage the blueprint asks for ('|' segments, else an even split)."""
+    layout, pp = bp.model.layout, bp.parallelism.pp
+    if layout.has_pipes:
+        return [len(segment) for segment in layout.segments]
+    n = layout.num_layers
+    return [n // pp] * pp if n % pp == 0 else []
+
+
+def _uneven(bp: Blueprint, end: Literal["first", "last"]) -> Any:
+    """Megatron reproduces uneven cuts with first/last stage sizes and an even middle."""
+    sizes = pipeline_stage_sizes(bp)
+    if len(sizes) != bp.parallelism.pp or len(sizes) < 2 or len(set(sizes)) == 1:
+        return SKIP
+    return sizes[0] if end == "first" else sizes[-1]
+
+
+def _steps(bp: Blueprint, fraction: float) -> int:
+    return round(bp.training_steps * fraction)
+
+
+def _recompute(bp: Blueprint) -> Any:
+    kind = bp.parallelism.recompute
+    return None if kind == "none" else kind
+
+
+def _high(bp: Blueprint, end: Literal["first", "last"]) -> Any:
+    hp = bp.precision.high_precision
+    if bp.precision.recipe == "bf16" or not (hp.first or hp.last):
+        return SKIP
+    return hp.first if end == "first" else hp.last
+
+
+def _fp8(bp: Blueprint) -> Any:
+    rec = bp.precision.recipe
+    if rec == "fp8":
+        return bp.precision.fp8.format
+    return "e4m3" if rec == "mxfp8" else SKIP
+
+
+def _fp8_recipe(bp: Blueprint) -> Any:
+    rec = bp.precision.recipe
+    if rec == "fp8":
+        return bp.precision.fp8.scaling
+    return "mxfp8" if rec == "mxfp8" else SKIP
+
+
+def _mixed(bp: Blueprint) -> str:
+    rec = bp.precision.recipe
+    return _MIXED.get((rec, bp.precision.fp8.scaling if rec == "fp8" else None), "bf16_mixed")
+
+
+def _mtp(fn: Callable[[Blueprint], Any]) -> Callable[[Blueprint], Any]:
+    return lambda bp: fn(bp) if bp.model.mtp_depth else SKIP
+
+
+def _group(bp: Blueprint, value: int) -> Any:
+    return value if _has(bp, "E") and bp.model.moe.router.num_groups > 1 else SKIP
+
+
+M, T = "model", "container"
+# One row per field reads as the table it is; the formatter would spread rows over lines.
+# fmt: off
+FIELDS: tuple[Field, ...] = (
+    # The hybrid stack. '|' is not written: pipeline cuts become first/last stage sizes.
+    Field("model.pattern", M, "hybrid_layer_pattern", "provider", lambda bp: bp.model.layout.main),
+    Field("model.pattern", M, "num_layers", "config", lambda bp: bp.model.num_layers),
+    Field("model.pattern", M, "is_hybrid_model", "config", lambda bp: True),
+    Field("model.hidden_size", M, "hidden_size", "config", lambda bp: bp.model.hidden_size),
+    Field("model.vocab_size", M, "vocab_size", "model", lambda bp: bp.model.vocab_size,
+          "vocab_size"),
+    Field("data.seq_len", M, "seq_length", "model", lambda bp: bp.data.seq_len,
+          "max_sequence_length"),
+    Field("model.tie_embeddings", M, "share_embeddings_and_output_weights", "model",
+          lambda bp: bp.model.tie_embeddings, "share_embeddings_and_output_weights"),
+    Field("model.position_embedding", M, "position_embedding_type", "model",
+          lambda bp: bp.model.position_embedding, "position_embedding_type"),
+    Field("model.rope_base", M, "rotary_base", "model",
+          lambda bp: int(bp.model.rope_base) if bp.model.position_embedding == "rope" else SKIP,
+          "rotary_base"),
+    Field("model.rope_fraction", M, "rotary_percent", "model",
+          lambda bp: bp.model.rope_fraction if bp.model.position_embedding == "rope" else SKIP,
+          "rotary_percent"),
+    Field("model.norm_eps", M, "layernorm_epsilon", "config", lambda bp: bp.model.norm_eps),
+    Field("model.norm_eps", M, "normalization", "config", lambda bp: "RMSNorm"),
+    Field("model.init.std", M, "init_method_std", "config", lambda bp: bp.model.init.std),
+    Field("model.{attention,mlp}.bias", M, "add_bias_linear", "config", _bias),
+    Field("model.{mlp,moe}.activation", M, "activation_func", "config",
+          lambda bp: _activation(bp)[0]),
+    Field("model.{mlp,moe}.activation", M, "gated_linear_unit", "config",
+          lambda bp: _activation(bp)[1]),
+    Field("model.mlp.intermediate_size", M, "ffn_hidden_size", "config",
+          lambda bp: bp.model.mlp.intermediate_size if _has(bp, "-")
+          else bp.model.moe.expert_intermediate_size if _has(bp, "E") else SKIP),
+    Field("(none)", M, "hidden_dropout", "config", lambda bp: 0.0),
+    Field("(none)", M, "attention_dropout", "config", lambda bp: 0.0),
+    # Attention.
+    Field("model.attention.heads", M, "num_attention_heads", "config",
+          lambda bp: bp.model.attention.heads if _has(bp, "*") else 1),
+    Field("model.attention.kv_heads", M, "num_query_groups", "config", _attn(lambda a: a.kv_heads)),
+    Field("model.attention.head_dim", M, "kv_channels", "config", _attn(lambda a: a.head_dim)),
+    # Mamba-2.
+    Field("model.mamba.heads", M, "mamba_num_heads", "config", _mamba(lambda s: s.heads)),
+    Field("model.mamba.head_dim", M, "mamba_head_dim", "config", _mamba(lambda s: s.head_dim)),
+    Field("model.mamba.state_size", M, "mamba_state_dim", "config",
+          _mamba(lambda s: s.state_size)),
+    Field("model.mamba.groups", M, "mamba_num_groups", "config", _mamba(lambda s: s.groups)),
+    # MoE and LatentMoE.
+    Field("model.moe.num_experts", M, "num_moe_experts", "config", _moe(lambda e: e.num_experts)),
+    Field("model.moe.top_k", M, "moe_router_topk", "config", _moe(lambda e: e.top_k)),
+    Field("model.moe.expert_intermediate_size", M, "moe_ffn_hidden_size", "config",
+          _moe(lambda e: e.expert_intermediate_size)),
+    Field("model.moe.shared_expert_intermediate_size", M, "moe_shared_expert_intermediate_size",
+          "config", _moe(lambda e: e.shared_expert_intermediate_size or None)),
+    Field("model.moe.latent_size", M, "moe_latent_size", "config", _moe(lambda e: e.latent_size)),
+    Field("model.moe.capacity_factor", M, "moe_expert_capacity_factor", "config",
+          _moe(lambda e: e.capacity_factor)),
+    Field("model.moe.router.score_function", M, "moe_router_score_function", "config",
+          _moe(lambda e: e.router.score_function)),
+    Field("model.moe.router.normalize_top_k", M, "moe_router_pre_softmax", "config",
+          _moe(lambda e: e.router.score_function == "softmax" and not e.router.normalize_top_k)),
+    Field("model.moe.router.scaling_factor", M, "moe_router_topk_scaling_factor", "config",
+          _moe(lambda e: e.router.scaling_factor)),
+    Field("model.moe.router.expert_bias", M, "moe_router_enable_expert_bias", "config",
+          _moe(lambda e: e.router.expert_bias)),
+    Field("model.moe.router.expert_bias_update_rate", M, "moe_router_bias_update_rate", "config",
+          _moe(lambda e: e.router.expert_bias_update_rate)),
+    Field("model.moe.router.aux_loss", M, "moe_router_load_balancing_type", "config",
+          _moe(lambda e: e.router.aux_loss)),
+    Field("model.moe.router.aux_loss_coeff", M, "moe_aux_loss_coeff", "config",
+          _moe(lambda e: e.router.aux_loss_coeff if e.router.aux_loss != "none" else 0.0)),
+    Field("model.moe.router.num_groups", M, "moe_router_num_groups", "config",
+          lambda bp: _group(bp, bp.model.moe.router.num_groups if bp.model.moe else 1)),
+    Field("model.moe.router.group_top_k", M, "moe_router_group_topk", "config",
+          lambda bp: _group(bp, bp.model.moe.router.group_top_k if bp.model.moe else 1)),
+    Field("(router runs in fp32)", M, "moe_router_dtype", "config", _moe(lambda e: "fp32")),
+    Field("(experts are grouped GEMMs)", M, "moe_grouped_gemm", "config", _moe(lambda e: True)),
+    Field("parallelism.moe_dispatcher", M, "moe_token_dispatcher_type", "config",
+          lambda bp: bp.parallelism.moe_dispatcher if _has(bp, "E") else SKIP),
+    # Multi-token prediction.
+    Field("model.mtp.depth", M, "mtp_num_layers", "config", _mtp(lambda bp: bp.model.mtp_depth)),
+    Field("model.mtp.pattern", M, "mtp_hybrid_override_pattern", "provider",
+          _mtp(lambda bp: bp.model.mtp_pattern)),
+    Field("model.mtp.repeated", M, "mtp_use_repeated_layer", "provider",
+          _mtp(lambda bp: bool(bp.model.mtp and bp.model.mtp.repeated))),
+    Field("model.mtp.loss_scale", M, "mtp_loss_scaling_factor", "config",
+          _mtp(lambda bp: bp.model.mtp.loss_scale if bp.model.mtp else 0.1)),
+    # Layout.
+    Field("parallelism.tp", M, "tensor_model_parallel_size", "config", lambda bp: bp.parallelism.tp),
+    Field("parallelism.pp", M, "pipeline_model_parallel_size", "config",
+          lambda bp: bp.parallelism.pp),
+    Field("parallelism.pp", M, "pipeline_dtype", "config",
+          lambda bp: Ref("torch.bfloat16") if bp.parallelism.pp > 1 else SKIP),
+    Field("model.pattern '|'", M, "num_layers_in_first_pipeline_stage", "config",
+          lambda bp: _uneven(bp, "first")),
+    Field("model.pattern '|'", M, "num_layers_in_last_pipeline_stage", "config",
+          lambda bp: _uneven(bp, "last")),
+    Field("parallelism.cp", M, "context_parallel_size", "config", lambda bp: bp.parallelism.cp),
+    Field("parallelism.ep", M, "expert_model_parallel_size", "config",
+          lambda bp: bp.parallelism.ep),
+    Field("parallelism.etp", M, "expert_tensor_parallel_size", "config",
+          lambda bp: bp.parallelism.expert_tp if _has(bp, "E") else SKIP),
+    Field("parallelism.sequence_parallel", M, "sequence_parallel", "config",
+          lambda bp: bp.parallelism.sequence_parallel),
+    Field("parallelism.recompute", M, "recompute_granularity", "config", _recompute),
+    # Precision (the numeric recipe itself is the mixed_precision preset below).
+    Field("precision.recipe", M, "fp8", "config", _fp8),
+    Field("precision.fp8.scaling", M, "fp8_recipe", "config", _fp8_recipe),
+    Field("precision.recipe", M, "fp4", "config",
+          lambda bp: "e2m1" if bp.precision.recipe == "nvfp4" else SKIP),
+    Field("precision.recipe", M, "fp4_recipe", "config",
+          lambda bp: "nvfp4" if bp.precision.recipe == "nvfp4" else SKIP),
+    Field("precision.high_precision", M, "first_last_layers_bf16", "config",
+          lambda bp: True if _high(bp, "first") is not SKIP else SKIP),
+    Field("precision.high_precision.first", M, "num_layers_at_start_in_bf16", "config",
+          lambda bp: _high(bp, "first")),
+    Field("precision.high_precision.last", M, "num_layers_at_end_in_bf16", "config",
+          lambda bp: _high(bp, "last")),
+    Field("precision.recipe", "mixed_precision", "name", T, _mixed),
+    # Training.
+    Field("parallelism.micro_batch_size", "train", "micro_batch_size", T,
+          lambda bp: bp.parallelism.micro_batch_size),
+    Field("parallelism.global_batch_size", "train", "global_batch_size", T,
+          lambda bp: bp.parallelism.global_batch_size),
+    Field("training.{steps,tokens}", "train", "train_iters", T, lambda bp: bp.training_steps),
+    Field("training.optimizer.name", "optimizer", "optimizer", T, lambda bp: "adam"),
+    Field("training.optimizer.lr", "optimizer", "lr", T, lambda bp: bp.training.optimizer.lr),
+    Field("training.optimizer.min_lr", "optimizer", "min_lr", T,
+          lambda bp: bp.training.optimizer.min_lr),
+    Field("training.optimizer.betas", "optimizer", "adam_beta1", T,
+          lambda bp: bp.training.optimizer.betas[0]),
+    Field("training.optimizer.betas", "optimizer", "adam_beta2", T,
+          lambda bp: bp.training.optimizer.betas[1]),
+    Field("training.optimizer.eps", "optimizer", "adam_eps", T,
+          lambda bp: bp.training.optimizer.eps),
+    Field("training.optimizer.weight_decay", "optimizer", "weight_decay", T,
+          lambda bp: bp.training.optimizer.weight_decay),
+    # Megatron disables clipping with 0.0 where the blueprint writes null.
+    Field("training.optimizer.grad_clip", "optimizer", "clip_grad", T,
+          lambda bp: bp.training.optimizer.grad_clip or 0.0),
+    Field("parallelism.distributed_optimizer", "optimizer", "use_distributed_optimizer", T,
+          lambda bp: bp.parallelism.distributed_optimizer),
+    Field("(bf16 master)", "optimizer", "bf16", T, lambda bp: True),
+    Field("parallelism.distributed_optimizer", "ddp", "use_distributed_optimizer", T,
+          lambda bp: bp.parallelism.distributed_optimizer),
+    Field("parallelism.distributed_optimizer_instances", "ddp",
+          "num_distributed_optimizer_instances", T,
+          lambda bp: bp.parallelism.distributed_optimizer_instances),
+    Field("training.schedule.kind", "scheduler", "lr_decay_style", T,
+          lambda bp: {"wsd": "WSD", "cosine": "cosine", "constant": "constant"}[
+              bp.training.schedule.kind]),
+    Field("training.schedule.warmup_fraction", "scheduler", "lr_warmup_iters", T,
+          lambda bp: _steps(bp, bp.training.schedule.warmup_fraction)),
+    Field("training.{steps,tokens}", "scheduler", "lr_decay_iters", T,
+          lambda bp: bp.training_steps),
+    Field("training.schedule.decay_shape", "scheduler", "lr_wsd_decay_style", T,
+          lambda bp: _WSD_SHAPES[bp.training.schedule.decay_shape]
+          if bp.training.schedule.kind == "wsd" else SKIP),
+    Field("training.schedule.decay_fraction", "scheduler", "lr_wsd_decay_iters", T,
+          lambda bp: _steps(bp, bp.training.schedule.decay_fraction)
+          if bp.training.schedule.kind == "wsd" else SKIP),
+    Field("data.seq_len", "dataset", "seq_length", T, lambda bp: bp.data.seq_len),
+    Field("training.seed", "dataset", "random_seed", T, lambda bp: bp.training.seed),
+    Field("training.checkpoint_interval", "checkpoint", "save_interval", T,
+          lambda bp: bp.training.checkpoint_interval),
+    Field("training.seed", "rng", "seed", T, lambda bp: bp.training.seed),
+)
+# fmt: on
+
+
+def megatron_fields(bp: Blueprint) -> dict[str, dict[str, Any]]:
+    """Section -> field -> value, for every field of ``FIELDS`` that applies to ``bp``."""
+    out: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
+    for field in FIELDS:
+        value = field.get(bp)
+        if value is not SKIP:
+            out[field.section][field.name] = value
+    return out
+
+
+def mapping_markdown() -> str:
+    """The mapping table of ``docs/megatron.md``."""
+    rows = ["| blueprint | section | Megatron field | checked against |", "|---|---|---|---|"]
+    where = {
+        "config": f"megatron-core {MEGATRON_CORE_VERSION} TransformerConfig",
+        "model": f"megatron-core {MEGATRON_CORE_VERSION} MambaModel",
+        "provider": f"Megatron-Bridge {BRIDGE_COMMIT[:7]} HybridModelProvider",
+        "container": "Megatron-Bridge ConfigContainer",
+    }
+    for f in FIELDS:
+        target = where[f.kind] + (f" (`{f.mcore}`)" if f.mcore and f.mcore != f.name else "")
+        rows.append(f"| `{f.blueprint}` | {f.section} | `{f.name}` | {target} |")
+    return "\n".join(rows) + "\n"

@@ -1,0 +1,226 @@
+"""What a blueprint has that a Megatron-Bridge recipe cannot express, torch-free.
+
+Two kinds. ``refusals`` change the model or its numerics if dropped, so the
+export stops and names each (path, reason); ``--allow-unexpressed`` turns them
+into README entries instead. ``not_carried`` is what factory does around
+training that Megatron has no field for (stability monitors, rollback): always
+listed in the README, never silently dropped. Checked against megatron-core
+0.16.1 and Megatron-Bridge ``HybridModelProvider`` (``megatron_fields``).
+"""
+
+from __future__ import annotations
+
+from factory.exports.megatron_fields import pipeline_stage_sizes
+from factory.schemas.blueprint import Blueprint
+from factory.schemas.model import MambaConfig
+from factory.schemas.precision import NVFP4Options
+
+__all__ = ["not_carried", "refusals"]
+
+# MambaMixer's constructor defaults (megatron/core/ssm/mamba_mixer.py, 0.16.1): the mixer
+# spec passes none of these, so only these values are expressible.
+_MIXER_DEFAULTS = {
+    "conv_kernel": 4,
+    "chunk_size": 128,
+    "dt_min": 0.001,
+    "dt_max": 0.1,
+    "dt_init_floor": 1e-4,
+    "dt_limit_min": 0.0,
+    "dt_limit_max": None,
+    "conv_bias": True,
+    "bias": False,
+}
+
+
+def _megatron_cuts(sizes: list[int], total: int) -> list[int]:
+    """Stage sizes Megatron builds from first/last stage sizes and an even middle
+    (``MambaStack._select_layers_for_pipeline_parallel``)."""
+    pp = len(sizes)
+    if len(set(sizes)) == 1:
+        return [total // pp] * pp
+    middle = pp - 2
+    per_middle = (total - sizes[0] - sizes[-1]) // middle if middle > 0 else 0
+    return [sizes[0], *([per_middle] * middle), sizes[-1]]
+
+
+def _model(bp: Blueprint) -> list[tuple[str, str]]:
+    m, out = bp.model, []
+    used = m.layout.main + m.mtp_pattern
+    if m.position_embedding == "rope" and m.rope_base != int(m.rope_base):
+        out.append(("model.rope_base", f"Megatron's rotary_base is an int, got {m.rope_base}"))
+    if "*" in used and m.mlp is not None and "-" in used and m.attention.bias != m.mlp.bias:
+        out.append(
+            (
+                "model.attention.bias",
+                "Megatron has one add_bias_linear for attention "
+                f"and MLP; attention.bias={m.attention.bias}, mlp.bias={m.mlp.bias}",
+            )
+        )
+    if "E" in used and m.mlp is not None and m.mlp.bias:
+        out.append(
+            (
+                "model.mlp.bias",
+                "add_bias_linear would also put biases on the routed "
+                "experts, which factory builds without",
+            )
+        )
+    if "E" in used and "-" in used and m.moe.activation != m.mlp.activation:
+        out.append(
+            (
+                "model.moe.activation",
+                "Megatron has one activation_func for MLP and "
+                f"experts; mlp={m.mlp.activation}, moe={m.moe.activation}",
+            )
+        )
+    if "M" in used:
+        for name, default in _MIXER_DEFAULTS.items():
+            value = getattr(m.mamba, name)
+            if value != default:
+                out.append(
+                    (
+                        f"model.mamba.{name}",
+                        f"MambaMixer's {name} is fixed at "
+                        f"{default} by the layer spec (no config field), got {value}",
+                    )
+                )
+    if "E" in used:
+        r = m.moe.router
+        if r.score_function == "sigmoid" and not r.normalize_top_k and m.moe.top_k > 1:
+            out.append(
+                (
+                    "model.moe.router.normalize_top_k",
+                    "Megatron always renormalises sigmoid top-k scores",
+                )
+            )
+        if r.expert_bias and r.score_function != "sigmoid":
+            out.append(("model.moe.router.expert_bias", "Megatron's expert bias needs sigmoid"))
+    if len(set(m.layout.mtp)) > 1:
+        out.append(
+            (
+                "model.pattern",
+                "MTP depths with different inner patterns; Megatron-Bridge "
+                "repeats one mtp_hybrid_override_pattern",
+            )
+        )
+    if m.init.checkpoint:
+        out.append(
+            (
+                "model.init.checkpoint",
+                "a Hugging Face checkpoint must first be converted "
+                "(Megatron-Bridge AutoBridge.import_ckpt), then set "
+                "checkpoint.pretrained_checkpoint",
+            )
+        )
+    if m.init.upcycle_from:
+        out.append(("model.init.upcycle_from", "dense-to-MoE upcycling is not a recipe field"))
+    return out
+
+
+def _layout(bp: Blueprint) -> list[tuple[str, str]]:
+    par, layout, out = bp.parallelism, bp.model.layout, []
+    vpp = par.vpp or (len(layout.segments) // par.pp if layout.has_pipes else 1)
+    if vpp > 1:
+        out.append(
+            (
+                "parallelism.vpp",
+                f"virtual pipeline stages ({vpp}) are unsupported by "
+                "Megatron's hybrid model (MambaStack and HybridModelProvider assert it)",
+            )
+        )
+    elif par.pp > 1:
+        sizes = pipeline_stage_sizes(bp)
+        if not sizes:
+            out.append(
+                (
+                    "parallelism.pp",
+                    f"{layout.num_layers} layers do not split evenly "
+                    f"over pp={par.pp} and the pattern has no '|'",
+                )
+            )
+        elif _megatron_cuts(sizes, layout.num_layers) != sizes:
+            out.append(
+                (
+                    "model.pattern",
+                    f"pipeline cuts {sizes}: Megatron can only make the "
+                    "first and last stages differ from an even middle",
+                )
+            )
+    if par.modules:
+        out.append(
+            (
+                "parallelism.modules",
+                "heterogeneous per-module grids are not a ConfigContainer field",
+            )
+        )
+    return out
+
+
+def _precision(bp: Blueprint) -> list[tuple[str, str]]:
+    p, out = bp.precision, []
+    if p.recipe == "mor":
+        out.append(("precision.recipe", "Mixture of Representations has no Megatron recipe"))
+    if p.recipe == "nvfp4" and p.nvfp4 != NVFP4Options():
+        out.append(
+            (
+                "precision.nvfp4",
+                "Transformer Engine's NVFP4BlockScaling recipe is fixed "
+                "(16x16 weight tiles, Hadamard wgrad, stochastic rounding)",
+            )
+        )
+    if (
+        p.recipe == "fp8"
+        and p.fp8.scaling == "delayed"
+        and (p.high_precision.first or p.high_precision.last)
+    ):
+        out.append(
+            (
+                "precision.high_precision",
+                "Megatron refuses first/last BF16 layers with delayed scaling",
+            )
+        )
+    if p.high_precision.layers:
+        out.append(
+            (
+                "precision.high_precision.layers",
+                "Megatron keeps only the first and last "
+                f"N layers in BF16, not {p.high_precision.layers}",
+            )
+        )
+    for glob, fmt in p.overrides.items():
+        out.append(
+            (
+                f"precision.overrides[{glob!r}]",
+                f"per-module {fmt}: Megatron's recipe applies one format to every linear layer",
+            )
+        )
+    if p.switch_to_bf16 is not None:
+        out.append(("precision.switch_to_bf16", "Megatron has no mid-run switch to BF16"))
+    return out
+
+
+def refusals(bp: Blueprint) -> list[tuple[str, str]]:
+    """(blueprint path, reason) for each thing a Megatron recipe cannot express."""
+    return _model(bp) + _layout(bp) + _precision(bp)
+
+
+def not_carried(bp: Blueprint) -> list[tuple[str, str]]:
+    """What factory does around the run that the recipe leaves to the operator."""
+    out = [
+        (
+            "training.stability",
+            "loss/grad spike, MaxVio, residual-RMS and non-finite monitors "
+            "with rollback are factory's runtime; Megatron only logs (check_for_nan_in_loss_and_"
+            "grad stops on NaN)",
+        ),
+        (
+            "data.recipe",
+            f"the curated mixture {bp.data.recipe!r} is built by `factory data`; "
+            "the recipe reads its megatron/ indexed files",
+        ),
+        ("parallelism.gpu", f"{bp.parallelism.gpu}: used by factory's planner only"),
+    ]
+    return out
+
+
+# A blueprint's Mamba section is compared field by field above; keep the table in step.
+assert set(_MIXER_DEFAULTS) <= set(MambaConfig.model_fields)

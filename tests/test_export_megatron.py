@@ -1,0 +1,216 @@
+"""factory export megatron: every field we write is megatron-core 0.16.1's, and it accepts them.
+
+Skipped where megatron-core is not installed (it is a dev extra). The pattern is
+checked with megatron-core's own allocation and pipeline-stage selection; the
+recipe is parsed and may use no keyword outside the one mapping table.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import inspect
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import yaml
+from blueprint_factory import make
+from conftest import PRESETS, REPO
+
+import factory
+from factory.checks import run_rules
+from factory.exports.megatron import _EXTRA_CLASSES, EXTRA_KEYWORDS, export_megatron
+from factory.exports.megatron_fields import (
+    FIELDS,
+    SECTIONS,
+    Ref,
+    mapping_markdown,
+    megatron_fields,
+    pipeline_stage_sizes,
+)
+from factory.exports.megatron_refusals import refusals
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
+    pytest.importorskip("megatron.core")
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.models.mamba.mamba_model import MambaModel
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.ssm.mamba_block import MambaStack
+    from megatron.core.ssm.mamba_hybrid_layer_allocation import allocate_layers
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+NAMES = sorted(p.stem for p in PRESETS.glob("*.yaml"))
+KINDS = {f.name: f.kind for f in FIELDS if f.section == "model"}
+
+
+def _resolve(value: Any) -> Any:
+    if isinstance(value, Ref):
+        module, name = value.path.rsplit(".", 1)
+        return getattr(importlib.import_module(module), name)
+    return value
+
+
+def _config(bp) -> TransformerConfig:
+    fields = megatron_fields(bp)["model"]
+    kwargs = {k: _resolve(v) for k, v in fields.items() if KINDS[k] == "config"}
+    return TransformerConfig(**kwargs)
+
+
+def _stages(bp) -> list[str]:
+    """What megatron-core's MambaStack builds on each pipeline rank of ``bp``."""
+    config = _config(bp)
+    main = bp.model.layout.main
+    types = allocate_layers(config.num_layers, 0.0, 0.0, main)
+    assert "".join(types) == main
+    pp = config.pipeline_model_parallel_size
+    if pp == 1:
+        return [main]
+    out = []
+    for rank in range(pp):
+        group = SimpleNamespace(rank=lambda r=rank: r, size=lambda: pp)
+        stack = SimpleNamespace(config=config, pp_group=group)
+        _, selected = MambaStack._select_layers_for_pipeline_parallel(stack, types)
+        out.append("".join(selected))
+    return out
+
+
+def test_every_field_exists_in_megatron_core():
+    config = {f.name for f in dataclasses.fields(TransformerConfig)}
+    model = set(inspect.signature(MambaModel.__init__).parameters)
+    core_sections = {"optimizer": OptimizerConfig, "ddp": DistributedDataParallelConfig}
+    for f in FIELDS:
+        if f.kind == "config":
+            assert f.name in config, f"{f.name} is not a TransformerConfig field"
+        elif f.kind == "model":
+            assert f.mcore in model, f"{f.mcore} is not a MambaModel parameter"
+        if f.section in core_sections:
+            names = {x.name for x in dataclasses.fields(core_sections[f.section])}
+            assert f.name in names, f"{f.name} is not a {f.section} field"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_transformer_config_accepts_every_preset(name):
+    bp = factory.load_blueprint(name, [])
+    config = _config(bp)
+    assert config.num_layers == bp.model.num_layers
+    stages = _stages(bp)
+    assert "".join(stages) == bp.model.layout.main
+    assert [len(s) for s in stages] == pipeline_stage_sizes(bp)
+
+
+def test_uneven_pipeline_cuts_are_built_stage_by_stage():
+    bp = make(**{"model.pattern": "M*M|E-M*ME", "parallelism.pp": 2})
+    assert refusals(bp) == []
+    assert _stages(bp) == ["M*M", "E-M*ME"]
+
+
+def test_first_and_last_stages_may_differ_from_an_even_middle():
+    bp = make(**{"model.pattern": "M*|ME|-M|*ME", "parallelism.pp": 4})
+    assert refusals(bp) == []
+    assert _stages(bp) == ["M*", "ME", "-M", "*ME"]
+
+
+def test_cuts_megatron_cannot_make_are_refused_first():
+    bp = make(**{"model.pattern": "M*|ME-|M*|ME", "parallelism.pp": 4})
+    [(path, why)] = refusals(bp)
+    assert path == "model.pattern" and "[2, 3, 2, 2]" in why
+    with pytest.raises(ValueError, match="middle stage: 5 must be divisible"):
+        _config(bp)  # what megatron-core says when handed the nearest first/last split
+
+
+def test_virtual_pipeline_stages_are_refused():
+    bp = make(**{"model.pattern": "M*|ME|-M|*M", "parallelism.pp": 2})
+    assert [p for p, _ in refusals(bp)] == ["parallelism.vpp"]
+
+
+def _recipe_calls(tree: ast.Module) -> dict[str, ast.Call]:
+    classes = {cls: section for section, (_, cls) in {**SECTIONS, **_EXTRA_CLASSES}.items()}
+    calls = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            if node.func.id in classes:
+                calls[classes[node.func.id]] = node
+            elif node.func.id == "ConfigContainer":
+                calls["container"] = node
+    return calls
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_recipe_compiles_and_names_only_mapped_fields(name, tmp_path: Path):
+    bp = factory.load_blueprint(name, [])
+    out = export_megatron(bp, tmp_path / name, allow_unexpressed=True)
+    source = (out / "recipe.py").read_text()
+    compile(source, "recipe.py", "exec")
+    calls = _recipe_calls(ast.parse(source))
+    mapped: dict[str, set[str]] = {}
+    for f in FIELDS:
+        mapped.setdefault(f.section, set()).add(f.name)
+    container = {k.arg for k in calls.pop("container").keywords}
+    assert container == set(SECTIONS) | set(_EXTRA_CLASSES)
+    for section, call in calls.items():
+        used = {k.arg for k in call.keywords}
+        allowed = mapped.get(section, set()) | set(EXTRA_KEYWORDS.get(section, {}))
+        assert used <= allowed, (section, used - allowed)
+    # overrides.yaml carries the same values, and hf/ the HF writer's config.
+    doc = yaml.safe_load((out / "overrides.yaml").read_text())
+    fields = megatron_fields(bp)
+    assert doc["mixed_precision"] == fields["mixed_precision"]["name"]
+    for section, values in fields.items():
+        if section != "mixed_precision":
+            expect = {
+                k: {"_target_": v.path, "_call_": False} if isinstance(v, Ref) else v
+                for k, v in values.items()
+            }
+            assert doc[section] == expect
+    assert (out / "hf" / "config.json").exists()
+    assert "srun" in (out / "launch.sh").read_text()
+
+
+def test_docs_carry_the_mapping_table():
+    assert mapping_markdown() in (REPO / "docs" / "megatron.md").read_text()
+
+
+def test_validate_refuses_moe_biases_with_etp_before_megatron_does():
+    bp = make(**{"model.mlp.bias": True, "model.attention.bias": True, "parallelism.etp": 2})
+    said = [(r.name, f.message) for r, f in run_rules(bp) if f.severity == "error"]
+    assert any(n == "parallelism.moe_bias_etp" and "etp=2" in m for n, m in said), said
+    with pytest.raises(AssertionError, match="Bias in Moe is only supported when ETP==1"):
+        _config(bp)
+
+
+def test_export_refuses_what_megatron_cannot_express(cli, tmp_path: Path):
+    status, _, err = cli(
+        "export",
+        "megatron",
+        "nano",
+        "--out",
+        str(tmp_path / "x"),
+        "--set",
+        "model.mamba.conv_kernel=3",
+        "--set",
+        "model.moe.router.normalize_top_k=false",
+    )
+    assert status == 2
+    assert "model.mamba.conv_kernel" in err and "fixed at 4" in err
+    assert "model.moe.router.normalize_top_k" in err and "renormalises" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_super_names_every_per_module_override(cli, tmp_path: Path):
+    status, _, err = cli("export", "megatron", "super", "--out", str(tmp_path / "s"))
+    bp = factory.load_blueprint("super", [])
+    assert status == 2
+    for glob in bp.precision.overrides:
+        assert repr(glob) in err
+    status, _, _ = cli(
+        "export", "megatron", "super", "--out", str(tmp_path / "s"), "--allow-unexpressed"
+    )
+    assert status == 0
+    readme = (tmp_path / "s" / "README.md").read_text()
+    assert all(repr(glob) in readme for glob in bp.precision.overrides)
+    assert "training.stability" in readme
