@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from factory.cli.root import app
+from factory.data.energon_index import META_DIR, check_energon_index
 from factory.data.inspect import inspect_table, write_share_plot
 from factory.data.manifest import verify
 from factory.jobs.progress import RichProgress
@@ -38,11 +39,17 @@ def build_cmd(
 
 @data_app.command("verify")
 def verify_cmd(directory: Annotated[Path, typer.Argument(help="A built data folder.")]) -> None:
-    """Re-hash every shard against manifest.json; exit 1 and name each bad shard."""
+    """Re-hash every shard against manifest.json and re-derive Energon's index from the tars;
+    exit 1 and name each bad shard and each missing or stale index file."""
     bad = verify(directory)
     for name in bad:
         typer.echo(f"bad shard: {name}", err=True)
-    if bad:
+    # Only folders built with Energon output have .nv-meta; its index must match
+    # the tars, or Energon's loader reads the wrong bytes or refuses the folder.
+    index = check_energon_index(directory) if (directory / META_DIR).is_dir() else []
+    for problem in index:
+        typer.echo(f"bad energon index: {problem}", err=True)
+    if bad or index:
         raise typer.Exit(1)
     typer.echo(f"ok: {directory}")
 

@@ -15,8 +15,13 @@ task encoder as raw dicts (``tokens.npy``, ``loss_mask.npy``,
 ``cu_seqlens.npy``, ``json``) and its cooker builds the batch. ``subflavors``
 are written only when given, so a metadataset blend can tell sources apart.
 
-Not written: Energon 7's ``index.sqlite`` / ``index.uuid`` (random-access
-index). ``energon prepare`` can add them later without touching the tars.
+The random-access index that ``energon prepare`` adds (``shards/*.tar.idx``,
+``index.sqlite``, ``index.uuid``) is written by
+:mod:`factory.data.energon_index`; :func:`write_energon_dataset` writes both
+halves. None of this imports megatron-energon: our writers produce its format
+and the tests load the result with the real library. For training,
+:func:`energon_task_encoder` (megatron-energon installed) cooks the crude
+samples into tokens, loss mask and ``cu_seqlens``.
 """
 
 from __future__ import annotations
@@ -27,14 +32,20 @@ from typing import Any
 
 import yaml
 
+from factory.data.energon_index import META_DIR, write_energon_index
 from factory.io import atomic_write_text
 
-__all__ = ["ENERGON_FORMAT_VERSION", "META_DIR", "write_energon_metadata"]
+__all__ = [
+    "ENERGON_FORMAT_VERSION",
+    "META_DIR",
+    "energon_task_encoder",
+    "write_energon_dataset",
+    "write_energon_metadata",
+]
 
-META_DIR = ".nv-meta"
 
-ENERGON_FORMAT_VERSION = "7.1.0"
-"""The Energon release whose documented ``.info.json`` layout these files follow."""
+ENERGON_FORMAT_VERSION = "7.4.1"
+"""The megatron-energon release whose ``energon prepare`` output these files reproduce."""
 
 
 def _check_names(shard_names: list[str], sample_counts: list[int]) -> None:
@@ -91,3 +102,26 @@ def write_energon_metadata(
     atomic_write_text(meta / "dataset.yaml", _dump_yaml(dataset))
     atomic_write_text(meta / "split.yaml", _dump_yaml(split))
     atomic_write_text(meta / ".info.json", json.dumps(info, indent=2) + "\n")
+
+
+def write_energon_dataset(out: Path, shard_names: list[str], sample_counts: list[int]) -> None:
+    """Everything ``energon prepare`` writes: the index over the tars, then the yaml/json.
+
+    The index is written first and checked against ``sample_counts``, so the
+    metadata never describes shards the index disagrees with.
+    """
+    _check_names(shard_names, sample_counts)
+    write_energon_index(Path(out), shard_names, sample_counts)
+    write_energon_metadata(out, shard_names, sample_counts)
+
+
+def energon_task_encoder() -> Any:
+    """A megatron-energon task encoder for our shards (needs megatron-energon installed).
+
+    It cooks each crude sample into a ``PackedTokensSample`` (int64 tokens,
+    bool loss mask, int32 ``cu_seqlens``) and batches them as
+    ``PackedTokensBatch``; see :mod:`factory.data.energon_sample`.
+    """
+    from factory.data.energon_sample import PackedTaskEncoder
+
+    return PackedTaskEncoder()

@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from factory.data.energon import write_energon_metadata
+from factory.data.energon import write_energon_dataset
 from factory.data.manifest import sha256_file, write_manifest
 from factory.data.megatron_index import IndexedDatasetWriter
 from factory.data.mixing import plan_mixture
@@ -181,7 +181,7 @@ def _build(loaded: LoadedRecipe, out: Path, workers: int, progress: Progress) ->
     if megatron is not None:
         megatron.finalize()
     if recipe.output.energon:
-        write_energon_metadata(out, [s["name"] for s in shards], [s["samples"] for s in shards])
+        write_energon_dataset(out, [s["name"] for s in shards], [s["samples"] for s in shards])
     manifest = _manifest(
         loaded, digest, tasks, units, dedup, plans, stream, shards, packing, tokenizer
     )
