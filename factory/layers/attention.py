@@ -7,7 +7,7 @@ position. Tensor parallelism splits q, k and v by columns (heads) and o by rows.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from factory.spec.activations import BF16, FP32, TokenShards, prologue_bytes
 from factory.spec.layer_type import LayerType, ProxyScale, register_layer_type
@@ -28,6 +28,14 @@ class SelfAttention(LayerType):
     name = "attention"
     section = "attention"
     hf_block_type = "full_attention"
+    megatron_modules: ClassVar[
+        dict[str, str]
+    ] = {  # Megatron fuses Q, K and V into one column-parallel GEMM
+        "mixer.q_proj": "self_attention.linear_qkv",
+        "mixer.k_proj": "self_attention.linear_qkv",
+        "mixer.v_proj": "self_attention.linear_qkv",
+        "mixer.o_proj": "self_attention.linear_proj",
+    }
 
     def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
         cfg: AttentionConfig = self.config(model)

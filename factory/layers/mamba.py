@@ -9,7 +9,7 @@ Tensor parallelism splits everything by heads and groups (Megatron's
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from factory.spec.activations import BF16, FP32, TokenShards, prologue_bytes
 from factory.spec.layer_type import LayerType, ProxyScale, register_layer_type
@@ -30,6 +30,10 @@ class Mamba(LayerType):
     name = "mamba"
     section = "mamba"
     hf_block_type = "linear_attention"
+    megatron_modules: ClassVar[dict[str, str]] = {
+        "mixer.in_proj": "mixer.in_proj",
+        "mixer.out_proj": "mixer.out_proj",
+    }
 
     def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
         cfg: MambaConfig = self.config(model)

@@ -5,7 +5,7 @@ Tensor parallelism splits up (and gate) by columns and down by rows.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from factory.spec.activations import TokenShards, ffn_bytes, prologue_bytes
 from factory.spec.layer_type import LayerType, ProxyScale, register_layer_type
@@ -50,6 +50,11 @@ class DenseMLP(LayerType):
     name = "mlp"
     section = "mlp"
     hf_block_type = "mlp"
+    megatron_modules: ClassVar[dict[str, str]] = {  # Megatron fuses the gate into fc1
+        "mixer.up_proj": "mlp.linear_fc1",
+        "mixer.gate_proj": "mlp.linear_fc1",
+        "mixer.down_proj": "mlp.linear_fc2",
+    }
 
     def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
         cfg: MLPConfig = self.config(model)

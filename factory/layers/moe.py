@@ -10,7 +10,7 @@ parallelism splits the routed experts' first dimension.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from factory.layers.mlp import mlp_tensors, swiglu_factor
 from factory.spec.activations import BF16, FP32, TokenShards, ffn_bytes, prologue_bytes
@@ -40,6 +40,16 @@ class MixtureOfExperts(LayerType):
     name = "moe"
     section = "moe"
     hf_block_type = "moe"
+    megatron_modules: ClassVar[dict[str, str]] = {
+        "mixer.experts.up_proj": "mlp.experts.linear_fc1",
+        "mixer.experts.gate_proj": "mlp.experts.linear_fc1",
+        "mixer.experts.down_proj": "mlp.experts.linear_fc2",
+        "mixer.shared_experts.up_proj": "mlp.shared_experts.linear_fc1",
+        "mixer.shared_experts.gate_proj": "mlp.shared_experts.linear_fc1",
+        "mixer.shared_experts.down_proj": "mlp.shared_experts.linear_fc2",
+        "mixer.fc1_latent_proj": "mlp.fc1_latent_proj",
+        "mixer.fc2_latent_proj": "mlp.fc2_latent_proj",
+    }
 
     def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
         cfg: MoEConfig = self.config(model)

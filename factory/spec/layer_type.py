@@ -76,6 +76,10 @@ class LayerType:
     """The ``model`` section this layer needs (``model.mamba`` ...), or None."""
     hf_block_type: ClassVar[str | None] = None
     """Its ``layers_block_type`` in Hugging Face NemotronH; None when NemotronH has none."""
+    megatron_modules: ClassVar[dict[str, str]] = {}
+    """Each GEMM's module in Megatron-Core's hybrid layer, by its path inside our block
+    (``mixer.q_proj`` -> ``self_attention.linear_qkv``): several of ours may share one fused
+    Megatron module. Read by the Megatron export's per-module quantization recipe."""
 
     def config(self, model: ModelConfig) -> Any:
         """This layer's config section (raises when the blueprint lacks it)."""
