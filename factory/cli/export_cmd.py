@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -68,6 +68,10 @@ def export_megatron_cmd(
             help="Export anyway, listing in README.md what Megatron cannot express.",
         ),
     ] = False,
+    data: Annotated[
+        Literal["megatron", "energon"],
+        typer.Option("--data", help="Training data format: megatron (.bin/.idx) or energon."),
+    ] = "megatron",
     overrides: SetOption = None,
 ) -> None:
     """Write a Megatron-Bridge recipe.py, overrides.yaml, launch.sh, hf/ and README.md."""
@@ -75,7 +79,7 @@ def export_megatron_cmd(
 
     bp = factory.load_blueprint(target, overrides or [])
     try:
-        export_megatron(bp, out, allow_unexpressed=allow_unexpressed)
+        export_megatron(bp, out, allow_unexpressed=allow_unexpressed, data_format=data)
     except MegatronExportError as exc:
         typer.echo(f"{target}: cannot export to Megatron-Bridge:", err=True)
         for path, why in exc.fields:

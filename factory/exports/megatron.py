@@ -6,6 +6,12 @@ Writes ``recipe.py`` (a ``<name>_pretrain_config()`` returning a Bridge
 ``README.md`` that lists everything Megatron does not carry. Every value comes
 from ``megatron_fields.FIELDS``; what cannot be expressed is refused
 (``megatron_refusals``) unless the caller allows it, and then it is listed.
+
+Data comes as Megatron indexed datasets (``.bin``/``.idx`` prefixes, ``GPTDatasetConfig``).
+An Energon folder is refused: Bridge's only Energon dataset config (``EnergonDatasetConfig``
+in ``megatron/bridge/data/builders/energon.py`` at ``BRIDGE_COMMIT``) takes one of three
+vision-language task encoders that read ``ChatMLSample`` through a Hugging Face processor,
+not the text samples ``factory data`` writes.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -29,12 +35,26 @@ from factory.exports.megatron_refusals import not_carried, refusals
 from factory.io import staged_directory
 from factory.schemas.blueprint import Blueprint
 
-__all__ = ["EXTRA_KEYWORDS", "MegatronExportError", "export_megatron", "recipe_source"]
+__all__ = [
+    "DATA_FORMATS",
+    "EXTRA_KEYWORDS",
+    "MegatronExportError",
+    "export_megatron",
+    "recipe_source",
+]
 
 # Fields the recipe sets that no blueprint field decides: paths, logging, data split. Listed
 # in docs/megatron.md beside the mapping; the tests allow exactly these beyond FIELDS.
 EXTRA_KEYWORDS: dict[str, dict[str, str]] = {
-    "dataset": {"blend": "(data_paths, None)", "split": '"99990,8,2"'},
+    # GPTDatasetConfig.finalize() asserts the three document flags are set; False keeps
+    # Megatron's pretraining behaviour (documents concatenated, EOD tokens trained on).
+    "dataset": {
+        "blend": "(data_paths, None)",
+        "split": '"99990,8,2"',
+        "reset_position_ids": "False",
+        "reset_attention_mask": "False",
+        "eod_mask_loss": "False",
+    },
     "checkpoint": {
         "save": "checkpoint_dir",
         "load": "checkpoint_dir",
@@ -50,6 +70,12 @@ _EXTRA_CLASSES = {
     "dist": ("megatron.bridge.training.config", "DistributedInitConfig"),
 }
 _GPUS_PER_NODE = {"gb200": 4, "gb300": 4}  # NVL72 compute trays hold 4 GPUs; HGX nodes 8
+DATA_FORMATS = ("megatron", "energon")
+ENERGON_REFUSAL = (
+    "Megatron-Bridge's EnergonDatasetConfig (data/builders/energon.py) accepts only its "
+    "vision-language task encoders (ChatMLSample through a Hugging Face processor); export "
+    "with data_format='megatron' and build the .bin/.idx prefixes with `factory data`"
+)
 
 
 class MegatronExportError(ExportError):
@@ -95,10 +121,10 @@ def recipe_source(bp: Blueprint) -> str:
     """The text of ``recipe.py``."""
     fields = megatron_fields(bp)
     imports: dict[str, set[str]] = {}
-    for section, (module, cls) in {**SECTIONS, **_EXTRA_CLASSES}.items():
-        if section != "mixed_precision":
-            imports.setdefault(module, set()).add(cls)
+    for module, cls in {**SECTIONS, **_EXTRA_CLASSES}.values():
+        imports.setdefault(module, set()).add(cls)
     imports.setdefault("megatron.bridge.training.config", set()).add("ConfigContainer")
+    imports[SECTIONS["mixed_precision"][0]].add("get_mixed_precision_config")
     for value in fields["model"].values():
         if isinstance(value, Ref) and value.path.startswith("megatron"):
             module, name = value.path.rsplit(".", 1)
@@ -113,12 +139,14 @@ def recipe_source(bp: Blueprint) -> str:
     sections = []
     for section, (_, cls) in {**SECTIONS, **_EXTRA_CLASSES}.items():
         if section == "mixed_precision":
-            sections.append(f"        mixed_precision={fields[section]['name']!r},")
+            sections.append("        mixed_precision=_mixed_precision(),")
             continue
         kwargs = {k: _py(v) for k, v in fields.get(section, {}).items()}
         kwargs |= EXTRA_KEYWORDS.get(section, {})
         sections.append(f"        {section}={_call(cls, kwargs, '        ')},")
     name = _func_name(bp)
+    precision = fields["mixed_precision"]
+    sets = "".join(f"    cfg.{k} = {_py(v)}\n" for k, v in precision.items() if k != "name")
     return f'''"""Megatron-Bridge pretraining recipe for {bp.meta.name}, written by `factory export megatron`.
 
 Every value comes from the blueprint (mapping: docs/megatron.md in nemotron-factory).
@@ -126,6 +154,15 @@ Checked against megatron-core {MEGATRON_CORE_VERSION} and Megatron-Bridge {BRIDG
 """
 
 {head}
+
+
+def _mixed_precision() -> MixedPrecisionConfig:
+    """Bridge's {precision["name"]} preset with the blueprint's values.
+
+    MixedPrecisionConfig.setup() copies its fields onto the model, so they are set here.
+    """
+    cfg = get_mixed_precision_config({precision["name"]!r})
+{sets}    return cfg
 
 
 def {name}(
@@ -153,13 +190,13 @@ def overrides_yaml(bp: Blueprint) -> str:
     fields = megatron_fields(bp)
     doc: dict[str, Any] = {}
     for section, values in fields.items():
-        if section == "mixed_precision":
-            doc[section] = values["name"]
-        else:
-            doc[section] = {k: _yaml_value(v) for k, v in values.items()}
+        # The preset name is no MixedPrecisionConfig field: it is recipe.py's starting point.
+        doc[section] = {k: _yaml_value(v) for k, v in values.items() if k != "name"}
     header = (
         f"# Megatron-Bridge overrides for {bp.meta.name} (factory export megatron).\n"
-        f"# Same values as recipe.py; megatron-core {MEGATRON_CORE_VERSION}.\n"
+        f"# Same values as recipe.py; megatron-core {MEGATRON_CORE_VERSION}, "
+        f"Megatron-Bridge {BRIDGE_COMMIT[:7]}.\n"
+        f"# mixed_precision: fields set on Bridge's {fields['mixed_precision']['name']} preset.\n"
     )
     return header + yaml.safe_dump(doc, sort_keys=False)
 
@@ -214,8 +251,21 @@ def readme(bp: Blueprint, unexpressed: list[tuple[str, str]], hf_note: str) -> s
     return "\n".join(lines) + "\n"
 
 
-def export_megatron(bp: Blueprint, out: Path, allow_unexpressed: bool = False) -> Path:
-    """Write the recipe folder ``out`` atomically; raises MegatronExportError for refusals."""
+def export_megatron(
+    bp: Blueprint,
+    out: Path,
+    allow_unexpressed: bool = False,
+    data_format: Literal["megatron", "energon"] = "megatron",
+) -> Path:
+    """Write the recipe folder ``out`` atomically; raises MegatronExportError for refusals.
+
+    ``data_format="energon"`` is always refused (see the module docstring), whatever
+    ``allow_unexpressed`` says: there is no Bridge config to write for it.
+    """
+    if data_format not in DATA_FORMATS:
+        raise ValueError(f"data_format must be one of {DATA_FORMATS}, not {data_format!r}")
+    if data_format == "energon":
+        raise MegatronExportError([("data_format", ENERGON_REFUSAL)])
     unexpressed = refusals(bp)
     if unexpressed and not allow_unexpressed:
         raise MegatronExportError(unexpressed)

@@ -4,12 +4,12 @@
 generated ``recipe.py`` and ``overrides.yaml`` are rendered from it,
 ``docs/megatron.md`` carries its table (``mapping_markdown``, compared by the
 tests) and the tests check every ``config``/``model`` name against the installed
-megatron-core. Versions checked against: megatron-core 0.16.1 (``TransformerConfig``,
-``ModelParallelConfig``, ``MambaModel``, ``OptimizerConfig``,
-``DistributedDataParallelConfig``) and Megatron-Bridge main at commit 2106e93
-(``HybridModelProvider``, which adds ``hybrid_layer_pattern`` and the MTP fields that
-0.16.1's ``MambaModel`` lacks). What Megatron cannot express is in
-``factory.exports.megatron_refusals``.
+megatron-core 0.16.1 (``TransformerConfig``, ``ModelParallelConfig``, ``MambaModel``).
+Every Bridge-side name (section classes and their import paths, their fields, the
+mixed-precision presets, the provider-only fields) is checked against Megatron-Bridge
+main at ``BRIDGE_COMMIT`` and the Megatron-LM commit it pins (``MEGATRON_LM_COMMIT``), read
+from source into ``megatron_bridge_fields.json`` by ``megatron_bridge_source``. What
+Megatron cannot express is in ``factory.exports.megatron_refusals``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ __all__ = [
 ]
 
 MEGATRON_CORE_VERSION = "0.16.1"
-BRIDGE_COMMIT = "2106e9317453a4e9a39a1e056f31fbfba915e904"
+BRIDGE_COMMIT = "067f987df03b8355b03192d88d70f1709fedf51a"  # 2026-08-22, package_info 0.7.0
+MEGATRON_LM_COMMIT = "2a75ac12c54ba6a42b34024756820bf819a2e25f"  # its 3rdparty/Megatron-LM
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Ref:
 Kind = Literal["config", "model", "provider", "container"]
 """config: a megatron-core 0.16.1 TransformerConfig/ModelParallelConfig field. model: a
 parameter of 0.16.1's MambaModel (named in ``Field.mcore``). provider: Megatron-Bridge's
-HybridModelProvider only. container: a field of another ConfigContainer section."""
+HybridModelProvider only. container: a field of another ConfigContainer section's class."""
 
 
 @dataclass(frozen=True)
@@ -61,16 +62,18 @@ SKIP = object()
 """``get`` returns this when the field does not apply (no attention layers, no MoE, ...)."""
 
 # ConfigContainer sections and the class each is built from in recipe.py (module, class).
+# optimizer and ddp are Bridge's subclasses: ConfigContainer defers their __post_init__ to
+# finalize(). mixed_precision is a preset whose setup() copies its fields onto the model.
 SECTIONS: dict[str, tuple[str, str]] = {
     "model": ("megatron.bridge.models.hybrid.hybrid_provider", "HybridModelProvider"),
     "train": ("megatron.bridge.training.config", "TrainingConfig"),
-    "optimizer": ("megatron.core.optimizer", "OptimizerConfig"),
+    "optimizer": ("megatron.bridge.training.config", "OptimizerConfig"),
     "scheduler": ("megatron.bridge.training.config", "SchedulerConfig"),
-    "ddp": ("megatron.core.distributed", "DistributedDataParallelConfig"),
+    "ddp": ("megatron.bridge.training.config", "DistributedDataParallelConfig"),
     "dataset": ("megatron.bridge.training.config", "GPTDatasetConfig"),
     "checkpoint": ("megatron.bridge.training.config", "CheckpointConfig"),
     "rng": ("megatron.bridge.training.config", "RNGConfig"),
-    "mixed_precision": ("megatron.bridge.training.mixed_precision", "get_mixed_precision_config"),
+    "mixed_precision": ("megatron.bridge.training.mixed_precision", "MixedPrecisionConfig"),
 }
 
 _ACTIVATIONS = {
@@ -142,11 +145,13 @@ def _recompute(bp: Blueprint) -> Any:
     return None if kind == "none" else kind
 
 
-def _high(bp: Blueprint, end: Literal["first", "last"]) -> Any:
+def _high(bp: Blueprint, end: Literal["first", "last", "any"]) -> Any:
+    # Written whenever the recipe is not bf16: the fp8 current-scaling preset keeps one BF16
+    # layer at each end by itself, which the blueprint may not ask for.
     hp = bp.precision.high_precision
-    if bp.precision.recipe == "bf16" or not (hp.first or hp.last):
+    if bp.precision.recipe == "bf16":
         return SKIP
-    return hp.first if end == "first" else hp.last
+    return {"first": hp.first, "last": hp.last, "any": bool(hp.first or hp.last)}[end]
 
 
 def _fp8(bp: Blueprint) -> Any:
@@ -176,7 +181,7 @@ def _group(bp: Blueprint, value: int) -> Any:
     return value if _has(bp, "E") and bp.model.moe.router.num_groups > 1 else SKIP
 
 
-M, T = "model", "container"
+M, T, P = "model", "container", "mixed_precision"
 # One row per field reads as the table it is; the formatter would spread rows over lines.
 # fmt: off
 FIELDS: tuple[Field, ...] = (
@@ -281,20 +286,20 @@ FIELDS: tuple[Field, ...] = (
     Field("parallelism.sequence_parallel", M, "sequence_parallel", "config",
           lambda bp: bp.parallelism.sequence_parallel),
     Field("parallelism.recompute", M, "recompute_granularity", "config", _recompute),
-    # Precision (the numeric recipe itself is the mixed_precision preset below).
-    Field("precision.recipe", M, "fp8", "config", _fp8),
-    Field("precision.fp8.scaling", M, "fp8_recipe", "config", _fp8_recipe),
-    Field("precision.recipe", M, "fp4", "config",
+    # Precision: Bridge's MixedPrecisionConfig.setup() overwrites these model fields with the
+    # preset's, so they are set on the preset ("name") rather than on the model.
+    Field("precision.recipe", P, "name", T, _mixed),
+    Field("precision.recipe", P, "fp8", T, _fp8),
+    Field("precision.fp8.scaling", P, "fp8_recipe", T, _fp8_recipe),
+    Field("precision.recipe", P, "fp4", T,
           lambda bp: "e2m1" if bp.precision.recipe == "nvfp4" else SKIP),
-    Field("precision.recipe", M, "fp4_recipe", "config",
+    Field("precision.recipe", P, "fp4_recipe", T,
           lambda bp: "nvfp4" if bp.precision.recipe == "nvfp4" else SKIP),
-    Field("precision.high_precision", M, "first_last_layers_bf16", "config",
-          lambda bp: True if _high(bp, "first") is not SKIP else SKIP),
-    Field("precision.high_precision.first", M, "num_layers_at_start_in_bf16", "config",
+    Field("precision.high_precision", P, "first_last_layers_bf16", T, lambda bp: _high(bp, "any")),
+    Field("precision.high_precision.first", P, "num_layers_at_start_in_bf16", T,
           lambda bp: _high(bp, "first")),
-    Field("precision.high_precision.last", M, "num_layers_at_end_in_bf16", "config",
+    Field("precision.high_precision.last", P, "num_layers_at_end_in_bf16", T,
           lambda bp: _high(bp, "last")),
-    Field("precision.recipe", "mixed_precision", "name", T, _mixed),
     # Training.
     Field("parallelism.micro_batch_size", "train", "micro_batch_size", T,
           lambda bp: bp.parallelism.micro_batch_size),
@@ -363,9 +368,12 @@ def mapping_markdown() -> str:
         "config": f"megatron-core {MEGATRON_CORE_VERSION} TransformerConfig",
         "model": f"megatron-core {MEGATRON_CORE_VERSION} MambaModel",
         "provider": f"Megatron-Bridge {BRIDGE_COMMIT[:7]} HybridModelProvider",
-        "container": "Megatron-Bridge ConfigContainer",
     }
     for f in FIELDS:
-        target = where[f.kind] + (f" (`{f.mcore}`)" if f.mcore and f.mcore != f.name else "")
+        if f.kind == "container":
+            cls = "preset name" if f.name == "name" else SECTIONS[f.section][1]
+            target = f"Megatron-Bridge {BRIDGE_COMMIT[:7]} {cls}"
+        else:
+            target = where[f.kind] + (f" (`{f.mcore}`)" if f.mcore and f.mcore != f.name else "")
         rows.append(f"| `{f.blueprint}` | {f.section} | `{f.name}` | {target} |")
     return "\n".join(rows) + "\n"
