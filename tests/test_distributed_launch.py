@@ -3,7 +3,8 @@
 The refusals run in-process through the CLI. The fault test starts
 ``factory train --nproc 2`` (torchrun, two gloo ranks), SIGKILLs rank 1 once
 rank 0 has logged its first step, and checks that the launch ends, failing,
-within the timeout and names the rank that died.
+within the timeout and names the rank that died (torchrun's record of the
+first failure; whether rank 0 prints its own line first is a race).
 """
 
 from __future__ import annotations
@@ -95,5 +96,6 @@ def test_a_rank_that_dies_ends_the_launch_naming_it(tmp_path: Path) -> None:
     text = output.decode(errors="replace")
     assert launch.returncode != 0
     assert "rank 1 failed first (signal 9)" in text, text[-3000:]
-    assert "another rank has died or stopped answering" in text  # rank 0's own words
+    # Rank 0 says "another rank has died or stopped answering" when its collective fails
+    # first; when torchrun's SIGTERM reaches it first it says nothing. Either way, no crash.
     assert "internal error" not in text
