@@ -27,6 +27,7 @@ from blueprint_factory import make
 from conftest import PRESETS, REPO
 
 import factory
+import factory.exports.megatron as megatron_export
 from factory.checks import run_rules
 from factory.exports import megatron_bridge_source
 from factory.exports.megatron import (
@@ -40,8 +41,8 @@ from factory.exports.megatron_fields import (
     FIELDS,
     MEGATRON_LM_COMMIT,
     SECTIONS,
+    Call,
     Ref,
-    mapping_markdown,
     megatron_fields,
     pipeline_stage_sizes,
 )
@@ -183,8 +184,12 @@ def test_recipe_compiles_and_names_only_mapped_fields(name, tmp_path: Path):
     fields = megatron_fields(bp)
     assert f"Bridge's {fields['mixed_precision']['name']} preset" in source
     for section, values in fields.items():
+        as_yaml = {
+            Ref: lambda v: {"_target_": v.path, "_call_": False},
+            Call: lambda v: {"_target_": v.path, "recipe_path": v.file},
+        }
         expect = {
-            k: {"_target_": v.path, "_call_": False} if isinstance(v, Ref) else v
+            k: as_yaml[type(v)](v) if type(v) in as_yaml else v
             for k, v in values.items()
             if (section, k) != ("mixed_precision", "name")  # recipe.py's starting preset
         }
@@ -194,7 +199,7 @@ def test_recipe_compiles_and_names_only_mapped_fields(name, tmp_path: Path):
 
 
 def test_docs_carry_the_mapping_table():
-    assert mapping_markdown() in (REPO / "docs" / "megatron.md").read_text()
+    assert megatron_export.mapping_markdown() in (REPO / "docs" / "megatron.md").read_text()
 
 
 @needs_core
@@ -224,19 +229,27 @@ def test_export_refuses_what_megatron_cannot_express(cli, tmp_path: Path):
     assert not (tmp_path / "x").exists()
 
 
-def test_super_names_every_per_module_override(cli, tmp_path: Path):
+def test_super_exports_its_per_module_formats_as_a_quant_recipe(cli, tmp_path: Path):
+    """Super's overrides (attention, LatentMoE and MTP in BF16, Mamba out_proj in MXFP8) are a
+    quant_recipe.yaml that recipe.py loads; MTP all in BF16 is keep_mtp_spec_in_bf16."""
     status, _, err = cli("export", "megatron", "super", "--out", str(tmp_path / "s"))
-    bp = factory.load_blueprint("super", [])
+    assert status == 0, err
+    recipe = (tmp_path / "s" / "recipe.py").read_text()
+    assert "quant_recipe=load_quantization_recipe(" in recipe
+    assert "keep_mtp_spec_in_bf16=True" in recipe
+    document = yaml.safe_load((tmp_path / "s" / "quant_recipe.yaml").read_text())
+    patterns = {m["pattern"]: m["config"] for m in document["matchers"].values()}
+    assert patterns["decoder.layers.0.mixer.out_proj"] == "mxfp8"  # layer 0 is Mamba
+    assert "training.stability" in (tmp_path / "s" / "README.md").read_text()
+
+
+def test_fused_gemms_in_two_formats_are_refused_naming_the_module(cli, tmp_path: Path):
+    status, _, err = cli(
+        "export", "megatron", "super", "--out", str(tmp_path / "s"),
+        "--set", "precision.overrides={'*.mixer.k_proj': 'mxfp8'}",
+    )  # fmt: skip
     assert status == 2
-    for glob in bp.precision.overrides:
-        assert repr(glob) in err
-    status, _, _ = cli(
-        "export", "megatron", "super", "--out", str(tmp_path / "s"), "--allow-unexpressed"
-    )
-    assert status == 0
-    readme = (tmp_path / "s" / "README.md").read_text()
-    assert all(repr(glob) in readme for glob in bp.precision.overrides)
-    assert "training.stability" in readme
+    assert "self_attention.linear_qkv" in err
 
 
 def _bridge_class(path: str) -> dict[str, Any]:

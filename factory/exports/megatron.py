@@ -26,12 +26,15 @@ import yaml
 from factory.exports.hf_config import ExportError, hf_config
 from factory.exports.megatron_fields import (
     BRIDGE_COMMIT,
+    FIELDS,
     MEGATRON_CORE_VERSION,
     SECTIONS,
+    Call,
     Ref,
     megatron_fields,
 )
 from factory.exports.megatron_refusals import not_carried, refusals
+from factory.exports.quant_recipe import QUANT_RECIPE_FILE, megatron_quant_recipe
 from factory.io import staged_directory
 from factory.schemas.blueprint import Blueprint
 
@@ -88,6 +91,9 @@ class MegatronExportError(ExportError):
 
 
 def _py(value: Any) -> str:
+    if isinstance(value, Call):
+        name = value.path.rsplit(".", 1)[-1]
+        return f"{name}(str(Path(__file__).with_name({value.file!r})))"
     if isinstance(value, Ref):
         return value.path.rsplit(".", 1)[-1] if value.path.startswith("megatron") else value.path
     return repr(value)
@@ -97,6 +103,8 @@ def _yaml_value(value: Any) -> Any:
     # Bridge's OmegaConf round trip names callables and dtypes by import path.
     if isinstance(value, Ref):
         return {"_target_": value.path, "_call_": False}
+    if isinstance(value, Call):  # the file is resolved against the working directory
+        return {"_target_": value.path, "recipe_path": value.file}
     return value
 
 
@@ -126,7 +134,9 @@ def recipe_source(bp: Blueprint) -> str:
     imports.setdefault("megatron.bridge.training.config", set()).add("ConfigContainer")
     imports[SECTIONS["mixed_precision"][0]].add("get_mixed_precision_config")
     for value in fields["model"].values():
-        if isinstance(value, Ref) and value.path.startswith("megatron"):
+        if isinstance(value, Call):
+            imports.setdefault("pathlib", set()).add("Path")
+        if isinstance(value, Ref | Call) and value.path.startswith("megatron"):
             module, name = value.path.rsplit(".", 1)
             imports.setdefault(module, set()).add(name)
     uses_torch = any(
@@ -280,7 +290,28 @@ def export_megatron(
         (tmp / "launch.sh").write_text(launch_sh(bp))
         (tmp / "launch.sh").chmod(0o755)
         (tmp / "README.md").write_text(readme(bp, unexpressed, hf_note))
+        if "quant_recipe" in megatron_fields(bp)["model"]:
+            document = megatron_quant_recipe(bp).document
+            (tmp / QUANT_RECIPE_FILE).write_text(yaml.safe_dump(document, sort_keys=False))
         if hf is not None:
             (tmp / "hf").mkdir()
             (tmp / "hf" / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     return out
+
+
+def mapping_markdown() -> str:
+    """The mapping table of ``docs/megatron.md`` (``megatron_fields.FIELDS``, row by row)."""
+    rows = ["| blueprint | section | Megatron field | checked against |", "|---|---|---|---|"]
+    where = {
+        "config": f"megatron-core {MEGATRON_CORE_VERSION} TransformerConfig",
+        "model": f"megatron-core {MEGATRON_CORE_VERSION} MambaModel",
+        "provider": f"Megatron-Bridge {BRIDGE_COMMIT[:7]} HybridModelProvider",
+    }
+    for f in FIELDS:
+        if f.kind == "container":
+            cls = "preset name" if f.name == "name" else SECTIONS[f.section][1]
+            target = f"Megatron-Bridge {BRIDGE_COMMIT[:7]} {cls}"
+        else:
+            target = where[f.kind] + (f" (`{f.mcore}`)" if f.mcore and f.mcore != f.name else "")
+        rows.append(f"| `{f.blueprint}` | {f.section} | `{f.name}` | {target} |")
+    return "\n".join(rows) + "\n"

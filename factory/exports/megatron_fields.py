@@ -2,7 +2,7 @@
 
 ``FIELDS`` is the only place a blueprint field meets a Megatron field: the
 generated ``recipe.py`` and ``overrides.yaml`` are rendered from it,
-``docs/megatron.md`` carries its table (``mapping_markdown``, compared by the
+``docs/megatron.md`` carries its table (``factory.exports.megatron.mapping_markdown``, compared by the
 tests) and the tests check every ``config``/``model`` name against the installed
 megatron-core 0.16.1 (``TransformerConfig``, ``ModelParallelConfig``, ``MambaModel``).
 Every Bridge-side name (section classes and their import paths, their fields, the
@@ -18,6 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from factory.exports.quant_recipe import (
+    QUANT_RECIPE_FILE,
+    QUANT_RECIPE_LOADER,
+    QuantRecipeError,
+    megatron_quant_recipe,
+    mtp_formats,
+)
 from factory.schemas.blueprint import Blueprint
 
 __all__ = [
@@ -25,7 +32,6 @@ __all__ = [
     "SECTIONS",
     "Field",
     "Ref",
-    "mapping_markdown",
     "megatron_fields",
     "pipeline_stage_sizes",
 ]
@@ -40,6 +46,14 @@ class Ref:
     """A Python object named by import path (a callable or a torch dtype), not a literal."""
 
     path: str
+
+
+@dataclass(frozen=True)
+class Call:
+    """A call of a function named by import path on a file beside recipe.py."""
+
+    path: str
+    file: str
 
 
 Kind = Literal["config", "model", "provider", "container"]
@@ -268,6 +282,9 @@ FIELDS: tuple[Field, ...] = (
           _mtp(lambda bp: bool(bp.model.mtp and bp.model.mtp.repeated))),
     Field("model.mtp.loss_scale", M, "mtp_loss_scaling_factor", "config",
           _mtp(lambda bp: bp.model.mtp.loss_scale if bp.model.mtp else 0.1)),
+    Field("precision.overrides (MTP layers)", M, "keep_mtp_spec_in_bf16", "provider",
+          lambda bp: _mtp_in_bf16(bp)),
+    Field("precision.overrides", M, "quant_recipe", "config", lambda bp: _quant_recipe(bp)),
     # Layout.
     Field("parallelism.tp", M, "tensor_model_parallel_size", "config", lambda bp: bp.parallelism.tp),
     Field("parallelism.pp", M, "pipeline_model_parallel_size", "config",
@@ -351,6 +368,24 @@ FIELDS: tuple[Field, ...] = (
 # fmt: on
 
 
+def _quant_recipe(bp: Blueprint) -> Any:
+    """quant_recipe.yaml (``factory.exports.quant_recipe``) when some module leaves the preset's
+    format; the refusals report a table it cannot say."""
+    try:
+        return (
+            Call(QUANT_RECIPE_LOADER, QUANT_RECIPE_FILE)
+            if megatron_quant_recipe(bp).modules
+            else SKIP
+        )
+    except QuantRecipeError:
+        return SKIP
+
+
+def _mtp_in_bf16(bp: Blueprint) -> Any:
+    quantized = bp.precision.recipe != "bf16" and bp.model.mtp_depth
+    return True if quantized and mtp_formats(bp) == {"bf16"} else SKIP
+
+
 def megatron_fields(bp: Blueprint) -> dict[str, dict[str, Any]]:
     """Section -> field -> value, for every field of ``FIELDS`` that applies to ``bp``."""
     out: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
@@ -359,21 +394,3 @@ def megatron_fields(bp: Blueprint) -> dict[str, dict[str, Any]]:
         if value is not SKIP:
             out[field.section][field.name] = value
     return out
-
-
-def mapping_markdown() -> str:
-    """The mapping table of ``docs/megatron.md``."""
-    rows = ["| blueprint | section | Megatron field | checked against |", "|---|---|---|---|"]
-    where = {
-        "config": f"megatron-core {MEGATRON_CORE_VERSION} TransformerConfig",
-        "model": f"megatron-core {MEGATRON_CORE_VERSION} MambaModel",
-        "provider": f"Megatron-Bridge {BRIDGE_COMMIT[:7]} HybridModelProvider",
-    }
-    for f in FIELDS:
-        if f.kind == "container":
-            cls = "preset name" if f.name == "name" else SECTIONS[f.section][1]
-            target = f"Megatron-Bridge {BRIDGE_COMMIT[:7]} {cls}"
-        else:
-            target = where[f.kind] + (f" (`{f.mcore}`)" if f.mcore and f.mcore != f.name else "")
-        rows.append(f"| `{f.blueprint}` | {f.section} | `{f.name}` | {target} |")
-    return "\n".join(rows) + "\n"

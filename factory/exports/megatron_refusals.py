@@ -11,6 +11,7 @@ listed in the README, never silently dropped. Checked against megatron-core
 from __future__ import annotations
 
 from factory.exports.megatron_fields import pipeline_stage_sizes
+from factory.exports.quant_recipe import QuantRecipeError, megatron_quant_recipe, mtp_formats
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.model import MambaConfig
 from factory.schemas.precision import NVFP4Options
@@ -186,13 +187,20 @@ def _precision(bp: Blueprint) -> list[tuple[str, str]]:
                 f"N layers in BF16, not {p.high_precision.layers}",
             )
         )
-    for glob, fmt in p.overrides.items():
-        out.append(
-            (
-                f"precision.overrides[{glob!r}]",
-                f"per-module {fmt}: Megatron's recipe applies one format to every linear layer",
+    if p.overrides:  # per-module formats become megatron-core's quant_recipe
+        try:
+            megatron_quant_recipe(bp)
+        except QuantRecipeError as exc:
+            out += [(f"precision.overrides: {path}", why) for path, why in exc.problems]
+        mtp = mtp_formats(bp)
+        if mtp and mtp not in ({p.recipe}, {"bf16"}):
+            out.append(
+                (
+                    "precision.overrides (MTP layers)",
+                    f"MTP GEMMs in {sorted(mtp)}: Megatron runs MTP in the preset's format "
+                    "or all in BF16 (keep_mtp_spec_in_bf16)",
+                )
             )
-        )
     if p.switch_to_bf16 is not None:
         out.append(("precision.switch_to_bf16", "Megatron has no mid-run switch to BF16"))
     return out

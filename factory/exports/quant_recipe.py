@@ -30,7 +30,19 @@ from factory.precision.policy import resolve_policy
 from factory.schemas.blueprint import Blueprint
 from factory.spec.model import model_spec
 
-__all__ = ["MegatronQuantRecipe", "QuantRecipeError", "megatron_quant_recipe"]
+__all__ = [
+    "QUANT_RECIPE_FILE",
+    "QUANT_RECIPE_LOADER",
+    "MegatronQuantRecipe",
+    "QuantRecipeError",
+    "megatron_quant_recipe",
+    "mtp_formats",
+]
+
+QUANT_RECIPE_FILE = "quant_recipe.yaml"
+"""The export's file, beside recipe.py."""
+QUANT_RECIPE_LOADER = "megatron.core.quantization.utils.load_quantization_recipe"
+"""megatron-core's reader of that file into a ``RecipeConfig``."""
 
 TE_CONFIG_TYPE = "TEQuantizationParams"
 """``transformer_engine_config_type`` of megatron-core's TE per-module parameters."""
@@ -67,6 +79,11 @@ def _format(bp: Blueprint, recipe: str) -> dict[str, str] | None:
         scaling = bp.precision.fp8.scaling
         return None if scaling == "delayed" else {"fp8_quantization_recipe": scaling}
     return _FORMATS.get(recipe)
+
+
+def mtp_formats(bp: Blueprint) -> set[str]:
+    """The formats of the MTP layers' GEMMs (empty without MTP)."""
+    return {row.recipe for row in resolve_policy(bp) if row.layer is None}
 
 
 def _megatron_paths(bp: Blueprint) -> dict[str, str]:
