@@ -41,7 +41,8 @@ from torch import nn
 from factory.graph.compile import Compiled
 from factory.runtime import checkpoint
 from factory.runtime.batches import MicroBatch
-from factory.runtime.metrics import MetricsLog, StepDisplay
+from factory.runtime.gradients import clip_to_norm, norm_masters
+from factory.runtime.metrics import MetricsLog, StepDisplay, metrics_path
 from factory.runtime.monitors import Event, Monitors, StepStats, verdict
 from factory.runtime.optimizer import MasterOptimizer
 from factory.runtime.ranks import Ranks, SingleProcess
@@ -179,7 +180,7 @@ class _Run:
             self._resume()
         else:
             self.batches.seek(0)
-        self.metrics = MetricsLog(_metrics_path(o))
+        self.metrics = MetricsLog(metrics_path(o.run_dir, o.ranks))
         self.stream = iter(self.batches)
 
     def _resume(self) -> None:
@@ -219,14 +220,6 @@ class _Run:
             seconds=time.perf_counter() - started,
             **{"async": self.options.async_checkpoint},
         )
-
-
-def _metrics_path(options: RunOptions) -> Path | None:
-    if options.run_dir is None:
-        return None
-    if options.ranks.is_main:
-        return options.run_dir / "metrics.jsonl"
-    return options.run_dir / "ranks" / f"rank_{options.ranks.rank:05d}.jsonl"
 
 
 def _stats(run: _Run, outcome: StepOutcome, grad_norm: float) -> StepStats:
@@ -351,27 +344,6 @@ def train(
     return run.result
 
 
-def _norm_masters(run: _Run) -> list[nn.Parameter]:
-    """The masters whose gradients make up this rank's part of the global norm (a pipeline's
-    last stage leaves out its copy of the embedding, which the first stage counts)."""
-    opt = run.optimizer
-    excluded_from = getattr(run.compiled.model, "excluded_from_norm", None)
-    if excluded_from is None:
-        return opt.masters
-    excluded = excluded_from()
-    return [m for n, m in zip(opt.names, opt.masters, strict=True) if n not in excluded]
-
-
-def _clip(params: list[nn.Parameter], cap: float, norm: float) -> None:
-    """Scale the gradients to norm ``cap`` when above it (torch's rule, with a norm that
-    may come from several ranks)."""
-    coef = min(1.0, cap / (norm + 1e-6))
-    if coef < 1.0:
-        for param in params:
-            if param.grad is not None:
-                param.grad.mul_(coef)
-
-
 def _loop(run: _Run, display: StepDisplay) -> None:
     o, bp = run.options, run.compiled.blueprint
     every = o.checkpoint_every or bp.training.checkpoint_interval
@@ -389,9 +361,9 @@ def _loop(run: _Run, display: StepDisplay) -> None:
             run.compiled.model, run.next_micro_batches(accumulation), mtp_scale, o.ranks
         )
         run.optimizer.grads_to_masters()
-        grad_norm = float(o.ranks.grad_norm(_norm_masters(run)))
+        grad_norm = float(o.ranks.grad_norm(norm_masters(run.compiled.model, run.optimizer)))
         if clip is not None:
-            _clip(run.optimizer.masters, clip, grad_norm)
+            clip_to_norm(run.optimizer.masters, clip, grad_norm)
         events = run.monitors.observe(_stats(run, outcome, grad_norm))
         for event in events:
             run.result.events.append(event)

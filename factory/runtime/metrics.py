@@ -12,9 +12,12 @@ import contextlib
 import json
 import math
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-__all__ = ["MetricsLog", "StepDisplay"]
+if TYPE_CHECKING:
+    from factory.runtime.ranks import Ranks
+
+__all__ = ["MetricsLog", "StepDisplay", "metrics_path"]
 
 
 def _finite(value: Any) -> Any:
@@ -24,6 +27,15 @@ def _finite(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _finite(v) for k, v in value.items()}
     return value
+
+
+def metrics_path(run_dir: Path | None, ranks: Ranks) -> Path | None:
+    """Rank 0's ``metrics.jsonl``; every other rank's ``ranks/rank_NNNNN.jsonl``."""
+    if run_dir is None:
+        return None
+    if ranks.is_main:
+        return run_dir / "metrics.jsonl"
+    return run_dir / "ranks" / f"rank_{ranks.rank:05d}.jsonl"
 
 
 class MetricsLog:
