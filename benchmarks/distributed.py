@@ -62,16 +62,12 @@ def _model(bp: Any, world: int) -> tuple[Any, Any]:
     if world == 1:
         return compiled, SingleProcess()
     from factory.distributed.mesh import build_meshes
-    from factory.distributed.parallelize import parallelize
+    from factory.distributed.parallelize import parallelize_compiled
     from factory.distributed.ranks import DistributedRanks
-    from factory.jobs.distributed_train import _pipelined
     from factory.planner.layout import resolve_layout
 
     meshes = build_meshes(resolve_layout(bp), "cpu")
-    if meshes.layout.pp > 1:
-        compiled.model = _pipelined(compiled, meshes, "cpu")
-    else:
-        parallelize(compiled.model, meshes, bp.parallelism.distributed_optimizer)
+    parallelize_compiled(compiled, meshes, "cpu")
     return compiled, DistributedRanks(meshes)
 
 

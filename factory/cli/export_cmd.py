@@ -74,7 +74,8 @@ def export_megatron_cmd(
     ] = "megatron",
     overrides: SetOption = None,
 ) -> None:
-    """Write a Megatron-Bridge recipe.py, overrides.yaml, launch.sh, hf/ and README.md."""
+    """Write a Megatron-Bridge recipe.py, overrides.yaml, launch.sh, hf/, README.md and, for
+    per-module formats, quant_recipe.yaml."""
     from factory.exports.megatron import MegatronExportError, export_megatron
 
     bp = factory.load_blueprint(target, overrides or [])

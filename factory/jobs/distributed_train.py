@@ -31,8 +31,6 @@ from typing import TYPE_CHECKING
 import factory
 
 if TYPE_CHECKING:
-    from factory.distributed.mesh import Meshes
-    from factory.distributed.pipelined_model import PipelinedModel
     from factory.graph.compile import Compiled
     from factory.jobs.train import _Job
     from factory.runtime.loop import TrainResult as LoopResult
@@ -93,7 +91,7 @@ def _train(job: _Job, device_type: str) -> tuple[Compiled, LoopResult, str]:
     import torch.distributed as dist
 
     from factory.distributed.mesh import build_meshes
-    from factory.distributed.parallelize import parallelize
+    from factory.distributed.parallelize import parallelize_compiled
     from factory.distributed.ranks import DistributedRanks
     from factory.planner.layout import resolve_layout
 
@@ -107,37 +105,12 @@ def _train(job: _Job, device_type: str) -> tuple[Compiled, LoopResult, str]:
     ranks = DistributedRanks(meshes)
     device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if device_type == "cuda" else "cpu"
     compiled = factory.compile(job.bp, device=device, seed=job.seed, precision=job.precision)
-    if meshes.layout.pp > 1:
-        compiled.model = _pipelined(compiled, meshes, device)  # type: ignore[assignment]
-    else:
-        parallelize(compiled.model, meshes, job.bp.parallelism.distributed_optimizer)
+    parallelize_compiled(compiled, meshes, device)
     history = job._train_loop(compiled, shards, ranks)
     dist.barrier()
     single = _read_back(job, compiled) if main else compiled
     dist.barrier()
     return single, history, device_type
-
-
-def _pipelined(compiled: Compiled, meshes: Meshes, device: str) -> PipelinedModel:
-    """This pipeline rank's stages of ``compiled.model``, sharded, behind one model."""
-    import torch
-
-    from factory.distributed.parallelize import parallelize
-    from factory.distributed.pipeline import PipelineRunner
-    from factory.distributed.pipeline_stages import split_stages
-    from factory.distributed.pipelined_model import PipelinedModel
-    from factory.runtime.loop import mtp_loss_scale
-
-    bp = compiled.blueprint
-    stages = split_stages(compiled.model, meshes.layout, meshes.coordinate("pp"))
-    for stage in stages:
-        parallelize(stage, meshes, bp.parallelism.distributed_optimizer)
-    cuda = meshes.device_type == "cuda"
-    runner = PipelineRunner(
-        stages, meshes.layout, meshes.dense["pp"], mtp_loss_scale(compiled), device,
-        activation_dtype=torch.bfloat16 if cuda else None,  # FSDP's param_dtype on CUDA
-    )  # fmt: skip
-    return PipelinedModel(bp.model, runner)
 
 
 def _read_back(job: _Job, compiled: Compiled) -> Compiled:
