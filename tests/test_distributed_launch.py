@@ -22,7 +22,10 @@ from pathlib import Path
 import pytest
 from runtime_helpers import tiny_blueprint
 
+from factory.loading.load import resolve_source
 from factory.runtime.batches import build_shards
+
+SUPER = resolve_source("super")
 
 DP_ONLY = ["--set", "parallelism.tp=1", "--set", "parallelism.ep=1",
            "--set", "parallelism.sequence_parallel=false"]  # fmt: skip
@@ -33,8 +36,10 @@ def test_a_launch_whose_size_differs_from_the_layout_exits_2_naming_both(
 ) -> None:
     status, _, err = cli("train", "super", "--nproc", "2")
     assert status == 2
-    assert "2 processes" in err and "parallelism.world_size=64" in err
-    assert "--set parallelism.world_size=2" in err
+    line = next(n for n, text in enumerate(SUPER.read_text().splitlines(), 1)
+                if text.strip().startswith("world_size:"))  # fmt: skip
+    assert err.startswith(f"{SUPER}:{line}: parallelism.world_size: 2 processes"), err
+    assert "parallelism.world_size=64" in err and "--set parallelism.world_size=2" in err
 
 
 def test_context_parallelism_is_refused_before_launch(
@@ -45,7 +50,8 @@ def test_context_parallelism_is_refused_before_launch(
         "--set", "parallelism.cp=2",
     )  # fmt: skip
     assert status == 2
-    assert "context parallelism" in err and "parallelism.cp=1" in err
+    assert ": parallelism.cp: parallelism.cp=2: context parallelism" in err, err
+    assert "parallelism.cp=1" in err
 
 
 def _ranks_of(marker: str) -> dict[int, int]:

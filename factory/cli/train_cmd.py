@@ -27,7 +27,7 @@ from factory.proxy_layout import derive_proxy_layout
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from factory.schemas.blueprint import Blueprint
+    from factory.loading.load import LoadedBlueprint
 
 PRECISION_HELP = "Backend of the precision policy: auto, emulate, te or off (factory.compile's)."
 """Names the backends for --help, which must not import torch; a test holds it to the Literal."""
@@ -110,7 +110,10 @@ def train(
     if main_rank:  # one copy of each message, not one per process
         print_diagnostics(loaded.warnings)
     if nproc is not None and launched_world_size() == 1:
-        raise typer.Exit(_relaunch(loaded.blueprint, proxy, nproc, console))
+        _check_launch(loaded, proxy, nproc, main_rank)
+        raise typer.Exit(_torchrun(torchrun_args(nproc, _without_nproc(sys.argv[1:])), console))
+    if launched_world_size() > 1:
+        _check_launch(loaded, proxy, launched_world_size(), main_rank)
     if proxy and launched_world_size() > 1 and main_rank:
         _, changes = derive_proxy_layout(loaded.blueprint, launched_world_size())
         if changes:
@@ -169,15 +172,15 @@ def _without_nproc(argv: list[str]) -> list[str]:
     return kept
 
 
-def _relaunch(blueprint: Blueprint, proxy: bool, nproc: int, console: Console) -> int:
-    """Check the layout against ``nproc`` here (exit 2 before any process starts), then run
-    torchrun; its exit status is ours."""
+def _check_launch(loaded: LoadedBlueprint, proxy: bool, world: int, say: bool) -> None:
+    """Exit 2 before any process group when the layout cannot be launched on ``world``
+    processes, as ``file:line: parallelism.FIELD: message``."""
     try:
-        check_launch(trained_blueprint(blueprint, proxy, nproc), nproc)
+        check_launch(trained_blueprint(loaded.blueprint, proxy, world), world)
     except LaunchRefused as exc:
-        console.print(f"factory train: {exc}", markup=False, soft_wrap=True)
-        return EXIT_INVALID
-    return _torchrun(torchrun_args(nproc, _without_nproc(sys.argv[1:])), console)
+        if say:  # one copy of the message, not one per process
+            print_diagnostics([loaded.source_map.diagnostic(exc.path, str(exc))])
+        raise typer.Exit(EXIT_INVALID) from None
 
 
 def _torchrun(args: list[str], console: Console) -> int:

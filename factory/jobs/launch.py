@@ -31,7 +31,12 @@ __all__ = ["LaunchRefused", "check_launch", "launched_world_size", "torchrun_com
 
 
 class LaunchRefused(ValueError):
-    """A layout that cannot be launched with this many processes or by this runtime."""
+    """A layout that cannot be launched with this many processes or by this runtime;
+    ``path`` is the blueprint field at fault (the CLI reports its file and line)."""
+
+    def __init__(self, message: str, path: str = "parallelism") -> None:
+        super().__init__(message)
+        self.path = path
 
 
 def launched_world_size() -> int:
@@ -50,30 +55,35 @@ def check_launch(bp: Blueprint, world_size: int) -> None:
         raise LaunchRefused(
             f"{world_size} processes were launched but {bp.meta.name}'s layout has "
             f"parallelism.world_size={par.world_size}: launch {par.world_size}, or pass "
-            f"--set parallelism.world_size={world_size} (dp is derived from it)"
+            f"--set parallelism.world_size={world_size} (dp is derived from it)",
+            path="parallelism.world_size",
         )
     if world_size == 1:
         return
     if par.cp > 1:
         raise LaunchRefused(
             f"parallelism.cp={par.cp}: context parallelism is not run by factory's runtime "
-            "yet (the Megatron export carries it); use --set parallelism.cp=1"
+            "yet (the Megatron export carries it); use --set parallelism.cp=1",
+            path="parallelism.cp",
         )
     has_moe = bp.model.moe is not None and "E" in bp.model.pattern
     if has_moe and par.expert_tp > 1:
         raise LaunchRefused(
             f"parallelism.etp={par.expert_tp} (it defaults to tp): factory's runtime keeps "
-            "each routed expert whole on one EP rank; use --set parallelism.etp=1"
+            "each routed expert whole on one EP rank; use --set parallelism.etp=1",
+            path="parallelism.etp",
         )
     if has_moe and par.tp > 1 and not par.sequence_parallel:
         raise LaunchRefused(
             f"tp={par.tp} with MoE layers needs sequence parallelism (each TP rank routes its "
-            "own part of the sequence); use --set parallelism.sequence_parallel=true"
+            "own part of the sequence); use --set parallelism.sequence_parallel=true",
+            path="parallelism.sequence_parallel",
         )
     if par.modules:
         raise LaunchRefused(
             f"parallelism.modules ({', '.join(par.modules)}): per-module layouts are not run "
-            "by factory's runtime"
+            "by factory's runtime",
+            path="parallelism.modules",
         )
 
 
