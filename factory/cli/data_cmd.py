@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -13,6 +15,14 @@ from factory.data.inspect import inspect_table, write_share_plot
 from factory.data.manifest import verify
 from factory.jobs.progress import RichProgress
 
+
+class Executor(StrEnum):
+    """Where ``factory data build`` runs its stages (``factory.data.pipeline.EXECUTORS``)."""
+
+    local = "local"
+    ray = "ray"
+
+
 data_app = typer.Typer(help="Build, verify and inspect curated data shards.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
@@ -21,15 +31,55 @@ app.add_typer(data_app, name="data")
 def build_cmd(
     recipe: Annotated[str, typer.Argument(help="Recipe name (e.g. nano) or a recipe YAML path.")],
     out: Annotated[Path, typer.Option("--out", help="Output folder.")],
-    workers: Annotated[int, typer.Option("--workers", min=1, help="Worker processes.")] = 1,
+    workers: Annotated[
+        int,
+        typer.Option(
+            "--workers",
+            min=1,
+            help="Worker processes (with --executor ray and no cluster: the local Ray "
+            "instance's CPUs; 1 means all).",
+        ),
+    ] = 1,
+    executor: Annotated[
+        Executor,
+        typer.Option(
+            "--executor",
+            help="local: a process pool here. ray: Ray tasks on --address, RAY_ADDRESS, "
+            "or a Ray instance started here (pip install 'factory[scale]').",
+        ),
+    ] = Executor.local,
+    address: Annotated[
+        str | None,
+        typer.Option(
+            "--address",
+            help="Ray cluster address (ray only); --out must be a path every node sees.",
+        ),
+    ] = None,
 ) -> None:
-    """Curate a recipe's sources into webdataset shards (resumable: rerun after a crash)."""
+    """Curate a recipe's sources into webdataset shards (resumable: rerun after a crash).
+
+    Both executors write the same bytes."""
     from rich.console import Console
 
     from factory.data.pipeline import build
 
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", str(out)):
+        raise typer.BadParameter(
+            "object-store URLs are not supported: builds publish files by rename; mount the "
+            "bucket (or use a shared file system) and pass its path",
+            param_hint="--out",
+        )
+    if address is not None and executor is not Executor.ray:
+        raise typer.BadParameter("--address needs --executor ray", param_hint="--address")
     with RichProgress(Console(stderr=True)) as progress:
-        manifest = build(recipe, out, workers=workers, progress=progress)
+        manifest = build(
+            recipe,
+            out,
+            workers=workers,
+            progress=progress,
+            executor=executor.value,
+            address=address,
+        )
     tokens = sum(s["after"]["tokens"] for s in manifest["sources"].values())
     typer.echo(
         f"built {out}: {len(manifest['shards'])} shards, {manifest['packing']['samples']} samples, "

@@ -258,7 +258,12 @@ class LSHIndex:
     def __len__(self) -> int:
         return self._size
 
-    def _keys(self, signature: np.ndarray) -> list[int]:
+    def band_keys(self, signature: np.ndarray) -> list[int]:
+        """One 64-bit key per band: two documents collide in band ``b`` when their keys match.
+
+        The distributed dedup (``factory.data.dedup_shuffle``) shuffles these keys;
+        ``add`` looks them up in its tables; both use this one function.
+        """
         if signature.shape != (self.num_perm,):
             raise ValueError(f"expected a ({self.num_perm},) signature, got {signature.shape}")
         data = np.ascontiguousarray(signature, dtype="<u4").tobytes()  # fixed byte order
@@ -268,7 +273,7 @@ class LSHIndex:
     def add(self, doc_id: int, signature: np.ndarray) -> int | None:
         """The id of an earlier kept document sharing a band (lowest band first), in
         which case ``doc_id`` is a near-duplicate and is not added; else add it, None."""
-        keys = self._keys(signature)
+        keys = self.band_keys(signature)
         for table, key in zip(self._tables, keys, strict=True):
             hit = table.get(key)
             if hit is not None:

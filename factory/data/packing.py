@@ -17,15 +17,19 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
+from typing import Protocol, Self, TypeVar
 
 import numpy as np
 
 __all__ = [
     "PIECE_SEPARATOR",
+    "Packable",
     "PackedSample",
     "PackingStats",
     "TokenizedDoc",
+    "materialize",
     "pack_best_fit_decreasing",
+    "pack_bins",
     "packing_stats",
 ]
 
@@ -64,6 +68,12 @@ class TokenizedDoc:
 
     def __len__(self) -> int:
         return int(self.ids.shape[0])
+
+    def piece(self, index: int, start: int, end: int) -> TokenizedDoc:
+        """Tokens ``start:end`` as piece ``index`` (keyed ``key#index``)."""
+        return TokenizedDoc(
+            f"{self.key}{PIECE_SEPARATOR}{index}", self.ids[start:end], self.mask[start:end]
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,10 +129,14 @@ class PackingStats:
 
     def add_sample(self, sample: PackedSample) -> None:
         self.seq_len = self.seq_len or sample.seq_len
-        self.samples += 1
-        self.segments += sample.n_docs
-        self.tokens += sample.n_tokens
+        self.add_bin(sample.n_docs, sample.n_tokens)
         self.loss_tokens += int(sample.loss_mask.sum(dtype=np.int64))
+
+    def add_bin(self, segments: int, tokens: int) -> None:
+        """One sample of ``segments`` pieces and ``tokens`` real tokens (loss tokens apart)."""
+        self.samples += 1
+        self.segments += segments
+        self.tokens += tokens
 
     @property
     def efficiency(self) -> float:
@@ -150,7 +164,24 @@ def packing_stats(samples: Iterable[PackedSample]) -> PackingStats:
     return stats
 
 
-def _pieces(doc: TokenizedDoc, seq_len: int, stats: PackingStats) -> list[TokenizedDoc]:
+class Packable(Protocol):
+    """What the packer needs of a document: a key, a length, and a way to cut a piece.
+
+    :class:`TokenizedDoc` carries its tokens; a planner that packs references
+    (``factory.data.shard_plan``) passes lengths only, and both get the same bins.
+    """
+
+    key: str
+
+    def __len__(self) -> int: ...
+
+    def piece(self, index: int, start: int, end: int) -> Self: ...
+
+
+P = TypeVar("P", bound=Packable)
+
+
+def _pieces(doc: P, seq_len: int, stats: PackingStats) -> list[P]:
     """Cut a document into ``seq_len``-sized pieces; short documents pass through whole."""
     n = len(doc)
     if n == 0:
@@ -162,17 +193,11 @@ def _pieces(doc: TokenizedDoc, seq_len: int, stats: PackingStats) -> list[Tokeni
     starts = range(0, n, seq_len)
     stats.split_documents += 1
     stats.split_pieces += len(starts)
-    return [
-        TokenizedDoc(
-            f"{doc.key}{PIECE_SEPARATOR}{j}",
-            doc.ids[start : start + seq_len],
-            doc.mask[start : start + seq_len],
-        )
-        for j, start in enumerate(starts)
-    ]
+    return [doc.piece(j, start, min(start + seq_len, n)) for j, start in enumerate(starts)]
 
 
-def _materialize(docs: list[TokenizedDoc], seq_len: int, pad_id: int) -> PackedSample:
+def materialize(docs: list[TokenizedDoc], seq_len: int, pad_id: int = 0) -> PackedSample:
+    """One sample from the pieces of one bin, in bin order, padded to ``seq_len``."""
     tokens = np.full(seq_len, pad_id, dtype=np.int32)
     loss_mask = np.zeros(seq_len, dtype=np.uint8)
     cu_seqlens = np.zeros(len(docs) + 1, dtype=np.int32)
@@ -186,17 +211,15 @@ def _materialize(docs: list[TokenizedDoc], seq_len: int, pad_id: int) -> PackedS
     return PackedSample(tokens, loss_mask, cu_seqlens, [doc.key for doc in docs])
 
 
-def _pack_window(
-    buffer: list[TokenizedDoc], seq_len: int, pad_id: int, stats: PackingStats
-) -> Iterator[PackedSample]:
-    """Best-fit decreasing over one window; bins are emitted in the order they were opened.
+def _best_fit_window(buffer: list[P], seq_len: int) -> list[list[P]]:
+    """Best-fit decreasing over one window; bins are returned in the order they were opened.
 
     ``free`` holds ``(remaining capacity, bin index)`` of the open bins, kept
     sorted, so the best fit (least remaining space that still fits) is one
     bisect away; ties go to the oldest bin. Full bins leave ``free`` for good.
     """
     order = sorted(buffer, key=lambda doc: (-len(doc), doc.key))
-    bins: list[list[TokenizedDoc]] = []
+    bins: list[list[P]] = []
     free: list[tuple[int, int]] = []
     for doc in order:
         n = len(doc)
@@ -210,10 +233,32 @@ def _pack_window(
             bins.append([doc])
         if remaining > 0:
             insort(free, (remaining, index))
-    for docs in bins:
-        sample = _materialize(docs, seq_len, pad_id)
-        stats.add_sample(sample)
-        yield sample
+    return bins
+
+
+def pack_bins(
+    docs: Iterable[P], seq_len: int, window: int = 4096, stats: PackingStats | None = None
+) -> Iterator[list[P]]:
+    """The bins (lists of pieces) of :func:`pack_best_fit_decreasing`, without materializing.
+
+    Counts documents, splits and empty documents into ``stats``; sample-level
+    counts are the caller's (it knows the tokens).
+    """
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    if window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
+    stats = stats if stats is not None else PackingStats()
+    stats.seq_len = seq_len
+    buffer: list[P] = []
+    for doc in docs:
+        for piece in _pieces(doc, seq_len, stats):
+            buffer.append(piece)
+            if len(buffer) >= window:
+                yield from _best_fit_window(buffer, seq_len)
+                buffer = []
+    if buffer:
+        yield from _best_fit_window(buffer, seq_len)
 
 
 def pack_best_fit_decreasing(
@@ -231,18 +276,8 @@ def pack_best_fit_decreasing(
     window's last bins may be underfull; a larger window packs tighter at the
     cost of memory. Empty documents are dropped (and counted in ``stats``).
     """
-    if seq_len <= 0:
-        raise ValueError(f"seq_len must be positive, got {seq_len}")
-    if window <= 0:
-        raise ValueError(f"window must be positive, got {window}")
     stats = stats if stats is not None else PackingStats()
-    stats.seq_len = seq_len
-    buffer: list[TokenizedDoc] = []
-    for doc in docs:
-        for piece in _pieces(doc, seq_len, stats):
-            buffer.append(piece)
-            if len(buffer) >= window:
-                yield from _pack_window(buffer, seq_len, pad_id, stats)
-                buffer = []
-    if buffer:
-        yield from _pack_window(buffer, seq_len, pad_id, stats)
+    for bin_docs in pack_bins(docs, seq_len, window, stats):
+        sample = materialize(bin_docs, seq_len, pad_id)
+        stats.add_sample(sample)
+        yield sample

@@ -30,17 +30,21 @@ from factory.data.energon import write_energon_dataset
 from factory.data.manifest import sha256_file, write_manifest
 from factory.data.megatron_index import IndexedDatasetWriter
 from factory.data.mixing import plan_mixture
+from factory.data.ray_build import connect, run_ray_stages
 from factory.data.readers import expand_source_paths
 from factory.data.recipe_loading import LoadedRecipe, load_recipe, with_seq_len
 from factory.data.stage_curate import UnitTask, curate_unit
 from factory.data.stage_dedup import dedup_units
-from factory.data.stage_write import MixedStream, tokens_per_source, write_shards
+from factory.data.stage_write import MixedStream, StagesResult, tokens_per_source, write_shards
 from factory.data.tokenize import DocumentTokenizer
 from factory.data.unit_io import read_unit_stats, unit_done
 from factory.io import atomic_write_text
 from factory.jobs.progress import Progress, silent
 
-__all__ = ["build", "recipe_hash"]
+__all__ = ["EXECUTORS", "build", "recipe_hash"]
+
+EXECUTORS = ("local", "ray")
+"""Where the stages run: worker processes on this machine, or Ray tasks."""
 
 
 def recipe_hash(loaded: LoadedRecipe) -> str:
@@ -120,6 +124,8 @@ def build(
     seq_len: int | None = None,
     progress: Progress | None = None,
     keep_work: bool = True,
+    executor: str = "local",
+    address: str | None = None,
 ) -> dict[str, Any]:
     """Build (or finish building) the shards of ``recipe`` in ``out``; return the manifest.
 
@@ -131,36 +137,70 @@ def build(
     parallel; the output is byte-identical for any count. ``progress`` gets
     ``curate``, ``dedup`` and ``shards`` reports. ``keep_work=False`` deletes
     the ``.work`` intermediates afterwards, which gives up resuming.
+
+    ``executor="ray"`` runs the stages as Ray tasks (``factory.data.ray_build``)
+    on the cluster at ``address`` (or ``RAY_ADDRESS``), or on a Ray instance
+    started here with ``workers`` CPUs (all when 1); ``out`` must then be a path
+    every node sees. The output is byte-identical to the local executor's.
     """
     loaded = recipe if isinstance(recipe, LoadedRecipe) else load_recipe(recipe)
     if seq_len is not None:
         loaded = with_seq_len(loaded, seq_len)
-    manifest = _build(loaded, out, workers, progress or silent)
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+    manifest = _build(loaded, out, workers, progress or silent, executor, address)
     if not keep_work:
         shutil.rmtree(out / ".work", ignore_errors=True)
     return manifest
 
 
-def _build(loaded: LoadedRecipe, out: Path, workers: int, progress: Progress) -> dict[str, Any]:
+def _build(
+    loaded: LoadedRecipe,
+    out: Path,
+    workers: int,
+    progress: Progress,
+    executor: str,
+    address: str | None,
+) -> dict[str, Any]:
     recipe = loaded.recipe
     digest = recipe_hash(loaded)
     out.mkdir(parents=True, exist_ok=True)
     tasks = _tasks(loaded, out / ".work")
-    work = _prepare_work(out, _work_stamp(digest, tasks))
-    _run_units(tasks, workers, progress)
-
+    _prepare_work(out, _work_stamp(digest, tasks))
     units = {
         s.name: [t.output_path for t in tasks if recipe.sources[t.source_index].name == s.name]
         for s in recipe.sources
     }
-    ordered = [t.output_path for t in tasks]
-    dedup = dedup_units(ordered, recipe.dedup, work / "dedup.json")
-    progress("dedup", 1, 1)
-
-    plans = plan_mixture(recipe, tokens_per_source(units, dedup))
-    stream = MixedStream(units, plans, recipe.seed)
     tokenizer_path = loaded.resolve(recipe.tokenizer.path) if recipe.tokenizer.path else None
     tokenizer = DocumentTokenizer(tokenizer_path, eos=recipe.tokenizer.eos)
+    if executor == "ray":
+        with connect(address, workers if workers > 1 else None):
+            stages = run_ray_stages(loaded, out, tasks, units, tokenizer, progress)
+    else:
+        stages = _local_stages(loaded, out, tasks, units, tokenizer, workers, progress)
+    manifest = _manifest(loaded, digest, tasks, units, stages, tokenizer)
+    _write_quarantine(out, tasks)
+    write_manifest(out, manifest)
+    return manifest
+
+
+def _local_stages(
+    loaded: LoadedRecipe,
+    out: Path,
+    tasks: list[UnitTask],
+    units: dict[str, list[Path]],
+    tokenizer: DocumentTokenizer,
+    workers: int,
+    progress: Progress,
+) -> StagesResult:
+    """Curate in a process pool, dedup in this process, then mix, pack and write streaming."""
+    recipe = loaded.recipe
+    _run_units(tasks, workers, progress)
+    ordered = [t.output_path for t in tasks]
+    dedup = dedup_units(ordered, recipe.dedup, out / ".work" / "dedup.json")
+    progress("dedup", 1, 1)
+    plans = plan_mixture(recipe, tokens_per_source(units, dedup))
+    stream = MixedStream(units, plans, recipe.seed)
     megatron = None
     if recipe.output.megatron:
         (out / "megatron").mkdir(exist_ok=True)
@@ -182,12 +222,7 @@ def _build(loaded: LoadedRecipe, out: Path, workers: int, progress: Progress) ->
         megatron.finalize()
     if recipe.output.energon:
         write_energon_dataset(out, [s["name"] for s in shards], [s["samples"] for s in shards])
-    manifest = _manifest(
-        loaded, digest, tasks, units, dedup, plans, stream, shards, packing, tokenizer
-    )
-    _write_quarantine(out, tasks)
-    write_manifest(out, manifest)
-    return manifest
+    return StagesResult(dedup, plans, stream.emitted, shards, packing)
 
 
 def _write_quarantine(out: Path, tasks: list[UnitTask]) -> None:
@@ -200,9 +235,14 @@ def _write_quarantine(out: Path, tasks: list[UnitTask]) -> None:
 
 
 def _manifest(
-    loaded, digest, tasks, units, dedup, plans, stream, shards, packing, tokenizer
+    loaded: LoadedRecipe,
+    digest: str,
+    tasks: list[UnitTask],
+    units: dict[str, list[Path]],
+    stages: StagesResult,
+    tokenizer: DocumentTokenizer,
 ) -> dict[str, Any]:
-    recipe = loaded.recipe
+    recipe, dedup, plans = loaded.recipe, stages.dedup, stages.plans
     sources: dict[str, Any] = {}
     for source in recipe.sources:
         steps: dict[str, dict[str, int]] = {}
@@ -227,7 +267,7 @@ def _manifest(
             dropped["dedup:exact"] += d["exact_duplicates"]
             dropped["dedup:near"] += d["near_duplicates"]
         plan = plans[source.name]
-        emitted = stream.emitted.get(source.name, {"documents": 0, "tokens": 0})
+        emitted = stages.emitted.get(source.name, {"documents": 0, "tokens": 0})
         steps["mix"] = {
             "documents_in": steps["dedup"]["documents_out"],
             "tokens_in": plan.available_tokens,
@@ -259,6 +299,6 @@ def _manifest(
         "tokenizer": {"sha256": sha256_file(tokenizer.path), "vocab_size": tokenizer.vocab_size},
         "sources": sources,
         "categories": categories,
-        "packing": packing.as_dict(),
-        "shards": shards,
+        "packing": stages.packing.as_dict(),
+        "shards": stages.shards,
     }

@@ -18,7 +18,7 @@ import numpy as np
 from factory.data.unit_io import read_unit
 from factory.schemas.data_recipe import DedupConfig
 
-__all__ = ["dedup_units", "read_keep_mask"]
+__all__ = ["dedup_units", "read_keep_mask", "write_keep_mask"]
 
 
 def _mask_path(unit: Path) -> Path:
@@ -27,6 +27,13 @@ def _mask_path(unit: Path) -> Path:
 
 def read_keep_mask(unit: Path) -> np.ndarray:
     return np.load(_mask_path(unit))
+
+
+def write_keep_mask(unit: Path, keep: np.ndarray) -> None:
+    """Publish ``unit``'s keep mask atomically (the distributed dedup writes the same file)."""
+    tmp = _mask_path(unit).with_name(_mask_path(unit).name + f".tmp{os.getpid()}.npy")
+    np.save(tmp, np.asarray(keep, dtype=bool))
+    os.replace(tmp, _mask_path(unit))
 
 
 def dedup_units(units: Sequence[Path], config: DedupConfig, done_marker: Path) -> dict[str, dict]:
@@ -60,9 +67,7 @@ def dedup_units(units: Sequence[Path], config: DedupConfig, done_marker: Path) -
             else:
                 dropped_tokens += len(doc.ids)
         mask = np.asarray(keep, dtype=bool)
-        tmp = _mask_path(unit).with_name(_mask_path(unit).name + ".tmp.npy")
-        np.save(tmp, mask)
-        os.replace(tmp, _mask_path(unit))
+        write_keep_mask(unit, mask)
         results[str(unit)] = {
             "documents_in": len(keep),
             "documents_out": int(mask.sum()),

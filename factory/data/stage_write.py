@@ -12,42 +12,71 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, Generic
 
 import numpy as np
 
 from factory.data.mixing import SourcePlan, repeats
-from factory.data.packing import PackedSample, PackingStats, TokenizedDoc, pack_best_fit_decreasing
+from factory.data.packing import (
+    P,
+    PackedSample,
+    PackingStats,
+    TokenizedDoc,
+    pack_best_fit_decreasing,
+)
 from factory.data.shards import write_shard
 from factory.data.stage_dedup import read_keep_mask
 from factory.data.unit_io import read_unit
 
-__all__ = ["MixedStream", "write_shards"]
+__all__ = ["MixedStream", "StagesResult", "read_tokenized", "tokens_per_source", "write_shards"]
+
+
+@dataclass(frozen=True)
+class StagesResult:
+    """What the manifest needs of the dedup, mix, pack and write stages (either executor)."""
+
+    dedup: dict[str, dict]
+    plans: dict[str, SourcePlan]
+    emitted: dict[str, dict[str, int]]
+    shards: list[dict[str, Any]]
+    packing: PackingStats
+
+
+def read_tokenized(unit: Path) -> Iterator[TokenizedDoc]:
+    """A unit's documents with their tokens, in file order."""
+    for doc in read_unit(unit):
+        yield TokenizedDoc(doc.key, doc.ids, doc.mask)
 
 
 @dataclass
-class MixedStream:
-    """The interleaved, repeated documents of all sources, with what each source emitted."""
+class MixedStream(Generic[P]):
+    """The interleaved, repeated documents of all sources, with what each source emitted.
+
+    ``read`` gives a unit's documents in file order: with their tokens by
+    default; the Ray planner passes references (key and length) and gets the
+    same stream without reading a token.
+    """
 
     units: dict[str, list[Path]]
     plans: dict[str, SourcePlan]
     seed: int
+    read: Callable[[Path], Iterable[P]] = read_tokenized  # type: ignore[assignment]
     emitted: dict[str, dict[str, int]] = field(default_factory=dict)
 
-    def _source_docs(self, name: str) -> Iterator[TokenizedDoc]:
+    def _source_docs(self, name: str) -> Iterator[P]:
         ratio = self.plans[name].ratio
         for unit in self.units[name]:
             keep = read_keep_mask(unit)
-            for kept, doc in zip(keep, read_unit(unit), strict=True):
+            for kept, doc in zip(keep, self.read(unit), strict=True):
                 if not kept:
                     continue
                 for copy in range(repeats(ratio, self.seed, doc.key)):
-                    key = doc.key if copy == 0 else f"{doc.key}#{copy}"
-                    yield TokenizedDoc(key, doc.ids, doc.mask)
+                    yield doc if copy == 0 else replace(doc, key=f"{doc.key}#{copy}")
 
-    def __iter__(self) -> Iterator[TokenizedDoc]:
+    def __iter__(self) -> Iterator[P]:
         streams = {name: self._source_docs(name) for name in self.units}
         self.emitted = {name: {"documents": 0, "tokens": 0} for name in self.units}
         targets = {name: max(plan.target_tokens, 1) for name, plan in self.plans.items()}
@@ -61,7 +90,7 @@ class MixedStream:
                 del streams[name]
                 continue
             self.emitted[name]["documents"] += 1
-            self.emitted[name]["tokens"] += len(doc.ids)
+            self.emitted[name]["tokens"] += len(doc)
             yield doc
 
 
@@ -94,6 +123,7 @@ def write_shards(
     stats = PackingStats()
 
     def docs() -> Iterator[TokenizedDoc]:
+        doc: TokenizedDoc
         for doc in stream:
             if on_document is not None:
                 on_document(doc.ids)

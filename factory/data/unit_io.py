@@ -11,14 +11,22 @@ from __future__ import annotations
 import json
 import os
 import pickle
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
-__all__ = ["CuratedDoc", "UnitWriter", "read_unit", "read_unit_stats", "unit_done"]
+__all__ = [
+    "CuratedDoc",
+    "UnitWriter",
+    "read_records",
+    "read_unit",
+    "read_unit_stats",
+    "read_unit_with_offsets",
+    "unit_done",
+]
 
 
 @dataclass(frozen=True)
@@ -62,13 +70,32 @@ class UnitWriter:
 
 
 def read_unit(path: Path) -> Iterator[CuratedDoc]:
+    for _, doc in read_unit_with_offsets(path):
+        yield doc
+
+
+def read_unit_with_offsets(path: Path) -> Iterator[tuple[int, CuratedDoc]]:
+    """Each record with the byte offset it starts at (for :func:`read_records`)."""
     with open(path, "rb") as handle:
         while True:
+            offset = handle.tell()
             try:
                 key, digest, signature, ids, mask = pickle.load(handle)
             except EOFError:
                 return
-            yield CuratedDoc(key, digest, signature, ids, mask)
+            yield offset, CuratedDoc(key, digest, signature, ids, mask)
+
+
+def read_records(path: Path, offsets: Iterable[int]) -> dict[int, CuratedDoc]:
+    """The records starting at ``offsets``, read by seeking (offsets in ascending order
+    keep the reads sequential)."""
+    found: dict[int, CuratedDoc] = {}
+    with open(path, "rb") as handle:
+        for offset in sorted(set(offsets)):
+            handle.seek(offset)
+            key, digest, signature, ids, mask = pickle.load(handle)
+            found[offset] = CuratedDoc(key, digest, signature, ids, mask)
+    return found
 
 
 def unit_done(path: Path) -> bool:
