@@ -30,6 +30,7 @@ import dataclasses
 import json
 import os
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -69,6 +70,7 @@ class Result:
     input_bytes: int
     tokens: int
     docs: int
+    driver_peak_mb: float = 0.0  # the measuring process's peak RSS (not its workers')
 
     @property
     def mb_per_s(self) -> float:
@@ -106,7 +108,14 @@ def make_corpus(root: Path, files: int) -> list[Path]:
     return sorted(root.glob(PATTERN))
 
 
-def run_ours(corpus: Path, work: Path, workers: int, input_bytes: int) -> Result:
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def run_ours(
+    corpus: Path, work: Path, workers: int, input_bytes: int, executor: str = "local"
+) -> Result:
+    """Our build; on Ray the local instance is started first, untimed (a cluster is up)."""
     from factory.data.pipeline import build
     from factory.data.recipe_loading import load_recipe
 
@@ -114,11 +123,17 @@ def run_ours(corpus: Path, work: Path, workers: int, input_bytes: int) -> Result
     path.write_text(
         RECIPE.format(path=corpus / PATTERN, shingle=SHINGLE, bands=BANDS, rows=ROWS, seq=SEQ_LEN)
     )
+    if executor == "ray":
+        import ray
+
+        ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
     start = time.perf_counter()
-    manifest = build(load_recipe(path), work / "ours", workers=workers)
+    manifest = build(load_recipe(path), work / "ours", workers=workers, executor=executor)
     seconds = time.perf_counter() - start
     docs = sum(s["after"]["documents"] for s in manifest["sources"].values())
-    return Result("ours", seconds, input_bytes, manifest["packing"]["tokens"], docs)
+    name = "ours" if executor == "local" else "ours-ray"
+    tokens = manifest["packing"]["tokens"]
+    return Result(name, seconds, input_bytes, tokens, docs, _peak_rss_mb())
 
 
 class SplitWords(WordTokenizer):
@@ -208,7 +223,12 @@ def run_tokenizer(paths: list[Path], input_bytes: int) -> Result:
     return Result("tokenizer alone", seconds, input_bytes, tokens, docs)
 
 
-MEASURE = {"ours": "ours", "datatrove": "DataTrove", "tokenizer": "tokenizer alone"}
+MEASURE = {
+    "ours": "ours",
+    "ray": "ours on Ray",
+    "datatrove": "DataTrove",
+    "tokenizer": "tokenizer alone",
+}
 
 
 def measure(name: str, corpus: Path, work: Path, workers: int) -> Result:
@@ -220,6 +240,8 @@ def measure(name: str, corpus: Path, work: Path, workers: int) -> Result:
     os.sync()  # the corpus or an earlier run's output must not be flushed on our time
     if name == "ours":
         return run_ours(corpus, work, workers, input_bytes)
+    if name == "ray":
+        return run_ours(corpus, work, workers, input_bytes, executor="ray")
     if name == "datatrove":
         return run_datatrove(corpus, work, workers, len(paths), input_bytes)
     return run_tokenizer(paths, input_bytes)
@@ -238,10 +260,31 @@ def spawn(name: str, args: argparse.Namespace, work: Path) -> Result:
 
 
 def _row(r: Result, label: str) -> str:
+    peak = f" {r.driver_peak_mb:9.0f}" if r.driver_peak_mb else ""
     return (
         f"{label:22s} {r.seconds:8.1f} {r.mb_per_s:7.2f} {r.tokens:12,d} "
-        f"{r.tokens_per_s:11,.0f} {r.docs:7,d}"
+        f"{r.tokens_per_s:11,.0f} {r.docs:7,d}{peak}"
     )
+
+
+def _driver_memory_scan(args: argparse.Namespace, paths: list[Path], work: Path) -> None:
+    """Both executors on the first quarter, half and all of the corpus: the driver's peak RSS."""
+    print(f"\n{'driver peak RSS':22s} {'files':>6s} {'MB in':>8s} {'local MB':>9s} {'Ray MB':>8s}")
+    for count in sorted({max(1, len(paths) // 4), max(1, len(paths) // 2), len(paths)}):
+        subset = work / f"corpus-{count}"
+        subset.mkdir(parents=True, exist_ok=True)
+        for path in paths[:count]:
+            link = subset / path.name
+            if not link.exists():
+                link.symlink_to(path)
+        sized = argparse.Namespace(**{**vars(args), "corpus": subset})
+        local = spawn("ours", sized, work / f"scan-local-{count}")
+        on_ray = spawn("ray", sized, work / f"scan-ray-{count}")
+        mb = local.input_bytes / 1e6
+        print(
+            f"{'':22s} {count:6d} {mb:8.1f} {local.driver_peak_mb:9.0f} {on_ray.driver_peak_mb:8.0f}",
+            flush=True,
+        )
 
 
 def main(argv: list[str]) -> int:
@@ -253,6 +296,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="rounds of all three; medians")
     parser.add_argument("--work", type=Path, default=None, help="output folder (default: temp)")
     parser.add_argument("--only", choices=list(MEASURE), action="append", help="run a subset")
+    parser.add_argument(
+        "--executor",
+        choices=["local", "ray"],
+        default="local",
+        help="ray: ours on Ray beside ours locally, then the driver's peak memory by corpus size",
+    )
     parser.add_argument("--child", choices=list(MEASURE), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.corpus = args.corpus.resolve()
@@ -272,16 +321,20 @@ def main(argv: list[str]) -> int:
     )
     work = (args.work or Path(tempfile.mkdtemp(prefix="factory-bench-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    names = [name for name in MEASURE if name in (args.only or MEASURE)]
+    default = ["ours", "ray"] if args.executor == "ray" else ["ours", "datatrove", "tokenizer"]
+    names = [name for name in MEASURE if name in (args.only or default)]
     runs: dict[str, list[Result]] = {name: [] for name in names}
     print(
-        f"\n{'round / what':22s} {'seconds':>8s} {'MB/s':>7s} {'tokens':>12s} {'tokens/s':>11s} {'docs':>7s}"
+        f"\n{'round / what':22s} {'seconds':>8s} {'MB/s':>7s} {'tokens':>12s} {'tokens/s':>11s} "
+        f"{'docs':>7s} {'driver MB':>9s}"
     )
     try:
         for round_index in range(args.rounds):
             for name in names:  # interleaved, so that machine noise hits all three alike
                 runs[name].append(spawn(name, args, work / name))
                 print(_row(runs[name][-1], f"{round_index + 1}: {MEASURE[name]}"), flush=True)
+        if args.executor == "ray":
+            _driver_memory_scan(args, paths, work)
     finally:
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -296,5 +349,8 @@ def main(argv: list[str]) -> int:
     if ours and "tokenizer" in median:
         share = median["tokenizer"].seconds / ours.seconds
         print(f"ours / tokenizer alone (MB/s): {share:.2f} (goal >= 0.5)")
+    if ours and "ray" in median:
+        overhead = median["ray"].seconds / ours.seconds - 1
+        print(f"Ray on one node vs local: {overhead:+.1%} time (goal within 15%)")
     print(f"1-min load average after: {os.getloadavg()[0]:.2f}")
     return 0
