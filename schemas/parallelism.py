@@ -26,17 +26,35 @@ class GPUSpec(Section):
     """GPUs that share one NVLink domain (8 per HGX node, 72 per NVL72 rack)."""
     bf16_dense_flops: float
     """Peak dense BF16 tensor-core FLOP/s, for MFU estimates."""
+    tdp_watts: float
+    """Maximum board power (TDP), for the plan's energy estimate (``factory.planner.cost``)."""
 
 
 GiB = 1024**3
-# Vendor data-sheet peaks (dense, no sparsity).
+# Vendor data-sheet peaks (dense, no sparsity) and maximum board power per GPU:
+# - H100 SXM, H200 SXM: 700 W ("up to 700W (configurable)", NVIDIA H100 and H200 data sheets).
+# - B200 in HGX B200: 1,000 W; B300 in HGX B300: 1,100 W (NVIDIA HGX B200 / B300 specifications).
+# - GB200 and GB300 NVL72 have no per-GPU TDP in a data sheet; NVIDIA gives the GB200 superchip
+#   (2 GPUs + 1 Grace CPU) as configurable up to 2,700 W, i.e. 1,200 W per GPU with ~300 W for
+#   Grace, the value widely reported for GB200; 1,400 W per GPU is the widely reported GB300
+#   value. Both are assumptions (docs/cost.md says so).
 GPU_SPECS: dict[str, GPUSpec] = {
-    "h100": GPUSpec(memory_bytes=80 * GiB, nvlink_domain=8, bf16_dense_flops=989e12),
-    "h200": GPUSpec(memory_bytes=141 * GiB, nvlink_domain=8, bf16_dense_flops=989e12),
-    "b200": GPUSpec(memory_bytes=180 * GiB, nvlink_domain=8, bf16_dense_flops=2.25e15),
-    "b300": GPUSpec(memory_bytes=270 * GiB, nvlink_domain=8, bf16_dense_flops=2.25e15),
-    "gb200": GPUSpec(memory_bytes=186 * GiB, nvlink_domain=72, bf16_dense_flops=2.5e15),
-    "gb300": GPUSpec(memory_bytes=279 * GiB, nvlink_domain=72, bf16_dense_flops=2.5e15),
+    "h100": GPUSpec(memory_bytes=80 * GiB, nvlink_domain=8, bf16_dense_flops=989e12, tdp_watts=700),
+    "h200": GPUSpec(
+        memory_bytes=141 * GiB, nvlink_domain=8, bf16_dense_flops=989e12, tdp_watts=700
+    ),
+    "b200": GPUSpec(
+        memory_bytes=180 * GiB, nvlink_domain=8, bf16_dense_flops=2.25e15, tdp_watts=1000
+    ),
+    "b300": GPUSpec(
+        memory_bytes=270 * GiB, nvlink_domain=8, bf16_dense_flops=2.25e15, tdp_watts=1100
+    ),
+    "gb200": GPUSpec(
+        memory_bytes=186 * GiB, nvlink_domain=72, bf16_dense_flops=2.5e15, tdp_watts=1200
+    ),
+    "gb300": GPUSpec(
+        memory_bytes=279 * GiB, nvlink_domain=72, bf16_dense_flops=2.5e15, tdp_watts=1400
+    ),
 }
 
 

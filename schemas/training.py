@@ -1,4 +1,4 @@
-"""The ``training`` section: optimizer, schedule, length, checkpoints and seed."""
+"""The ``training`` section: optimizer, schedule, length, checkpoints, seed and cluster."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from factory.schemas.base import Section, Seed, StepCount, TokenCount
+from factory.schemas.cluster import ClusterConfig
 from factory.schemas.stability import StabilityConfig
 
 __all__ = ["OptimizerConfig", "ScheduleConfig", "TrainingConfig"]
@@ -66,3 +67,6 @@ class TrainingConfig(Section):
     stability: StabilityConfig = StabilityConfig()
     """What the run watches (MoE load, residual stream, loss and gradient spikes, non-finite
     values) and what it does when a threshold is crossed (``factory.runtime.monitors``)."""
+    cluster: ClusterConfig = ClusterConfig()
+    """What the cluster delivers (MFU, failure rate, restart time, checkpoint bandwidths), from
+    which the plan prices the run and its failures (``factory.planner.cost``, docs/cost.md)."""

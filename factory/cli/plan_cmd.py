@@ -1,4 +1,4 @@
-"""``factory plan``: parameters, FLOPs, memory per rank and the layout of a blueprint."""
+"""``factory plan``: parameters, FLOPs, memory per rank, layout, cost and failures of a blueprint."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import typer
 from factory.cli.output import print_diagnostics
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
-from factory.planner.report import rich_tables
+from factory.planner.report import cost_summary, rich_tables
 
 
 @app.command()
@@ -26,7 +26,7 @@ def plan(
         typer.Option("--precision", help="Print the per-module precision table and FLOPs shares."),
     ] = False,
 ) -> None:
-    """Plan a blueprint: exact parameter counts, FLOPs per token, memory per rank."""
+    """Plan a blueprint: exact parameter counts, FLOPs per token, memory per rank, cost."""
     from factory.loading.load import load
     from factory.planner.plan import plan as make_plan
 
@@ -50,6 +50,7 @@ def plan(
     console.print(f"[bold]{blueprint.meta.name}[/bold]: {blueprint.meta.description}")
     for table in rich_tables(result):
         console.print(table)
+    console.print(cost_summary(result), highlight=False)
 
 
 def _print_precision(blueprint, as_json: bool) -> None:

@@ -226,6 +226,11 @@ def not_carried(bp: Blueprint) -> list[tuple[str, str]]:
             "the recipe reads its megatron/ indexed files",
         ),
         ("parallelism.gpu", f"{bp.parallelism.gpu}: used by factory's planner only"),
+        (
+            "training.cluster",
+            "MFU, failure rate, restart time and checkpoint bandwidths: factory's cost and "
+            "failure plan only (docs/cost.md)",
+        ),
     ]
     return out
 

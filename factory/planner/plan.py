@@ -1,8 +1,9 @@
 """``factory.plan``: everything the blueprint implies before a GPU is touched.
 
 Parameters (exact), training FLOPs per token (Megatron's formula and our own
-count), memory per rank and the resolved layout, in one object whose
-``to_dict()`` is the ``factory plan --json`` document.
+count), memory per rank, the resolved layout, and what the run costs and loses
+to failures (``factory.planner.cost``), in one object whose ``to_dict()`` is
+the ``factory plan --json`` document.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from factory.planner.cost import CostPlan, FailurePlan, failure_plan, training_cost
 from factory.planner.flops import FlopsPerToken, flops_per_token
 from factory.planner.layout import Layout, resolve_layout
 from factory.planner.memory import MemoryPlan, memory_per_rank
@@ -30,6 +32,10 @@ class Plan:
     steps: int
     total_training_flops: float
     """Training FLOPs of the whole run by our exact count."""
+    cost: CostPlan
+    """GPU-hours, days and energy of the run at ``training.cluster.mfu``."""
+    failures: FailurePlan
+    """Expected interruptions, checkpoint intervals and time lost (docs/cost.md)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -43,6 +49,8 @@ class Plan:
                 "steps": self.steps,
                 "total_flops": self.total_training_flops,
             },
+            "cost": self.cost.to_dict(),
+            "failures": self.failures.to_dict(),
         }
 
 
@@ -52,13 +60,19 @@ def plan(blueprint: Blueprint) -> Plan:
     seq_len = blueprint.data.seq_len
     flops = flops_per_token(blueprint.model, seq_len)
     per_step, steps = blueprint.tokens_per_step, blueprint.training_steps
+    params = count_params(blueprint.model)
+    total = flops.exact * per_step * steps
+    training, parallel = blueprint.training, blueprint.parallelism
+    cost = training_cost(total, steps, parallel.gpu, parallel.world_size, training.cluster.mfu)
     return Plan(
         name=blueprint.meta.name,
-        params=count_params(blueprint.model),
+        params=params,
         flops_per_token=flops,
         memory=memory_per_rank(blueprint, layout),
         layout=layout,
         tokens_per_step=per_step,
         steps=steps,
-        total_training_flops=flops.exact * per_step * steps,
+        total_training_flops=total,
+        cost=cost,
+        failures=failure_plan(cost, params.total, training.cluster, training.checkpoint_interval),
     )

@@ -5,7 +5,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["flatten", "human_bytes", "human_count", "human_flops", "markdown_report", "rich_tables"]
+__all__ = [
+    "cost_summary",
+    "flatten",
+    "human_bytes",
+    "human_count",
+    "human_duration",
+    "human_flops",
+    "markdown_report",
+    "rich_tables",
+]
 
 
 def _scaled(n: float, units: tuple[tuple[str, float], ...]) -> str:
@@ -31,6 +40,13 @@ def human_bytes(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} B"
+
+
+def human_duration(seconds: float) -> str:
+    """Seconds as the largest unit that keeps the number at least 1: 1.88 min, 500.64 days."""
+    if seconds < 60:
+        return f"{seconds:.2f} s"
+    return _scaled(seconds, ((" days", 86400.0), (" h", 3600.0), (" min", 60.0)))
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -130,7 +146,81 @@ def sections(plan: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, str]]
         (f"Memory of the peak rank (pipeline rank {memory['peak_rank']})", memory_rows),
         ("Layout", layout_rows),
         ("Training", training_rows),
+        (f"Cost at {plan['cost']['mfu']:.0%} MFU", _cost_rows(plan["cost"])),
+        ("Failures and checkpoints", _failure_rows(plan["failures"])),
     ]
+
+
+def _cost_rows(cost: dict[str, Any]) -> list[tuple[str, str, str]]:
+    peak = human_flops(cost["peak_flops_per_gpu"]).replace("FLOP", "FLOP/s")
+    return [
+        ("GPUs", f"{cost['world_size']:,} x {cost['gpu']}", f"peak {peak} dense BF16 each"),
+        ("MFU", f"{cost['mfu']:g}", "training.cluster.mfu"),
+        ("wall-clock", f"{cost['wall_seconds']:,.0f} s", f"{cost['wall_days']:,.2f} days"),
+        ("time per step", f"{cost['step_seconds']:.3f} s", ""),
+        ("GPU-hours", f"{cost['gpu_hours']:,.0f}", human_count(cost["gpu_hours"])),
+        (
+            "energy at TDP",
+            f"{cost['energy_mwh']:,.1f} MWh",
+            f"{cost['tdp_watts']:g} W per GPU, boards only",
+        ),
+    ]
+
+
+def _failure_rows(failures: dict[str, Any]) -> list[tuple[str, str, str]]:
+    size = failures["checkpoint_bytes"]
+    rows = [
+        ("interruptions per GPU-hour", f"{failures['failures_per_gpu_hour']:.3g}", ""),
+        (
+            "job MTBF",
+            f"{failures['job_mtbf_hours']:,.2f} h",
+            human_duration(failures["job_mtbf_hours"] * 3600),
+        ),
+        ("expected interruptions", f"{failures['expected_interruptions']:,.1f}", ""),
+        ("restart per interruption", f"{failures['restart_seconds']:,.0f} s", ""),
+        (
+            "checkpoint size",
+            f"{size:,}",
+            f"{human_bytes(size)}, {failures['checkpoint_bytes_per_param']} B per parameter",
+        ),
+        ("checkpoint write", f"{failures['write_seconds']:,.2f} s", "blocks a synchronous save"),
+        ("copy to host", f"{failures['host_copy_seconds']:,.2f} s", "blocks an async save"),
+    ]
+    for mode in ("sync", "async"):
+        plan = failures[mode]
+        best, ours = plan["optimal"], plan["blueprint"]
+        rows += [
+            (
+                f"{mode}: best interval",
+                f"{best['interval_seconds']:,.0f} s",
+                f"{best['interval_steps']:,.1f} steps (Daly: {plan['daly_interval_seconds']:,.0f} s)",
+            ),
+            (
+                f"{mode}: lost at best",
+                f"{best['lost_fraction']:.3%}",
+                f"{best['lost_gpu_hours']:,.0f} GPU-hours",
+            ),
+            (
+                f"{mode}: lost at {ours['interval_steps']:,} steps",
+                f"{ours['lost_fraction']:.3%}",
+                f"{ours['lost_gpu_hours']:,.0f} GPU-hours",
+            ),
+        ]
+    return rows
+
+
+def cost_summary(plan: dict[str, Any]) -> str:
+    """One line: what the run costs and what failures take from it."""
+    cost, failures = plan["cost"], plan["failures"]
+    best = failures["async"]["optimal"]
+    return (
+        f"cost: {cost['gpu_hours']:,.0f} GPU-hours, {cost['wall_days']:,.1f} days on "
+        f"{cost['world_size']:,} x {cost['gpu']} at {cost['mfu']:.0%} MFU, "
+        f"{cost['energy_mwh']:,.1f} MWh at TDP (GPU boards only); "
+        f"{failures['expected_interruptions']:,.1f} interruptions expected, "
+        f"{best['lost_fraction']:.2%} of the run lost with async checkpoints every "
+        f"{best['interval_steps']:,.0f} steps"
+    )
 
 
 def rich_tables(plan: dict[str, Any]) -> list[Any]:
@@ -149,7 +239,7 @@ def rich_tables(plan: dict[str, Any]) -> list[Any]:
 
 
 def markdown_report(plan: dict[str, Any], title: str) -> str:
-    lines = [f"# {title}", ""]
+    lines = [f"# {title}", "", cost_summary(plan), ""]
     for section, rows in sections(plan):
         lines += [f"## {section}", "", "| | value | |", "|---|---:|---|"]
         lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]

@@ -1,0 +1,202 @@
+"""The plan's cost and failure sections (``factory.planner.cost``, ``docs/cost.md``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from functools import cache
+
+import pytest
+from conftest import PRESETS
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import factory
+from factory.planner.cost import (
+    CHECKPOINT_BYTES_PER_PARAM,
+    daly_interval,
+    failure_plan,
+    lost_seconds,
+    training_cost,
+    young_interval,
+)
+from factory.schemas.cluster import ClusterConfig
+from factory.schemas.parallelism import GPU_SPECS
+
+# delta (blocking seconds), M (MTBF seconds), R (restart seconds), run seconds: wide but sane
+deltas = st.floats(0.01, 1e4)
+mtbfs = st.floats(600.0, 1e8)
+restarts = st.floats(0.0, 1e4)
+runs = st.floats(1e4, 1e9)
+fast = settings(max_examples=60, deadline=None, derandomize=True)
+
+
+@cache
+def _plan(name: str) -> factory.Plan:
+    return factory.plan(factory.load_blueprint(name))
+
+
+@fast
+@given(deltas, mtbfs, restarts, runs, st.floats(0.5, 2.0).filter(lambda f: abs(f - 1) > 1e-3))
+def test_young_interval_minimises_lost_time(delta, mtbf, restart, run, factor) -> None:
+    model = dict(run=run, delta=delta, mtbf=mtbf, restart=restart)
+    best = young_interval(delta, mtbf)
+    assert lost_seconds(best, **model) <= lost_seconds(best * factor, **model)
+
+
+@fast
+@given(deltas, mtbfs, restarts, runs)
+def test_young_interval_is_a_stationary_point(delta, mtbf, restart, run) -> None:
+    model = dict(run=run, delta=delta, mtbf=mtbf, restart=restart)
+    best, h = young_interval(delta, mtbf), 1e-4
+    slope = (lost_seconds(best * (1 + h), **model) - lost_seconds(best * (1 - h), **model)) / 2
+    assert abs(slope) <= 1e-6 * lost_seconds(best, **model)
+
+
+@fast
+@given(st.floats(1e-6, 1e-2), st.floats(1e3, 1e8))
+def test_daly_agrees_with_young_when_checkpoints_are_cheap(ratio, mtbf) -> None:
+    delta = ratio * mtbf
+    young, daly = young_interval(delta, mtbf), daly_interval(delta, mtbf)
+    assert abs(daly - young) <= 2 * math.sqrt(ratio) * young  # relative error O(sqrt(delta/M))
+    assert daly_interval(3 * mtbf, mtbf) == mtbf  # delta >= 2M: checkpoint every MTBF
+
+
+@fast
+@given(st.floats(1e-8, 1e-3), st.floats(1.01, 10.0))
+def test_lost_time_grows_with_the_failure_rate(rate, factor) -> None:
+    cost = training_cost(1e24, 1000, "h100", 1024, 0.4)
+    low = ClusterConfig(failures_per_gpu_hour=rate)
+    high = ClusterConfig(failures_per_gpu_hour=min(1.0, rate * factor))
+    for mode in ("sync", "async"):
+        a = failure_plan(cost, 10**10, low, 100).to_dict()[mode]
+        b = failure_plan(cost, 10**10, high, 100).to_dict()[mode]
+        assert b["optimal"]["lost_seconds"] > a["optimal"]["lost_seconds"]
+        assert b["blueprint"]["lost_seconds"] > a["blueprint"]["lost_seconds"]
+
+
+@fast
+@given(st.floats(0.001, 1.0), st.floats(0.001, 1.0), st.sampled_from(sorted(GPU_SPECS)))
+def test_cost_scales_as_one_over_mfu(u, v, gpu) -> None:
+    a, b = (training_cost(3e23, 500, gpu, 256, mfu) for mfu in (u, v))
+    assert a.gpu_hours * u == pytest.approx(b.gpu_hours * v, rel=1e-12)
+    assert a.energy_mwh * u == pytest.approx(b.energy_mwh * v, rel=1e-12)
+    assert a.wall_days * u == pytest.approx(b.wall_days * v, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["nano", "super", "ultra"])
+def test_preset_numbers_are_finite_and_positive(name: str) -> None:
+    doc = _plan(name).to_dict()
+    numbers = [v for v in _leaves(doc["cost"]) + _leaves(doc["failures"]) if _is_number(v)]
+    assert numbers and all(math.isfinite(v) and v >= 0 for v in numbers)
+    failures = doc["failures"]
+    assert failures["sync"]["exposure_seconds"] == 0  # the only zero: sync has no async window
+    for mode in ("sync", "async"):
+        best, ours = failures[mode]["optimal"], failures[mode]["blueprint"]
+        assert 0 < best["lost_seconds"] <= ours["lost_seconds"] * (1 + 1e-12)
+        assert 0 < best["lost_fraction"] < 0.05  # the presets are worth running
+    assert (
+        failures["async"]["optimal"]["lost_seconds"] < failures["sync"]["optimal"]["lost_seconds"]
+    )
+
+
+def test_nano_cost_by_hand() -> None:
+    bp = factory.load_blueprint("nano")
+    plan = _plan("nano")
+    cost, failures = plan.cost, plan.failures
+    # 32 H100s at 989 TFLOP/s and 38% MFU, 700 W each
+    assert (cost.world_size, cost.gpu, cost.mfu) == (32, "h100", 0.38)
+    wall = plan.total_training_flops / (32 * 989e12 * 0.38)
+    assert cost.wall_seconds == pytest.approx(wall, rel=1e-12)
+    assert cost.gpu_hours == pytest.approx(wall * 32 / 3600, rel=1e-12)
+    assert cost.wall_days == pytest.approx(wall / 86400, rel=1e-12)
+    assert cost.energy_mwh == pytest.approx(wall * 32 / 3600 * 700 / 1e6, rel=1e-12)
+    assert cost.step_seconds * bp.training_steps == pytest.approx(wall, rel=1e-12)
+    # Llama 3: 419 interruptions in 54 days on 16,384 GPUs
+    rate = 419 / (16384 * 54 * 24)
+    mtbf_h = 1 / (rate * 32)
+    assert failures.job_mtbf_hours == pytest.approx(mtbf_h, rel=1e-12)
+    assert failures.expected_interruptions == pytest.approx(wall / 3600 / mtbf_h, rel=1e-12)
+    # 31,577,940,288 parameters x (2 bf16 + 4 master + 4 + 4 Adam) bytes
+    assert CHECKPOINT_BYTES_PER_PARAM == 14
+    assert failures.checkpoint_bytes == 31_577_940_288 * 14 == 442_091_164_032
+    write = 442_091_164_032 / (32 * 2e12 / 16384)
+    assert failures.write_seconds == pytest.approx(write, rel=1e-12)
+    assert failures.host_copy_seconds == pytest.approx(442_091_164_032 / 32 / 64e9, rel=1e-12)
+    tau = math.sqrt(2 * write * mtbf_h * 3600)
+    assert failures.sync.optimal.interval_seconds == pytest.approx(tau, rel=1e-12)
+    lost = wall / tau * write + wall / (mtbf_h * 3600) * (tau / 2 + 600)
+    assert failures.sync.optimal.lost_seconds == pytest.approx(lost, rel=1e-12)
+    # the blueprint's 1,000 steps, at the MFU's step time
+    assert failures.sync.blueprint.interval_steps == bp.training.checkpoint_interval == 1000
+    ours = 1000 * cost.step_seconds
+    assert failures.sync.blueprint.interval_seconds == pytest.approx(ours, rel=1e-12)
+    assert failures.sync.blueprint.checkpoints == pytest.approx(bp.training_steps / 1000)
+
+
+def test_async_interval_waits_for_the_background_write() -> None:
+    cost = training_cost(1e24, 10**6, "h100", 1024, 0.4)  # steps of about 2.5 s
+    slow = ClusterConfig(checkpoint_write_gb_per_s_per_gpu=0.001, host_copy_gb_per_s=10_000)
+    plan = failure_plan(cost, 10**11, slow, 100).async_
+    assert max(plan.young_interval_seconds, cost.step_seconds) < plan.exposure_seconds
+    assert plan.optimal.interval_seconds == plan.exposure_seconds
+
+
+def test_best_interval_is_at_least_one_step() -> None:
+    cost = training_cost(1e24, 10, "h100", 8, 0.4)  # 10 steps of about 10 hours each
+    plan = failure_plan(cost, 10**9, ClusterConfig(), 100)
+    for mode in (plan.sync, plan.async_):
+        assert mode.young_interval_seconds < cost.step_seconds
+        assert mode.optimal.interval_seconds == cost.step_seconds
+        assert mode.optimal.interval_steps == 1
+
+
+def test_best_interval_is_at_most_the_run() -> None:
+    cost = training_cost(1e18, 100, "b200", 8, 0.5)  # a minute's run: failures are unlikely
+    plan = failure_plan(cost, 10**8, ClusterConfig(), 10)
+    assert plan.sync.young_interval_seconds > cost.wall_seconds
+    assert plan.sync.optimal.interval_seconds == cost.wall_seconds
+    assert plan.sync.optimal.checkpoints == 1
+
+
+def test_cli_plan_shows_cost_and_json_has_the_keys(cli) -> None:
+    status, out, err = cli("plan", "nano")
+    assert status == 0, err
+    assert "cost: 384,490 GPU-hours, 500.6 days on 32 x h100 at 38% MFU" in out
+    assert "Failures and checkpoints" in out
+    status, out, err = cli("plan", "nano", "--json")
+    assert status == 0, err
+    doc = json.loads(out)
+    assert {"gpu_hours", "wall_days", "energy_mwh", "mfu", "tdp_watts"} <= doc["cost"].keys()
+    failures = doc["failures"]
+    assert {"job_mtbf_hours", "expected_interruptions", "checkpoint_bytes"} <= failures.keys()
+    for mode in ("sync", "async"):
+        assert {"young_interval_seconds", "daly_interval_seconds"} <= failures[mode].keys()
+        assert {"interval_steps", "lost_fraction", "lost_gpu_hours"} <= failures[mode][
+            "optimal"
+        ].keys()
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("mfu: 1.5", "training.cluster.mfu: Input should be less than or equal to 1"),
+        ("mfu: 0", "training.cluster.mfu: Input should be greater than or equal to 0.001"),
+        ("restart_minutes: -1", "training.cluster.restart_minutes: Input should be greater"),
+    ],
+)
+def test_bad_cluster_values_are_located(cli, write_yaml, value: str, message: str) -> None:
+    path = write_yaml(f"extends: {PRESETS / 'nano.yaml'}\ntraining:\n  cluster:\n    {value}\n")
+    status, _, err = cli("validate", str(path))
+    assert status == 2
+    assert f"{path.name}:4: {message}" in err
+
+
+def _leaves(node: object) -> list[object]:
+    if isinstance(node, dict):
+        return [leaf for value in node.values() for leaf in _leaves(value)]
+    return [node]
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
