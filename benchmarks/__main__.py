@@ -28,6 +28,10 @@ BENCHMARKS = {
         "benchmarks.distributed",
         "CPU proxy tokens/s and communication share per parallel layout on 1, 2, 4 processes",
     ),
+    "build": (
+        "benchmarks.build",
+        "factory build nano|super|ultra end to end, seconds per stage (goal: < 5 min each)",
+    ),
     "data_pipeline": (
         "benchmarks.data_pipeline",
         "data build throughput vs DataTrove and vs the tokenizer alone",

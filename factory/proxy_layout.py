@@ -22,7 +22,7 @@ from factory.checks import run_rules
 from factory.proxy import PROXY_GLOBAL_BATCH, PROXY_MICRO_BATCH, derive_proxy
 from factory.schemas.blueprint import Blueprint
 
-__all__ = ["ProxyLayout", "derive_proxy_layout"]
+__all__ = ["ProxyLayout", "derive_proxy_layout", "proxy_with_layout"]
 
 
 class ProxyLayout(tuple[Blueprint, list[str]]):
@@ -33,8 +33,9 @@ def _divisors_down(n: int) -> list[int]:
     return [d for d in range(n, 0, -1) if n % d == 0]
 
 
-def _with(proxy: Blueprint, world: int, degrees: dict[str, Any]) -> Blueprint | None:
-    """The proxy with ``degrees`` on ``world`` ranks, or None if it breaks a rule."""
+def proxy_with_layout(proxy: Blueprint, world: int, degrees: dict[str, Any]) -> Blueprint | None:
+    """``proxy`` on ``world`` ranks with ``degrees`` (``pp``, ``tp``, ``ep``, ``sp``: sequence
+    parallelism where tp > 1), dp the rest; None if that breaks a validation rule."""
     tp, pp, ep = degrees["tp"], degrees["pp"], degrees["ep"]
     if world % (tp * pp) or world % (ep * pp):
         return None
@@ -67,10 +68,10 @@ def derive_proxy_layout(bp: Blueprint, world_size: int, width: int = 256) -> Pro
     degrees: dict[str, Any] = {"pp": 1, "tp": 1, "ep": 1, "sp": par.sequence_parallel or has_moe}
     for name in ("pp", "tp", "ep"):
         for value in _divisors_down(wanted[name]):
-            if _with(proxy, world_size, {**degrees, name: value}) is not None:
+            if proxy_with_layout(proxy, world_size, {**degrees, name: value}) is not None:
                 degrees[name] = value
                 break
-    chosen = _with(proxy, world_size, degrees)
+    chosen = proxy_with_layout(proxy, world_size, degrees)
     assert chosen is not None  # all-ones on world_size ranks is pure data parallelism
     changes = [
         f"{name} {wanted[name]} -> {degrees[name]}"

@@ -1,17 +1,23 @@
-"""``factory build``: validate a blueprint, then :func:`factory.build` writes its build folder."""
+"""``factory build``: validate a blueprint, then :func:`factory.build` runs every stage."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from factory.cli.output import print_diagnostics
+from factory.cli.output import EXIT_INVALID, print_diagnostics
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
-from factory.jobs.build import build as build_job
+from factory.errors import BlueprintError
+from factory.jobs.build_names import DEFAULT_CHECK_STEPS, DEFAULT_SMOKE_STEPS, STAGES
 from factory.jobs.progress import RichProgress
+
+if TYPE_CHECKING:
+    from factory.jobs.build import StageRecord
+
+_MARK = {"done": "[green]✓[/green]", "reused": "[green]✓[/green]", "skipped": "[dim]-[/dim]"}
 
 
 @app.command()
@@ -20,21 +26,69 @@ def build(
     out: Annotated[
         Path | None, typer.Option("--out", help="Build folder (default: build/NAME).")
     ] = None,
+    steps: Annotated[
+        int, typer.Option("--steps", min=2, help="Optimizer steps of the proxy's smoke run.")
+    ] = DEFAULT_SMOKE_STEPS,
+    check_steps: Annotated[
+        int,
+        typer.Option("--check-steps", min=1, help="Steps of the 2-process layout check."),
+    ] = DEFAULT_CHECK_STEPS,
+    skip: Annotated[
+        list[str] | None,
+        typer.Option("--skip", help=f"A stage not to run (repeatable): {', '.join(STAGES)}."),
+    ] = None,
+    workers: Annotated[int, typer.Option("--workers", min=1, help="Data worker processes.")] = 1,
     overrides: SetOption = None,
 ) -> None:
-    """Validate, plan, and write resolved.yaml, plan.json, report.md, report.html and data/."""
+    """Run the whole factory: validate, plan, the model on the meta device, the precision
+    table, the HF and Megatron exports, the curated data, a smoke run of the proxy, a
+    2-process layout check and one report page. A rerun reuses what is done."""
     from rich.console import Console
 
+    from factory.jobs.build import BuildFailed
+    from factory.jobs.build import build as build_job
     from factory.loading.load import load
 
     console = Console(stderr=True)
+    for stage in skip or []:
+        if stage not in STAGES:
+            raise typer.BadParameter(
+                f"{stage!r} is not a stage; stages: {', '.join(STAGES)}", param_hint="--skip"
+            )
     with console.status("validating"):
         loaded = load(target, overrides or [])
     print_diagnostics(loaded.warnings)
-    with RichProgress(console) as progress:
-        result = build_job(loaded.blueprint, out=out, source=loaded.source, progress=progress)
-    params = result.plan.params
-    console.print(
-        f"[green]built[/green] {loaded.blueprint.meta.name} -> {out or result.out}: "
-        f"{params.total:,} parameters ({params.active:,} active)"
-    )
+
+    def say(record: StageRecord) -> None:
+        mark = _MARK.get(record.status, "[red]✗[/red]")
+        reused = " (reused)" if record.status == "reused" else ""
+        console.print(
+            f"{mark} {record.stage:<11} {record.seconds:7.1f} s  {record.result}{reused}",
+            highlight=False,
+        )
+
+    try:
+        with RichProgress(console) as progress:
+            result = build_job(
+                loaded.blueprint,
+                out=out,
+                source=loaded.source,
+                steps=steps,
+                check_steps=check_steps,
+                skip=skip or [],
+                workers=workers,
+                progress=progress,
+                on_stage=say,
+            )
+    except BlueprintError as exc:  # the data recipe the blueprint names
+        print_diagnostics(exc.diagnostics)
+        raise typer.Exit(EXIT_INVALID) from None
+    except ValueError as exc:  # options that contradict each other
+        console.print(f"factory build: {exc}", highlight=False)
+        raise typer.Exit(EXIT_INVALID) from None
+    except BuildFailed as exc:
+        console.print(f"[red]build failed[/red] at {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    report = result.out / "report.html"
+    where = f"; report: {report}" if report.is_file() else ""
+    console.print(f"[green]built[/green] {loaded.blueprint.meta.name} -> {result.out}{where}")

@@ -1,47 +1,110 @@
-"""``factory.build``: plan a blueprint and write its build folder, curated data included.
+"""``factory.build``: the whole factory for one blueprint, stage by stage, into one folder.
 
-The folder appears whole or not at all (it is assembled in a staging folder
-and renamed into place)::
+Stages (``factory.jobs.build_stages``), each with a one-line result::
 
-    resolved.yaml   the blueprint with every fragment and override applied
-    plan.json       exact parameters, FLOPs per token, memory per rank, layout
-    report.md       the plan as a readable report
-    report.html     the same, with the layer pattern per pipeline rank and the
-                    peak rank's memory drawn as SVG
-    data/           the blueprint's data recipe, packed to its data.seq_len
+    validate     resolved.yaml (blueprint and data recipe checked)
+    plan         plan.json, report.md (parameters, FLOPs, memory, cost, failures)
+    model        model_check.json (full model on the meta device vs spec and plan)
+    precision    precision.json (every GEMM's format)
+    export       exports/hf/config.json, exports/megatron/
+    data         data/ (curated, Energon-loadable shards at data.seq_len)
+    smoke        smoke/ (the proxy trained a few dozen steps; the loss must fall)
+    distributed  distributed/, distributed.json (2 ranks vs the smoke run)
+    report       report.html (one self-contained page of all of it)
 
-``factory train`` trains what it describes. Torch-free.
+``build.json`` records every stage's status, time and result, rewritten
+atomically after each stage. A rerun reuses the stages recorded done (their
+files are whole), redoes the rest, and starts over when the blueprint or the
+step counts changed. The data build and the smoke run resume from their own
+checkpoints.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from factory.io import staged_directory
+from factory.io import atomic_write_text
+from factory.jobs.build_names import DEFAULT_CHECK_STEPS, DEFAULT_SMOKE_STEPS, STAGES
+from factory.jobs.build_stages import OUTPUTS, BuildContext, StageFailed, run_stage
 from factory.jobs.progress import Progress, silent
-from factory.planner.report import markdown_report
-from factory.planner.report_html import html_report
 
 if TYPE_CHECKING:
-    from factory.planner.plan import Plan
     from factory.schemas.blueprint import Blueprint
 
-__all__ = ["BuildResult", "build"]
+__all__ = [
+    "DEFAULT_CHECK_STEPS",
+    "DEFAULT_SMOKE_STEPS",
+    "STAGES",
+    "BuildFailed",
+    "BuildResult",
+    "StageRecord",
+    "build",
+]
+
+BUILD_RECORD = "build.json"
+
+
+class BuildFailed(RuntimeError):
+    """A stage failed; ``stage`` names it and ``build.json`` records it."""
+
+    def __init__(self, stage: str, message: str) -> None:
+        super().__init__(f"{stage}: {message}")
+        self.stage = stage
+
+
+@dataclass(frozen=True)
+class StageRecord:
+    stage: str
+    status: str
+    """``done``, ``reused`` (done by an earlier run), ``skipped`` or ``failed``."""
+    seconds: float
+    result: str
 
 
 @dataclass(frozen=True)
 class BuildResult:
-    """What :func:`build` wrote, and the numbers in it."""
-
     out: Path
-    """The build folder (absolute)."""
-    plan: Plan
-    """The plan written to plan.json and the reports."""
-    manifest: dict[str, Any]
-    """``data/manifest.json``: counts per source and step, packing, shard hashes."""
+    stages: list[StageRecord]
+
+
+def _fingerprint(bp: Blueprint, steps: int, check_steps: int) -> str:
+    """What every stage's output depends on: the resolved blueprint and the step counts."""
+    text = json.dumps([bp.model_dump(mode="json"), steps, check_steps], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _read_record(out: Path, fingerprint: str) -> dict[str, Any]:
+    """The stages an earlier run of this very build finished; nothing if it built another."""
+    path = out / BUILD_RECORD
+    if path.is_file():
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if record.get("fingerprint") == fingerprint:
+            return record["stages"]
+        for files in OUTPUTS.values():  # another blueprint's results: not ours to reuse
+            for name in files:
+                target = out / name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                elif target.exists():
+                    target.unlink()
+    return {}
+
+
+def _write_record(out: Path, name: str, fingerprint: str, stages: dict[str, Any]) -> None:
+    document = {"name": name, "fingerprint": fingerprint, "stages": stages}
+    atomic_write_text(out / BUILD_RECORD, json.dumps(document, indent=2) + "\n")
+
+
+def _reusable(out: Path, stage: str, earlier: dict[str, Any]) -> bool:
+    done = earlier.get(stage, {}).get("status") in ("done", "reused")
+    return done and all((out / name).exists() for name in OUTPUTS[stage])
 
 
 def build(
@@ -49,56 +112,64 @@ def build(
     *,
     out: Path | None = None,
     source: str | Path | None = None,
+    steps: int = DEFAULT_SMOKE_STEPS,
+    check_steps: int = DEFAULT_CHECK_STEPS,
+    skip: Iterable[str] = (),
     workers: int = 1,
     progress: Progress | None = None,
+    on_stage: Callable[[StageRecord], None] | None = None,
 ) -> BuildResult:
-    """Plan ``blueprint`` and write its build folder at ``out`` (default ``build/NAME``).
+    """Run every stage of the factory for ``blueprint`` into ``out`` (default ``build/NAME``).
 
-    ``blueprint`` is validated already (:func:`factory.load_blueprint`).
-    ``source``, where it was loaded from, is named in resolved.yaml's header.
-    ``workers`` processes curate the data; ``progress`` gets ``plan``,
-    ``report`` and the data build's stages. An existing folder is replaced
-    only when the whole build succeeds.
+    ``blueprint`` is validated already (:func:`factory.load_blueprint`); ``source``
+    is named in resolved.yaml. ``steps`` are the smoke run's, ``check_steps`` the
+    distributed check's (its first steps, at most ``steps``). ``skip`` names
+    stages not to run (the distributed check needs the smoke run). ``progress``
+    gets the long stages' inner progress, ``on_stage`` each stage's record as it
+    ends. Raises :class:`BuildFailed` when a stage fails, after recording it.
     """
-    from factory.data.pipeline import build as build_data
-    from factory.planner.plan import plan as make_plan
-
-    report = progress or silent
-    destination = (out or Path("build") / blueprint.meta.name).resolve()
-    report("plan", 0, 1)
-    plan = make_plan(blueprint)
-    report("plan", 1, 1)
-    with staged_directory(destination) as staging:
-        report("report", 0, 1)
-        _write_reports(blueprint, plan, source, staging)
-        report("report", 1, 1)
-        manifest = build_data(
-            blueprint.data.recipe,
-            staging / "data",
-            workers=workers,
-            seq_len=blueprint.data.seq_len,
-            progress=progress,
-            keep_work=False,  # intermediates serve resuming, which a staged build never does
+    skipped = set(skip)
+    unknown = skipped - set(STAGES)
+    if unknown:
+        raise ValueError(f"unknown stages {sorted(unknown)}; stages are {', '.join(STAGES)}")
+    if "smoke" in skipped and "distributed" not in skipped:
+        raise ValueError("the distributed check compares with the smoke run: skip both or neither")
+    if steps < 2 or not 1 <= check_steps <= steps:
+        raise ValueError(
+            f"need steps >= 2 and 1 <= check_steps <= steps, got {steps}, {check_steps}"
         )
-    return BuildResult(out=destination, plan=plan, manifest=manifest)
+    destination = (out or Path("build") / blueprint.meta.name).resolve()
+    destination.mkdir(parents=True, exist_ok=True)
+    fingerprint = _fingerprint(blueprint, steps, check_steps)
+    earlier = _read_record(destination, fingerprint)
+    context = BuildContext(
+        blueprint, source, destination, steps, check_steps, workers, progress or silent
+    )
+    records: dict[str, Any] = {}
+    done: list[StageRecord] = []
+    for stage in STAGES:
+        record = _stage(stage, context, earlier, skipped)
+        records[stage] = asdict(record)
+        _write_record(destination, blueprint.meta.name, fingerprint, records)
+        done.append(record)
+        if on_stage is not None:
+            on_stage(record)
+        if record.status == "failed":
+            raise BuildFailed(stage, record.result)
+    return BuildResult(destination, done)
 
 
-def _write_reports(
-    blueprint: Blueprint, plan: Plan, source: str | Path | None, folder: Path
-) -> None:
-    """resolved.yaml, plan.json, report.md and report.html into ``folder``."""
-    import yaml
-
-    from factory.schemas.parallelism import GPU_SPECS
-
-    resolved = yaml.safe_dump(blueprint.model_dump(mode="json"), sort_keys=False)
-    origin = f" from {source}" if source is not None else ""
-    header = f"# Resolved{origin}; every fragment and override applied.\n"
-    (folder / "resolved.yaml").write_text(header + resolved, encoding="utf-8")
-    summary = plan.to_dict()
-    (folder / "plan.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    title = f"{blueprint.meta.name}: {blueprint.meta.description}".rstrip(": ")
-    (folder / "report.md").write_text(markdown_report(summary, title), encoding="utf-8")
-    capacity = GPU_SPECS[blueprint.parallelism.gpu].memory_bytes
-    page = html_report(summary, title, blueprint.model.mtp_pattern, capacity)
-    (folder / "report.html").write_text(page, encoding="utf-8")
+def _stage(
+    stage: str, context: BuildContext, earlier: dict[str, Any], skipped: set[str]
+) -> StageRecord:
+    if stage in skipped:
+        return StageRecord(stage, "skipped", 0.0, "skipped (--skip)")
+    if _reusable(context.out, stage, earlier) and stage != "report":
+        before = earlier[stage]
+        return StageRecord(stage, "reused", before["seconds"], before["result"])
+    start = time.perf_counter()
+    try:
+        result, status = run_stage(stage, context), "done"
+    except StageFailed as exc:
+        result, status = str(exc), "failed"
+    return StageRecord(stage, status, round(time.perf_counter() - start, 2), result)

@@ -1,0 +1,103 @@
+"""Reading a build folder: every file is optional, since its stage may have been skipped."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from factory.jobs.build_names import STAGES
+
+__all__ = ["STAGES", "BuildFolder", "StageInfo"]
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    status: str
+    """'done', 'skipped', 'failed', or 'not run' when build.json does not list the stage."""
+    seconds: float | None
+    result: str
+
+
+@dataclass(frozen=True)
+class BuildFolder:
+    """A build folder and lazily parsed views of its files (None for a missing file)."""
+
+    root: Path
+
+    def path(self, relative: str) -> Path:
+        return self.root / relative
+
+    def exists(self, relative: str) -> bool:
+        return self.path(relative).exists()
+
+    def read_json(self, relative: str) -> Any | None:
+        """The parsed file, or None when it is absent or not valid JSON (a stage cut short)."""
+        try:
+            return json.loads(self.path(relative).read_text(encoding="utf-8"))
+        except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError, UnicodeDecodeError):
+            return None
+
+    @cached_property
+    def build(self) -> dict[str, Any]:
+        found = self.read_json("build.json")
+        return found if isinstance(found, dict) else {}
+
+    @property
+    def name(self) -> str:
+        return str(self.build.get("name") or self.root.name)
+
+    def stage(self, name: str) -> StageInfo:
+        stages = self.build.get("stages")
+        entry = stages.get(name) if isinstance(stages, dict) else None
+        if not isinstance(entry, dict):
+            return StageInfo("not run", None, "")
+        seconds = entry.get("seconds")
+        return StageInfo(
+            status=str(entry.get("status", "not run")),
+            seconds=float(seconds) if isinstance(seconds, int | float) else None,
+            result=str(entry.get("result", "")),
+        )
+
+    @cached_property
+    def plan(self) -> dict[str, Any] | None:
+        return self.read_json("plan.json")
+
+    @cached_property
+    def precision(self) -> dict[str, Any] | None:
+        return self.read_json("precision.json")
+
+    @cached_property
+    def model_check(self) -> dict[str, Any] | None:
+        return self.read_json("model_check.json")
+
+    @cached_property
+    def manifest(self) -> dict[str, Any] | None:
+        return self.read_json("data/manifest.json")
+
+    @cached_property
+    def distributed(self) -> dict[str, Any] | None:
+        return self.read_json("distributed.json")
+
+    @cached_property
+    def resolved(self) -> dict[str, Any] | None:
+        """``resolved.yaml`` as plain data (its header comment is YAML's too)."""
+        import yaml
+
+        try:
+            data = yaml.safe_load(self.path("resolved.yaml").read_text(encoding="utf-8"))
+        except (FileNotFoundError, yaml.YAMLError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def files(self) -> list[Path]:
+        """Every file under the folder, relative to it, sorted; the report itself left out."""
+        found = [p.relative_to(self.root) for p in self.root.rglob("*") if p.is_file()]
+        return sorted(p for p in found if p != Path("report.html") and not _hidden(p))
+
+
+def _hidden(path: Path) -> bool:
+    """Temporary files and folders of atomic writes (``.name.XXXX.tmp``)."""
+    return any(part.startswith(".") and part.endswith(".tmp") for part in path.parts)

@@ -1,0 +1,75 @@
+"""Small pieces of HTML the report's sections share: tables, notes, figures, the stylesheet."""
+
+from __future__ import annotations
+
+import base64
+import html
+from collections.abc import Sequence
+
+__all__ = [
+    "STYLE", "escape", "figure_png", "figure_svg", "key_value_table", "note", "section", "table",
+]  # fmt: skip
+
+
+def escape(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], css: str = "") -> str:
+    """A table of already-formatted text cells (escaped here)."""
+    head = "".join(f"<th>{escape(c)}</th>" for c in header)
+    body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    klass = f' class="{escape(css)}"' if css else ""
+    return f"<table{klass}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def key_value_table(rows: Sequence[tuple[str, str]]) -> str:
+    body = "".join(f"<tr><th>{escape(k)}</th><td>{escape(v)}</td></tr>" for k, v in rows)
+    return f'<table class="facts"><tbody>{body}</tbody></table>'
+
+
+def note(text: str, kind: str = "skipped") -> str:
+    """A short boxed remark: why a section is empty ('skipped', 'failed') or a warning."""
+    return f'<p class="note {escape(kind)}">{escape(text)}</p>'
+
+
+def section(anchor: str, title: str, body: str) -> str:
+    return f'<section id="{escape(anchor)}"><h2>{escape(title)}</h2>{body}</section>'
+
+
+def figure_svg(svg: str, caption: str) -> str:
+    return f"<figure>{svg}<figcaption>{escape(caption)}</figcaption></figure>"
+
+
+def figure_png(png: bytes, alt: str, caption: str) -> str:
+    data = base64.b64encode(png).decode("ascii")
+    return (
+        f'<figure><img alt="{escape(alt)}" src="data:image/png;base64,{data}">'
+        f"<figcaption>{escape(caption)}</figcaption></figure>"
+    )
+
+
+STYLE = """
+body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1f2328;
+  max-width:1200px;margin:0 auto;padding:1.5em 2em 4em;line-height:1.45}
+h1{margin:.2em 0}h2{border-bottom:2px solid #d0d7de;padding-bottom:.2em;margin-top:2em}
+h3{margin:1.4em 0 .5em}
+nav{font-size:90%;margin:.6em 0 1em}nav a{margin-right:1.1em;white-space:nowrap}
+a{color:#0969da;text-decoration:none}a:hover{text-decoration:underline}
+table{border-collapse:collapse;margin:.6em 0;font-size:90%}
+th,td{border:1px solid #d0d7de;padding:3px 9px;text-align:left;vertical-align:top}
+thead th{background:#f6f8fa}table.facts th{background:#f6f8fa;font-weight:600}
+td.num,table.numbers td+td{text-align:right;font-variant-numeric:tabular-nums}
+figure{margin:1em 0}figcaption{font-size:88%;color:#57606a;margin-top:.3em;max-width:1000px}
+img{max-width:100%;height:auto;display:block}svg{display:block;max-width:100%;height:auto}
+.note{padding:.5em .9em;border-left:4px solid #8c959f;background:#f6f8fa;max-width:900px}
+.note.failed{border-color:#cf222e;background:#ffebe9}.note.warn{border-color:#bf8700;background:#fff8c5}
+.status{font-weight:600}.status.done{color:#1a7f37}.status.failed{color:#cf222e}
+.status.skipped,.status.not-run{color:#6e7781}
+.pass{color:#1a7f37;font-weight:700}.fail{color:#cf222e;font-weight:700}
+.columns{display:grid;grid-template-columns:1fr 1fr;gap:1.5em;align-items:start}
+.columns>div{min-width:0}
+details{margin:.3em 0}summary{cursor:pointer}
+ul.files{columns:2;font-size:88%;margin:.3em 0 .6em}ul.files li{break-inside:avoid}
+code{font-size:90%}
+"""

@@ -1,0 +1,72 @@
+"""The page: every section in reading order, and writing it into the build folder."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from factory.build_report.folder import BuildFolder
+from factory.build_report.html_parts import STYLE, escape
+from factory.build_report.sections_build import (
+    artifacts_section,
+    exports_section,
+    model_section,
+    precision_section,
+    stages_section,
+)
+from factory.build_report.sections_plan import (
+    cost_section,
+    flops_section,
+    layers_section,
+    memory_section,
+)
+from factory.build_report.sections_run import data_section, run_section
+from factory.io import atomic_write_text
+
+__all__ = ["SECTIONS", "render_build_report", "write_build_report"]
+
+REPORT = "report.html"
+SECTIONS: tuple[tuple[str, str, Callable[[BuildFolder], str]], ...] = (
+    ("stages", "Stages", stages_section),
+    ("layers", "Layer stack", layers_section),
+    ("memory", "Memory", memory_section),
+    ("flops", "FLOPs", flops_section),
+    ("cost", "Cost and failures", cost_section),
+    ("model", "Model", model_section),
+    ("precision", "Precision", precision_section),
+    ("data", "Data", data_section),
+    ("runs", "Smoke and distributed", run_section),
+    ("exports", "Exports", exports_section),
+    ("artifacts", "Artifacts", artifacts_section),
+)
+"""(anchor, navigation label, renderer) in page order."""
+
+
+def _title(folder: BuildFolder) -> str:
+    meta = (folder.resolved or {}).get("meta") or {}
+    description = str(meta.get("description") or "")
+    return f"{folder.name}: {description}" if description else folder.name
+
+
+def render_build_report(build_dir: Path) -> str:
+    """The page for ``build_dir`` as HTML text; nothing in it is fetched from elsewhere."""
+    folder = BuildFolder(Path(build_dir))
+    title = _title(folder)
+    nav = "".join(f'<a href="#{anchor}">{escape(label)}</a>' for anchor, label, _ in SECTIONS)
+    body = "".join(render(folder) for _, _, render in SECTIONS)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    return (
+        '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>{escape(title)}: build report</title><style>{STYLE}</style></head><body>"
+        f"<h1>{escape(title)}</h1><p>Build report of <code>{escape(folder.root)}</code>, "
+        f"written {stamp}.</p><nav>{nav}</nav>{body}</body></html>\n"
+    )
+
+
+def write_build_report(build_dir: Path) -> Path:
+    """Write ``build_dir/report.html`` atomically and return its path."""
+    target = Path(build_dir) / REPORT
+    atomic_write_text(target, render_build_report(Path(build_dir)))
+    return target

@@ -1,0 +1,163 @@
+"""The sections about what the build ran: the curated data, the smoke run, the distributed check."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from factory.build_report.bar_chart import Series, bar_chart_svg
+from factory.build_report.folder import BuildFolder
+from factory.build_report.html_parts import (
+    escape,
+    figure_png,
+    figure_svg,
+    key_value_table,
+    note,
+    section,
+)
+from factory.build_report.run_plots import distributed_loss_png, smoke_plots
+from factory.build_report.sections_plan import missing
+from factory.build_report.units import format_number, percent
+from factory.planner.report import human_count
+
+__all__ = ["data_section", "run_section"]
+
+PLANNED, CURATED, DROPPED = "#9ecae1", "#08519c", "#d62728"
+
+
+def _planned_tokens(manifest: dict[str, Any]) -> Counter[str]:
+    planned: Counter[str] = Counter()
+    for source in manifest["sources"].values():
+        planned[source["category"]] += int(source.get("mix", {}).get("target_tokens", 0))
+    return planned
+
+
+def _dropped(manifest: dict[str, Any]) -> Counter[str]:
+    dropped: Counter[str] = Counter()
+    for source in manifest["sources"].values():
+        dropped.update({k: int(v) for k, v in (source.get("dropped") or {}).items()})
+        dropped.update(
+            {f"quarantined: {k}": int(v) for k, v in (source.get("quarantined") or {}).items()}
+        )
+    return dropped
+
+
+def _mixture_svg(manifest: dict[str, Any]) -> str:
+    planned = _planned_tokens(manifest)
+    curated = {c: int(v["tokens"]) for c, v in manifest["categories"].items()}
+    names = sorted(set(planned) | set(curated), key=lambda c: -max(planned[c], curated.get(c, 0)))
+    series = [
+        Series("planned (target tokens of the mix)", PLANNED, [planned[c] for c in names]),
+        Series(
+            "curated (tokens in the shards' documents)", CURATED, [curated.get(c, 0) for c in names]
+        ),
+    ]
+    return bar_chart_svg(names, series, lambda v: f"{human_count(v)} tokens")
+
+
+def _mixture_rows(manifest: dict[str, Any]) -> str:
+    planned = _planned_tokens(manifest)
+    curated = {c: int(v["tokens"]) for c, v in manifest["categories"].items()}
+    docs = {c: int(v["documents"]) for c, v in manifest["categories"].items()}
+    p_total, c_total = sum(planned.values()) or 1, sum(curated.values()) or 1
+    rows = "".join(
+        f"<tr><td>{escape(c)}</td><td class='num'>{planned[c]:,}</td>"
+        f"<td class='num'>{percent(planned[c] / p_total)}</td><td class='num'>{curated.get(c, 0):,}</td>"
+        f"<td class='num'>{percent(curated.get(c, 0) / c_total)}</td><td class='num'>{docs.get(c, 0):,}</td></tr>"
+        for c in sorted(set(planned) | set(curated))
+    )
+    head = ("<thead><tr><th>category</th><th>planned tokens</th><th>planned share</th>"
+            "<th>curated tokens</th><th>curated share</th><th>documents</th></tr></thead>")  # fmt: skip
+    return f"<table>{head}<tbody>{rows}</tbody></table>"
+
+
+def data_section(folder: BuildFolder) -> str:
+    manifest = folder.manifest
+    if manifest is None:
+        return section("data", "Data mixture", missing(folder, "data", "data manifest"))
+    parts = [
+        figure_svg(
+            _mixture_svg(manifest),
+            "Tokens per category: what the recipe's mix "
+            "planned against what curation delivered after filtering, dedup, "
+            "decontamination and up- or down-sampling.",
+        ),
+        _mixture_rows(manifest),
+    ]
+    dropped = _dropped(manifest)
+    parts.append("<h3>Documents dropped, by reason</h3>")
+    if dropped:
+        reasons = [r for r, _ in dropped.most_common()]
+        svg = bar_chart_svg(reasons, [Series("documents", DROPPED, [dropped[r] for r in reasons])],
+                            lambda v: f"{v:,.0f}")  # fmt: skip
+        parts.append(
+            figure_svg(
+                svg, f"{sum(dropped.values()):,} documents dropped in all, summed over the sources."
+            )
+        )
+    else:
+        parts.append(note("No document was dropped.", "info"))
+    packing = manifest.get("packing") or {}
+    facts = [
+        (f"packing: {k}", format_number(v))
+        for k, v in packing.items()
+        if isinstance(v, int | float)
+    ]
+    facts.append(("shards", f"{len(manifest.get('shards') or []):,}"))
+    parts.append("<h3>Packing</h3>" + key_value_table(facts))
+    return section("data", "Data mixture", "".join(parts))
+
+
+def _distributed_html(folder: BuildFolder) -> str:
+    check = folder.distributed
+    if check is None:
+        return "<h3>Distributed check</h3>" + missing(folder, "distributed", "distributed check")
+    passed = bool(check.get("passed"))
+    verdict = "<span class='pass'>PASS</span>" if passed else "<span class='fail'>FAIL</span>"
+    layout = ", ".join(f"{k}={v}" for k, v in (check.get("layout") or {}).items())
+    difference = float(check["max_relative_difference"])
+    title = f"{check.get('world_size', '?')} processes ({layout}) against the smoke run"
+    png = distributed_loss_png(
+        check["steps"],
+        check["losses"],
+        check["smoke_losses"],
+        float(check["tolerance"]),
+        "distributed vs smoke loss",
+    )
+    facts = key_value_table([
+        ("processes", str(check.get("world_size", "?"))),
+        ("layout", layout or "—"),
+        ("steps compared", f"{len(check['steps'])}"),
+        ("max relative difference", f"{difference:.3e}"),
+        ("tolerance", f"{float(check['tolerance']):.3e}"),
+    ])  # fmt: skip
+    return (
+        f"<h3>Distributed check: {verdict}</h3>"
+        + figure_png(
+            png, "distributed loss", title + ": losses overlaid, and their relative difference."
+        )
+        + facts
+    )
+
+
+def run_section(folder: BuildFolder) -> str:
+    """The smoke run's loss beside the distributed check, then the run's monitors."""
+    run_dir = folder.path("smoke")
+    drawn, why = smoke_plots(run_dir) if run_dir.is_dir() else ([], None)
+    if drawn:
+        loss = [figure_png(png, f, caption) for f, png, caption in drawn if f == "loss.png"]
+        left = "<h3>Smoke run: loss</h3>" + "".join(loss)
+    else:
+        left = "<h3>Smoke run</h3>" + (
+            note(f"No plots: {why}", "warn") if why else missing(folder, "smoke", "smoke run")
+        )
+    if folder.exists("smoke/report/report.html"):
+        left += '<p>Every plot and event of the run: <a href="smoke/report/report.html">smoke/report/report.html</a>.</p>'
+    body = f"<div class='columns'><div>{left}</div><div>{_distributed_html(folder)}</div></div>"
+    monitors = [figure_png(png, f, caption) for f, png, caption in drawn if f != "loss.png"]
+    if monitors:
+        cells = "".join(f"<div>{m}</div>" for m in monitors)
+        body += f"<h3>Smoke run: monitors</h3><div class='columns'>{cells}</div>"
+    elif drawn:
+        body += note("The run logged no per-layer monitor (MaxVio or residual RMS).", "warn")
+    return section("runs", "Smoke run and distributed check", body)

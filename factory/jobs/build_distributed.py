@@ -1,0 +1,63 @@
+"""``factory build``'s distributed check: the proxy on 2 gloo processes, on the smoke run's data.
+
+The layout is data parallel over 2 ranks, with the experts split over them
+(expert parallelism, folded onto the data-parallel ranks) when the blueprint has
+MoE layers. Tensor parallelism is left out: factory's runtime runs it with the
+precision policy off, and the check trains with the blueprint's policy, as the
+smoke run does, so the two runs' losses can be compared step by step.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import factory
+from factory.jobs.build_checks import run_losses
+from factory.proxy import derive_proxy
+from factory.proxy_layout import proxy_with_layout
+
+if TYPE_CHECKING:
+    from factory.schemas.blueprint import Blueprint
+
+__all__ = ["CHECK_WORLD_SIZE", "check_blueprint", "run_layout_check"]
+
+CHECK_WORLD_SIZE = 2
+CHECK_TIMEOUT_S = 900
+"""The whole check, spawn to exit: a hung collective fails the build instead of stalling it."""
+
+
+def check_blueprint(bp: Blueprint) -> Blueprint:
+    """``bp``'s proxy on :data:`CHECK_WORLD_SIZE` ranks: DP, with EP over them under MoE."""
+    has_moe = bp.model.moe is not None and "E" in bp.model.pattern
+    degrees = {"pp": 1, "tp": 1, "ep": CHECK_WORLD_SIZE if has_moe else 1, "sp": False}
+    laid_out = proxy_with_layout(derive_proxy(bp), CHECK_WORLD_SIZE, degrees)
+    if laid_out is None:  # the proxy's experts do not split in two
+        laid_out = proxy_with_layout(derive_proxy(bp), CHECK_WORLD_SIZE, {**degrees, "ep": 1})
+    assert laid_out is not None  # plain data parallelism always validates
+    return laid_out
+
+
+def _train_rank(rank: int, world: int, bp: Blueprint, run: Path, data: Path, steps: int) -> None:
+    factory.train(bp, out=run, data=data, steps=steps)
+
+
+def run_layout_check(bp: Blueprint, out: Path, steps: int) -> dict[str, Any]:
+    """Train ``steps`` steps of the check layout on ``out/smoke/data`` into
+    ``out/distributed``; return the layout and its LM losses."""
+    from factory.distributed.local import run_ranks
+
+    laid_out = check_blueprint(bp)
+    run = out / "distributed"
+    shutil.rmtree(run, ignore_errors=True)  # a few steps: rerun whole rather than resume
+    data = out / "smoke" / "data"
+    run_ranks(_train_rank, CHECK_WORLD_SIZE, laid_out, run, data, steps, timeout=CHECK_TIMEOUT_S)
+    par = laid_out.parallelism
+    dp = par.world_size // (par.tp * par.pp * par.cp)
+    return {
+        "world_size": par.world_size,
+        "layout": {"dp": dp, "ep": par.ep, "tp": par.tp, "pp": par.pp},
+        "steps": list(range(1, steps + 1)),
+        "losses": run_losses(run),
+    }

@@ -1,0 +1,197 @@
+"""The build report page (``factory.build_report``): over a real ``factory build nano`` (every
+stage, short training), and over folders made of real pieces with stages skipped and failed."""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import factory
+from factory.build_report import write_build_report
+from factory.build_report.folder import STAGES
+from factory.exports.hf_config import hf_config
+from factory.exports.megatron import launch_sh, overrides_yaml
+from factory.planner.plan import plan
+from factory.precision.policy import flops_share, resolve_policy
+from factory.schemas.blueprint import Blueprint
+
+
+def _write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1), encoding="utf-8")
+
+
+def _write_plan_pieces(root: Path, bp: Blueprint) -> dict[str, Any]:
+    """resolved.yaml, plan.json, precision.json, model_check.json and the exports."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "resolved.yaml").write_text(
+        yaml.safe_dump(bp.model_dump(mode="json")), encoding="utf-8"
+    )
+    summary = plan(bp).to_dict()
+    _write_json(root / "plan.json", summary)
+    table = resolve_policy(bp)
+    modules = [dataclasses.asdict(row) for row in table]
+    _write_json(root / "precision.json", {"modules": modules, "flops_share": flops_share(table)})
+    params = summary["params"]["total"]
+    _write_json(root / "model_check.json",
+                {"device": "meta", "tensors": 1234, "parameters": params, "plan_parameters": params})  # fmt: skip
+    _write_json(root / "exports/hf/config.json", hf_config(bp))
+    (root / "exports/megatron").mkdir(parents=True)
+    (root / "exports/megatron/overrides.yaml").write_text(overrides_yaml(bp), encoding="utf-8")
+    (root / "exports/megatron/launch.sh").write_text(launch_sh(bp), encoding="utf-8")
+    return summary
+
+
+def _distributed(root: Path, smoke_losses: list[float], drift: float) -> dict[str, Any]:
+    losses = [loss * (1 + drift * (i + 1)) for i, loss in enumerate(smoke_losses)]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, smoke_losses, strict=True))
+    check = {
+        "world_size": 2, "layout": {"dp": 2, "ep": 1, "tp": 1, "pp": 1},
+        "steps": list(range(len(losses))), "losses": losses, "smoke_losses": smoke_losses,
+        "max_relative_difference": worst, "tolerance": 1e-4, "passed": worst <= 1e-4,
+    }  # fmt: skip
+    _write_json(root / "distributed.json", check)
+    return check
+
+
+def _stages(root: Path, name: str, statuses: dict[str, str]) -> dict[str, Any]:
+    stages = {
+        stage: {"status": statuses.get(stage, "done"), "seconds": 0.5 + i,
+                "result": f"{stage} result {i}"}
+        for i, stage in enumerate(STAGES)
+    }  # fmt: skip
+    build = {"name": name, "stages": stages}
+    _write_json(root / "build.json", build)
+    return build
+
+
+def make_full_build(root: Path) -> Path:
+    """``factory build nano`` itself, every stage run, with short training stages."""
+    factory.build(factory.load_blueprint("nano"), out=root, steps=6, check_steps=2)
+    return root
+
+
+_BUILT: dict[Path, Path] = {}
+"""Session builds by pytest's base folder: the browser test imports the fixture, which would
+otherwise train a second time."""
+
+
+@pytest.fixture(scope="session")
+def full_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    base = tmp_path_factory.getbasetemp()
+    if base not in _BUILT:
+        _BUILT[base] = make_full_build(tmp_path_factory.mktemp("build") / "nano")
+    return _BUILT[base]
+
+
+def _page(root: Path) -> str:
+    return (root / "report.html").read_text(encoding="utf-8")
+
+
+def _text(page: str) -> str:
+    """The page's visible text and SVG titles, tags stripped."""
+    return re.sub(r"<[^>]+>", " ", page.split("<body>", 1)[1])
+
+
+def test_every_section_is_present_with_numbers_from_the_inputs(full_build: Path) -> None:
+    page = _page(full_build)
+    for anchor in ("stages", "layers", "memory", "flops", "cost", "model", "precision", "data",
+                   "runs", "exports", "artifacts"):  # fmt: skip
+        assert f'<section id="{anchor}">' in page, anchor
+    summary = json.loads((full_build / "plan.json").read_text())
+    text = _text(page)
+    assert f"{summary['params']['total']:,}" in text
+    record = json.loads((full_build / "build.json").read_text())["stages"]
+    assert [record[stage]["status"] for stage in STAGES[:-1]] == ["done"] * (len(STAGES) - 1)
+    for stage in STAGES[:-1]:  # the report's own line is recorded after the page is drawn
+        assert html.escape(record[stage]["result"], quote=False) in page, stage
+    pattern = summary["layout"]["stage_patterns"][0][0]
+    assert page.count("<title>layer ") == 2 * len(pattern)  # a cell and a precision strip each
+    assert text.count(": MoE ·") == 2 * pattern.count("E")
+    manifest = json.loads((full_build / "data/manifest.json").read_text())
+    for category, row in manifest["categories"].items():
+        assert category in text and f"{row['tokens']:,}" in text
+    dropped = sum(n for s in manifest["sources"].values() for n in s["dropped"].values())
+    assert f"{dropped:,} documents dropped" in text
+    check = json.loads((full_build / "distributed.json").read_text())
+    assert f"{check['max_relative_difference']:.3e}" in text and "PASS" in text
+
+
+def test_the_smoke_runs_plots_are_inlined(full_build: Path) -> None:
+    page = _page(full_build)
+    images = re.findall(r'<img alt="([^"]+)" src="data:image/png;base64,', page)
+    assert images == ["loss.png", "distributed loss", "max_vio.png", "residual_rms.png"]
+    assert 'href="smoke/report/report.html"' in page
+
+
+def test_the_page_fetches_nothing_and_links_every_artifact(full_build: Path) -> None:
+    page = _page(full_build)
+    assert not re.search(r"(src|href)=\"(https?:)?//", page)
+    assert "url(" not in page and "@import" not in page
+    for path in full_build.rglob("*"):
+        if path.is_file() and path.name != "report.html":
+            relative = path.relative_to(full_build).as_posix()
+            assert f'href="{relative}"' in page, relative
+
+
+def test_precision_strip_colours_each_layer_by_its_gemms_formats(tmp_path: Path) -> None:
+    """Super's first layer mixes NVFP4 and MXFP8 and its MTP is BF16; Ultra is cut into four
+    pipeline stages."""
+    for name, cuts in (("super", 0), ("ultra", 3)):
+        root = tmp_path / name
+        summary = _write_plan_pieces(root, factory.load_blueprint(name))
+        page = _page(root) if write_build_report(root) else ""
+        assert page.count('<line class="cut"') == cuts
+        layers = sum(summary["layout"]["layers_per_rank"])
+        assert page.count("<title>layer ") == 2 * layers  # the cell and its precision strip
+        share = json.loads((root / "precision.json").read_text())["flops_share"]
+        for recipe in share:
+            assert recipe.upper() in page
+    text = _text(_page(tmp_path / "super"))
+    assert "mixer.out_proj: mxfp8" in text and "mixer.in_proj: nvfp4" in text
+    assert "MTP block 0" in text
+    for rank in range(4):
+        assert f"PP{rank}" in _text(_page(tmp_path / "ultra"))
+
+
+def test_skipped_and_failed_stages_render_notes_not_errors(tmp_path: Path) -> None:
+    root = tmp_path / "bare"
+    _stages(root, "bare", {"plan": "failed", "precision": "skipped", "data": "skipped",
+                           "smoke": "skipped", "distributed": "skipped", "export": "skipped",
+                           "model": "skipped"})  # fmt: skip
+    page = _page(root) if write_build_report(root) else ""
+    assert "No plan.json: the plan stage failed: plan result 1." in page
+    assert "No data manifest: the data stage skipped: data result 5." in page
+    assert "No distributed check: the distributed stage skipped" in page
+    assert "<img" not in page and "<svg" not in page
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "No build.json" in _page(empty) if write_build_report(empty) else False
+
+
+def test_a_failed_distributed_check_says_fail(full_build: Path, tmp_path: Path) -> None:
+    root = tmp_path / "copy"
+    root.mkdir()
+    smoke = json.loads((full_build / "distributed.json").read_text())["smoke_losses"]
+    check = _distributed(root, smoke, 1e-2)
+    page = _page(root) if write_build_report(root) else ""
+    assert not check["passed"] and "FAIL" in page and "PASS" not in page
+
+
+def test_report_is_written_atomically_and_imports_no_torch(tmp_path: Path) -> None:
+    import subprocess
+
+    code = "import factory.build_report, sys; assert 'torch' not in sys.modules, 'torch'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    root = tmp_path / "b"
+    root.mkdir()
+    target = write_build_report(root)
+    assert target == root / "report.html" and [p.name for p in root.iterdir()] == ["report.html"]
