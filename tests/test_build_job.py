@@ -66,8 +66,9 @@ def test_a_rerun_reuses_and_a_changed_blueprint_starts_over(
     again = build(bp, out=out, skip=FAST)
     assert {r.status for r in again.stages} == {"reused", "skipped"}
     changed = bp.model_copy(update={"meta": bp.meta.model_copy(update={"description": "x"})})
-    fresh = build(changed, out=out, skip=FAST)
+    fresh = build(changed, out=out, skip=(*FAST, "data"))
     assert {r.status for r in fresh.stages} == {"done", "skipped"}
+    assert not (out / "data").exists()  # the other blueprint's data went with the rest
 
 
 def test_a_build_killed_after_a_stage_finishes_identical(fast_build: Path, tmp_path: Path) -> None:
@@ -116,7 +117,7 @@ def test_a_failed_stage_is_recorded_and_raised(
 
     monkeypatch.setitem(build_stages._RUNNERS, "model", wrong)
     with pytest.raises(BuildFailed, match="model: the graph has 1"):
-        build(factory.load_blueprint("nano"), out=tmp_path / "b", skip=FAST)
+        build(factory.load_blueprint("nano"), out=tmp_path / "b", skip=(*FAST, "data"))
     record = json.loads((tmp_path / "b" / "build.json").read_text())["stages"]
     assert record["model"]["status"] == "failed" and "precision" not in record
 
@@ -124,7 +125,7 @@ def test_a_failed_stage_is_recorded_and_raised(
 def test_the_cli_names_bad_stages_and_prints_one_line_per_stage(cli, tmp_path: Path) -> None:
     status, _, err = cli("build", "nano", "--skip", "smok", "--out", str(tmp_path / "x"))
     assert status == 2 and "'smok' is not a stage" in err
-    skips = [a for s in FAST for a in ("--skip", s)]
+    skips = [a for s in (*FAST, "data", "export") for a in ("--skip", s)]
     status, _, err = cli("build", "nano", "--out", str(tmp_path / "c"), *skips)
     assert status == 0, err
     assert "model" in err and "31,577,940,288 parameters = the plan" in err

@@ -65,6 +65,7 @@ def build(
         console.print(
             f"{mark} {record.stage:<11} {record.seconds:7.1f} s  {record.result}{reused}",
             highlight=False,
+            soft_wrap=True,  # one line per stage, also in logs narrower than the line
         )
 
     try:
