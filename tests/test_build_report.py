@@ -75,7 +75,7 @@ def _stages(root: Path, name: str, statuses: dict[str, str]) -> dict[str, Any]:
 
 def make_full_build(root: Path) -> Path:
     """``factory build nano`` itself, every stage run, with short training stages."""
-    factory.build(factory.load_blueprint("nano"), out=root, steps=6, check_steps=2)
+    factory.build(factory.load_blueprint("nano"), out=root, steps=4, check_steps=1)
     return root
 
 
