@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from factory.graph.experts import ExpertPath, choose_path, combine, pair_outputs
 from factory.graph.mlp import MLP
 from factory.graph.outputs import RoutedOutput
 from factory.kernels.moe_dispatch import Dispatch, ExpertLinear, grouped_mlp, route_tokens
@@ -105,6 +106,9 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
         self.linear: ExpertLinear | None = None
         """Runs the expert GEMMs when set (``factory.precision`` installs quantized ones)."""
+        self.path: ExpertPath | None = None
+        """Forces one expert GEMM path; None picks by each routing's load
+        (``factory.graph.experts.choose_path``)."""
 
     def forward(
         self, x: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor | None
@@ -114,16 +118,34 @@ class RoutedExperts(nn.Module):
         the gradient back to the DTensor). The dispatcher calls this module rather than
         reading its weights so that module hooks (FSDP's gather and reshard) still run."""
         gate = _local(self.gate_proj) if self.gate_proj is not None else None
+        up, down = _local(self.up_proj), _local(self.down_proj)
+        linear = self.linear if self._hook_matters() else None
+        # The quantized GEMMs take padded [E, C, in] batches, so they keep the padded path.
+        path = "padded_bmm" if linear is not None else self.path or choose_path(dispatch, x)
+        if path != "padded_bmm":
+            pairs = pair_outputs(path, x, dispatch, up, down, gate, self.activation)
+            return combine(pairs, dispatch, weights, x.dtype)
         return grouped_mlp(
             x,
             dispatch,
-            _local(self.up_proj),
-            _local(self.down_proj),
+            up,
+            down,
             activation=self.activation,
             gate=gate,
             weights=weights,
-            linear=self.linear,
+            linear=linear,
         )
+
+    def _hook_matters(self) -> bool:
+        """Whether the installed GEMM hook changes this call. After a precision switch to bf16
+        it quantizes neither pass (or only the backward, which no-grad calls never run) and is
+        a plain bmm; skipping it then gives the load's path, the same ops as without a hook,
+        so the output equals the unquantized model's bit for bit."""
+        if self.linear is None:
+            return False
+        forward = getattr(self.linear, "quantize_forward", True)
+        backward = getattr(self.linear, "quantize_backward", True) and torch.is_grad_enabled()
+        return bool(forward or backward)
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

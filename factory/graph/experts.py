@@ -1,0 +1,125 @@
+"""Routed expert GEMMs: three ways to run the ragged per-expert matmuls, chosen by the load.
+
+``route_tokens`` sorts the ``T*k`` (token, slot) pairs by expert; expert ``e`` then owns a
+contiguous run of ``n_e`` pairs. The three paths compute the same expert MLPs on those runs:
+
+- ``padded_bmm``: copy the runs into an ``[E, max n_e, d]`` zero-padded buffer, one ``bmm``
+  per projection (``factory.kernels.moe_dispatch.grouped_mlp``). Few ops, but it multiplies
+  ``E * max n_e`` rows instead of ``T*k``: free when balanced, up to ``E/k`` times the work
+  when one expert takes every token.
+- ``grouped_mm``: ``torch._grouped_mm`` over the sorted pairs with offsets, no padding.
+- ``per_expert``: one ``mm`` per non-empty expert on its run, no padding.
+
+Which one is fastest was measured, not guessed (``python -m benchmarks train_step
+--experts``; numbers in ``docs/architecture.md``, 'Expert GEMM path'). :func:`choose_path`
+applies the rule derived from them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from factory.kernels.moe_dispatch import Dispatch, grouped_mm_works
+
+__all__ = ["PATHS", "ExpertPath", "choose_path", "combine", "pair_outputs"]
+
+ExpertPath = Literal["padded_bmm", "grouped_mm", "per_expert"]
+PATHS: tuple[ExpertPath, ...] = ("padded_bmm", "grouped_mm", "per_expert")
+
+PER_EXPERT_ROWS = 64
+"""Padding rows one extra per-expert ``mm`` call is worth on CPU: padded bmm spends ~0.01 ms
+per buffer row (fwd + bwd at d=128, ff=256) and a per-expert call ~0.8 ms of fixed cost."""
+
+
+def choose_path(dispatch: Dispatch, x: torch.Tensor) -> ExpertPath:
+    """The path for this routing's load, on CPU by the measurements in ``docs/architecture.md``
+    ('Expert GEMM path'): ``_grouped_mm`` wherever it is verified for the dtype (a probe
+    against padded bmm, forward and backward, cached), being as fast as padded bmm when the
+    load is even and 3-6x faster when skewed; otherwise padded bmm until its padding rows
+    outweigh the per-expert calls' fixed cost. Other devices keep ``grouped_mlp``'s own choice
+    (grouped_mm on CUDA where verified), which these CPU numbers say nothing about."""
+    pairs = dispatch.num_tokens * dispatch.top_k
+    if x.device.type != "cpu" or pairs == 0:
+        return "padded_bmm"
+    if grouped_mm_works(x.device, x.dtype):
+        return "grouped_mm"
+    wasted = dispatch.num_experts * dispatch.max_tokens_per_expert - pairs
+    used = int((dispatch.tokens_per_expert > 0).sum())
+    return "padded_bmm" if wasted <= PER_EXPERT_ROWS * used else "per_expert"
+
+
+def _activate(h: torch.Tensor, g: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """relu2: relu(up x)^2. swiglu: silu(gate x) * (up x). Same ops as the kernel's."""
+    if activation == "relu2":
+        return torch.relu(h).square()
+    assert g is not None
+    return F.silu(g) * h
+
+
+def _grouped(
+    xs: torch.Tensor,
+    dispatch: Dispatch,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    gate: torch.Tensor | None,
+    activation: str,
+) -> torch.Tensor:
+    """Sorted pairs [T*k, d] -> expert outputs, sorted [T*k, d], through ``_grouped_mm``."""
+    offsets = torch.cumsum(dispatch.tokens_per_expert, 0).to(torch.int32)
+    h = torch._grouped_mm(xs, up.transpose(1, 2), offs=offsets)
+    g = torch._grouped_mm(xs, gate.transpose(1, 2), offs=offsets) if gate is not None else None
+    return torch._grouped_mm(_activate(h, g, activation), down.transpose(1, 2), offs=offsets)
+
+
+def _per_expert(
+    xs: torch.Tensor,
+    dispatch: Dispatch,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    gate: torch.Tensor | None,
+    activation: str,
+) -> torch.Tensor:
+    """Sorted pairs [T*k, d] -> expert outputs, sorted [T*k, d], one ``mm`` per expert."""
+    counts = dispatch.tokens_per_expert.tolist()
+    outs = []
+    for e, run in enumerate(xs.split(counts)):
+        if counts[e] == 0:
+            continue  # an empty expert costs nothing and its weights get a zero gradient
+        g = F.linear(run, gate[e]) if gate is not None else None
+        outs.append(F.linear(_activate(F.linear(run, up[e]), g, activation), down[e]))
+    return torch.cat(outs) if outs else xs.new_zeros(0, down.shape[1])
+
+
+def pair_outputs(
+    path: ExpertPath,
+    x: torch.Tensor,
+    dispatch: Dispatch,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    gate: torch.Tensor | None,
+    activation: str,
+) -> torch.Tensor:
+    """Expert output of every (token, slot) pair in router order [T*k, d] by an unpadded path.
+
+    ``index_select`` both ways: its backward is an ``index_add_`` (advanced indexing's is a
+    slower accumulating ``index_put_``) and it hands ``_grouped_mm`` the contiguous gradient
+    its CPU backward needs (an expanded one fails there with 'Invalid strides')."""
+    xs = x.index_select(0, dispatch.token_index)
+    run = _grouped if path == "grouped_mm" else _per_expert
+    out = run(xs, dispatch, up, down, gate, activation)
+    return out.index_select(0, dispatch.inverse_order)
+
+
+def combine(
+    pair_out: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """[T*k, d] router order -> [T, d]: weighted sum over the k slots in fp32 (fp64 for fp64),
+    the same ops as ``grouped_mlp`` so every path rounds alike after the GEMMs."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    pair_out = pair_out.to(acc).reshape(dispatch.num_tokens, dispatch.top_k, pair_out.shape[-1])
+    if weights is not None:
+        pair_out = pair_out * weights.to(acc)[..., None]
+    return pair_out.sum(dim=1).to(dtype)
