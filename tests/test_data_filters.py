@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from factory.data.document import Document, RawRecord
 from factory.data.filters import (
     FILTERS,
+    _ngram_reason,
     cuda_kernel_reason,
     heuristic_reason,
     ngram_repetition,
@@ -148,6 +149,36 @@ def test_ngram_repetition_matches_the_naive_definition(words: list[str]) -> None
     fast = ngram_repetition(words, sizes)
     for n in sizes:
         assert fast[n] == pytest.approx(_naive_repetition(words, n), abs=1e-12), n
+
+
+def _reason_from_every_size(words: list[str], params: HeuristicFilter) -> str | None:
+    top, dup = dict(params.max_top_ngram_fraction), dict(params.max_duplicate_ngram_fraction)
+    for n, (top_fraction, dup_fraction) in sorted(ngram_repetition(words, {*top, *dup}).items()):
+        if n in top and top_fraction > top[n]:
+            return f"top_{n}gram"
+        if n in dup and dup_fraction > dup[n]:
+            return f"duplicate_{n}gram"
+    return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    words=st.lists(st.sampled_from(["a", "bb", "ccc", "d", "ee", "fff", "g"]), max_size=60),
+    dup=st.dictionaries(st.integers(1, 10), st.floats(0, 0.5), min_size=1, max_size=6),
+)
+def test_skipping_larger_duplicate_sizes_never_changes_the_reason(
+    words: list[str], dup: dict[int, float]
+) -> None:
+    """The duplicate fraction does not grow with n, which is what lets the check skip
+    the larger sizes; here against computing every size, thresholds in any order."""
+    params = HeuristicFilter(
+        kind="heuristics", max_duplicate_ngram_fraction=tuple(sorted(dup.items()))
+    )
+    fast = ngram_repetition(words, range(1, 11))
+    for m in range(1, 10):
+        assert fast[m + 1][1] <= fast[m][1] + 1e-12, m
+    top, dups = dict(params.max_top_ngram_fraction), dict(params.max_duplicate_ngram_fraction)
+    assert _ngram_reason(words, top, dups) == _reason_from_every_size(words, params)
 
 
 def test_short_texts_do_not_crash_the_ngram_checks() -> None:

@@ -145,7 +145,24 @@ def test_token_counts_decrease_step_by_step(built: Path) -> None:
             if step in ("mix", "read", "text", "chat"):
                 continue
             assert row["documents_out"] <= row["documents_in"], step
+            if row["tokens_in"] is None:  # before tokenization: documents only
+                assert row["tokens_out"] is None, step
+                continue
             assert row["tokens_out"] <= row["tokens_in"], step
+
+
+def test_steps_before_tokenizing_count_documents_not_tokens(built: Path) -> None:
+    """Filters run before the tokenizer, so their dropped documents are never tokenized:
+    their rows say so (null tokens), documents are still counted, drops still by reason."""
+    manifest = json.loads((built / "manifest.json").read_text())
+    assert "tokenize" in manifest["token_counts"]
+    web = manifest["sources"]["web"]["steps"]
+    for step in ("read", "text", "heuristics", "decontam"):
+        assert web[step]["tokens_in"] is None and web[step]["tokens_out"] is None, step
+    assert web["heuristics"]["documents_out"] == web["decontam"]["documents_in"]
+    assert web["decontam"]["documents_out"] == web["tokenize"]["documents_in"]
+    assert web["tokenize"]["tokens_out"] == web["tokenize"]["tokens_in"] > 0
+    assert web["tokenize"]["tokens_out"] == web["dedup"]["tokens_in"]
 
 
 def test_webdataset_reads_the_shards(built: Path) -> None:

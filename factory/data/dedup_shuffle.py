@@ -5,9 +5,10 @@ through two in-memory indexes. Here the same decisions come from four kinds
 of task, none of which holds the corpus, and the driver holds only task
 handles:
 
-1. **map**, one per unit: read the unit once; write its sidecar (keys,
-   lengths, record offsets: all later stages need of it without tokens) and
-   its exact keys and LSH band keys, each sent to partition ``key % P``.
+1. **map**, one per unit: read the unit's sidecar (written by curate,
+   ``unit_io.read_sidecar``: keys, lengths, offsets, exact hashes and
+   signatures, no tokens) and send its exact keys and LSH band keys, each to
+   partition ``key % P``.
 2. **reduce**, one per partition: sort the partition's keys; an exact key
    seen before (by document id) marks an exact duplicate; each (band, key)
    shared by two or more documents becomes a *group*, written as
@@ -29,14 +30,12 @@ knowing any unit's length in advance.
 from __future__ import annotations
 
 import os
-import pickle
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from factory.data.stage_dedup import write_keep_mask
-from factory.data.unit_io import read_unit_with_offsets
+from factory.data.unit_io import read_sidecar
 from factory.schemas.data_recipe import DedupConfig
 
 __all__ = [
@@ -70,49 +69,37 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def _sidecar_path(unit: Path) -> Path:
-    return unit.with_suffix(".refs.pkl")
-
-
-def read_sidecar(unit: Path) -> dict[str, Any]:
-    """``{"keys": [...], "lengths": int64[n], "offsets": int64[n]}`` of a mapped unit."""
-    with open(_sidecar_path(unit), "rb") as handle:
-        return pickle.load(handle)
-
-
 def _partition_file(work: Path, partition: int, unit_index: int) -> Path:
     return work / "map" / f"p{partition:05d}" / f"u{unit_index:07d}.npz"
 
 
 def map_unit(unit: Path, unit_index: int, config: DedupConfig, work: Path, partitions: int) -> None:
-    """Write ``unit``'s sidecar and its keys, partitioned; a no-op when already done."""
+    """Send ``unit``'s keys to their partitions; a no-op when already done."""
     done = work / "map" / "done" / f"u{unit_index:07d}"
     if done.is_file():
         return
     from factory.data.dedup import LSHIndex
 
-    lsh = LSHIndex(config.bands, config.rows)
-    keys: list[str] = []
-    lengths, offsets, exact_hashes, exact_ids = [], [], [], []
-    band_ids, band_keys, band_docs = [], [], []
-    for record, (offset, doc) in enumerate(read_unit_with_offsets(unit)):
-        keys.append(doc.key)
-        lengths.append(len(doc.ids))
-        offsets.append(offset)
-        identity = doc_id(unit_index, record)
-        if config.exact:
-            exact_hashes.append(doc.content_hash)
-            exact_ids.append(identity)
-        if config.minhash and doc.signature is not None:
-            for band, key in enumerate(lsh.band_keys(doc.signature)):
-                band_ids.append(band)
-                band_keys.append(key)
-                band_docs.append(identity)
-    exact = np.frombuffer(b"".join(exact_hashes), dtype=np.uint64).reshape(-1, 2)
-    exact_doc = np.asarray(exact_ids, dtype=np.int64)
-    band = np.asarray(band_ids, dtype=np.uint16)
-    band_key = np.asarray(band_keys, dtype=np.uint64)
-    band_doc = np.asarray(band_docs, dtype=np.int64)
+    sidecar = read_sidecar(unit)
+    n = len(sidecar["keys"])
+    ids = doc_id(unit_index, 0) + np.arange(n, dtype=np.int64)
+    if config.exact:
+        exact = np.ascontiguousarray(sidecar["exact"]).view(np.uint64).reshape(-1, 2)
+        exact_doc = ids
+    else:
+        exact, exact_doc = np.zeros((0, 2), np.uint64), np.zeros(0, np.int64)
+    signatures, signed = sidecar["signatures"], sidecar["signed"]
+    if config.minhash and signatures is not None:
+        lsh = LSHIndex(config.bands, config.rows)
+        rows = np.flatnonzero(signed)
+        keys = [lsh.band_keys(signatures[i]) for i in rows.tolist()]
+        band_key = np.asarray(keys, dtype=np.uint64).reshape(-1)
+        band = np.tile(np.arange(config.bands, dtype=np.uint16), len(rows))
+        band_doc = np.repeat(ids[rows], config.bands)
+    else:
+        band = np.zeros(0, np.uint16)
+        band_key = np.zeros(0, np.uint64)
+        band_doc = np.zeros(0, np.int64)
     exact_part = exact[:, 0] % np.uint64(partitions)
     band_part = band_key % np.uint64(partitions)
     for p in range(partitions):
@@ -125,14 +112,6 @@ def map_unit(unit: Path, unit_index: int, config: DedupConfig, work: Path, parti
             band_key=band_key[b],
             band_doc=band_doc[b],
         )
-    sidecar = {
-        "keys": keys,
-        "lengths": np.asarray(lengths, dtype=np.int64),
-        "offsets": np.asarray(offsets, dtype=np.int64),
-    }
-    tmp = _sidecar_path(unit).with_name(_sidecar_path(unit).name + f".tmp{os.getpid()}")
-    tmp.write_bytes(pickle.dumps(sidecar, protocol=pickle.HIGHEST_PROTOCOL))
-    os.replace(tmp, _sidecar_path(unit))
     done.parent.mkdir(parents=True, exist_ok=True)
     done.touch()
 

@@ -7,7 +7,7 @@ Stages, with what runs where (docs/data.md, "On a Ray cluster"):
 
 ======================  =====================================================
 curate                  one task per input file (``stage_curate.curate_unit``)
-dedup map               one task per unit: sidecar + keys by partition
+dedup map               one task per unit: its sidecar's keys, by partition
 dedup reduce            one task per partition: exact duplicates, LSH groups
 dedup resolve           one task: keep-first over the groups
 dedup mask              one task per unit: keep mask and counts

@@ -2,8 +2,9 @@
 
 Units are visited in canonical order (sources as the recipe lists them, files
 in sorted order, records in file order), so "first occurrence wins" means the
-same document on every run. Only hashes and signatures are read; the result is
-a keep-mask per unit, written atomically, so a killed run resumes here.
+same document on every run. Only the units' sidecars are read (hashes,
+signatures, token counts; ``unit_io.read_sidecar``), never their tokens; the
+result is a keep-mask per unit, written atomically, so a killed run resumes here.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from factory.data.unit_io import read_unit
+from factory.data.unit_io import read_sidecar
 from factory.schemas.data_recipe import DedupConfig
 
 __all__ = ["dedup_units", "read_keep_mask", "write_keep_mask"]
@@ -47,32 +48,31 @@ def dedup_units(units: Sequence[Path], config: DedupConfig, done_marker: Path) -
     results: dict[str, dict] = {}
     doc_id = 0
     for unit in units:
-        keep, exact_drops, near_drops, kept_tokens, dropped_tokens = [], 0, 0, 0, 0
-        for doc in read_unit(unit):
-            keep_it = True
-            if exact is not None and not exact.add(doc.content_hash):
+        sidecar = read_sidecar(unit)
+        lengths = sidecar["lengths"]
+        signatures = sidecar["signatures"] if lsh is not None else None
+        signed = sidecar["signed"]
+        keep = np.ones(len(lengths), dtype=bool)
+        exact_drops = near_drops = 0
+        for i, digest in enumerate(sidecar["exact"]):
+            if exact is not None and not exact.add(digest.tobytes()):
                 exact_drops += 1
-                keep_it = False
+                keep[i] = False
             elif (
                 lsh is not None
-                and doc.signature is not None
-                and lsh.add(doc_id, doc.signature) is not None
+                and signatures is not None
+                and signed[i]
+                and lsh.add(doc_id, signatures[i]) is not None  # an earlier id, maybe 0
             ):
                 near_drops += 1
-                keep_it = False
+                keep[i] = False
             doc_id += 1
-            keep.append(keep_it)
-            if keep_it:
-                kept_tokens += len(doc.ids)
-            else:
-                dropped_tokens += len(doc.ids)
-        mask = np.asarray(keep, dtype=bool)
-        write_keep_mask(unit, mask)
+        write_keep_mask(unit, keep)
         results[str(unit)] = {
             "documents_in": len(keep),
-            "documents_out": int(mask.sum()),
-            "tokens_in": kept_tokens + dropped_tokens,
-            "tokens_out": kept_tokens,
+            "documents_out": int(keep.sum()),
+            "tokens_in": int(lengths.sum()),
+            "tokens_out": int(lengths[keep].sum()),
             "exact_duplicates": exact_drops,
             "near_duplicates": near_drops,
         }
