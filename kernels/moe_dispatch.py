@@ -31,7 +31,15 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-__all__ = ["Dispatch", "grouped_mlp", "grouped_mm_works", "route_tokens"]
+__all__ = [
+    "Activation",
+    "Dispatch",
+    "activate",
+    "grouped_mlp",
+    "grouped_mm_sorted",
+    "grouped_mm_works",
+    "route_tokens",
+]
 
 Activation = Literal["relu2", "swiglu"]
 Impl = Literal["auto", "bmm", "grouped_mm"]
@@ -124,7 +132,7 @@ def route_tokens(top_k_index: torch.Tensor, num_experts: int) -> Dispatch:
     )
 
 
-def _activate(h: torch.Tensor, g: torch.Tensor | None, activation: Activation) -> torch.Tensor:
+def activate(h: torch.Tensor, g: torch.Tensor | None, activation: Activation) -> torch.Tensor:
     """relu2: relu(up x)^2. swiglu: silu(gate x) * (up x)."""
     if activation == "relu2":
         return torch.relu(h).square()
@@ -161,7 +169,7 @@ def _experts_padded_bmm(
     mm = linear or _plain_bmm
     h = mm("up_proj", buffer, up)
     g = mm("gate_proj", buffer, gate) if gate is not None else None
-    out = mm("down_proj", _activate(h, g, activation), down)
+    out = mm("down_proj", activate(h, g, activation), down)
     return out.reshape(-1, d_in).index_select(0, rows[dispatch.inverse_order])
 
 
@@ -174,12 +182,24 @@ def _experts_grouped_mm(
     activation: Activation,
 ) -> torch.Tensor:
     """Same as :func:`_experts_padded_bmm` through ``torch._grouped_mm`` (no padding)."""
+    out = grouped_mm_sorted(x[dispatch.token_index], dispatch, up, down, gate, activation)
+    return out[dispatch.inverse_order]
+
+
+def grouped_mm_sorted(
+    xs: torch.Tensor,
+    dispatch: Dispatch,
+    up: torch.Tensor,
+    down: torch.Tensor,
+    gate: torch.Tensor | None,
+    activation: Activation,
+) -> torch.Tensor:
+    """The expert MLPs on pairs sorted by expert [T*k, d] -> [T*k, d], one ``_grouped_mm``
+    per projection over the experts' runs."""
     offsets = torch.cumsum(dispatch.tokens_per_expert, 0).to(torch.int32)
-    xs = x[dispatch.token_index]
     h = torch._grouped_mm(xs, up.transpose(1, 2), offs=offsets)
     g = torch._grouped_mm(xs, gate.transpose(1, 2), offs=offsets) if gate is not None else None
-    out = torch._grouped_mm(_activate(h, g, activation), down.transpose(1, 2), offs=offsets)
-    return out[dispatch.inverse_order]
+    return torch._grouped_mm(activate(h, g, activation), down.transpose(1, 2), offs=offsets)
 
 
 _GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}

@@ -22,7 +22,13 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from factory.kernels.moe_dispatch import Dispatch, grouped_mm_works
+from factory.kernels.moe_dispatch import (
+    Activation,
+    Dispatch,
+    activate,
+    grouped_mm_sorted,
+    grouped_mm_works,
+)
 
 __all__ = ["PATHS", "ExpertPath", "choose_path", "combine", "pair_outputs"]
 
@@ -51,36 +57,13 @@ def choose_path(dispatch: Dispatch, x: torch.Tensor) -> ExpertPath:
     return "padded_bmm" if wasted <= PER_EXPERT_ROWS * used else "per_expert"
 
 
-def _activate(h: torch.Tensor, g: torch.Tensor | None, activation: str) -> torch.Tensor:
-    """relu2: relu(up x)^2. swiglu: silu(gate x) * (up x). Same ops as the kernel's."""
-    if activation == "relu2":
-        return torch.relu(h).square()
-    assert g is not None
-    return F.silu(g) * h
-
-
-def _grouped(
-    xs: torch.Tensor,
-    dispatch: Dispatch,
-    up: torch.Tensor,
-    down: torch.Tensor,
-    gate: torch.Tensor | None,
-    activation: str,
-) -> torch.Tensor:
-    """Sorted pairs [T*k, d] -> expert outputs, sorted [T*k, d], through ``_grouped_mm``."""
-    offsets = torch.cumsum(dispatch.tokens_per_expert, 0).to(torch.int32)
-    h = torch._grouped_mm(xs, up.transpose(1, 2), offs=offsets)
-    g = torch._grouped_mm(xs, gate.transpose(1, 2), offs=offsets) if gate is not None else None
-    return torch._grouped_mm(_activate(h, g, activation), down.transpose(1, 2), offs=offsets)
-
-
 def _per_expert(
     xs: torch.Tensor,
     dispatch: Dispatch,
     up: torch.Tensor,
     down: torch.Tensor,
     gate: torch.Tensor | None,
-    activation: str,
+    activation: Activation,
 ) -> torch.Tensor:
     """Sorted pairs [T*k, d] -> expert outputs, sorted [T*k, d], one ``mm`` per expert."""
     counts = dispatch.tokens_per_expert.tolist()
@@ -89,7 +72,7 @@ def _per_expert(
         if counts[e] == 0:
             continue  # an empty expert costs nothing and its weights get a zero gradient
         g = F.linear(run, gate[e]) if gate is not None else None
-        outs.append(F.linear(_activate(F.linear(run, up[e]), g, activation), down[e]))
+        outs.append(F.linear(activate(F.linear(run, up[e]), g, activation), down[e]))
     return torch.cat(outs) if outs else xs.new_zeros(0, down.shape[1])
 
 
@@ -100,7 +83,7 @@ def pair_outputs(
     up: torch.Tensor,
     down: torch.Tensor,
     gate: torch.Tensor | None,
-    activation: str,
+    activation: Activation,
 ) -> torch.Tensor:
     """Expert output of every (token, slot) pair in router order [T*k, d] by an unpadded path.
 
@@ -108,7 +91,7 @@ def pair_outputs(
     slower accumulating ``index_put_``) and it hands ``_grouped_mm`` the contiguous gradient
     its CPU backward needs (an expanded one fails there with 'Invalid strides')."""
     xs = x.index_select(0, dispatch.token_index)
-    run = _grouped if path == "grouped_mm" else _per_expert
+    run = grouped_mm_sorted if path == "grouped_mm" else _per_expert
     out = run(xs, dispatch, up, down, gate, activation)
     return out.index_select(0, dispatch.inverse_order)
 
