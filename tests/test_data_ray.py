@@ -113,7 +113,6 @@ def test_many_files_byte_identical_and_the_driver_reads_no_document(
 
     for module, name in [
         (unit_io, "read_unit"),
-        (unit_io, "read_unit_with_offsets"),
         (unit_io, "read_records"),
         (unit_io, "read_sidecar"),  # hashes, signatures: curate writes them, the driver never reads
         (shuffle, "read_sidecar"),

@@ -40,6 +40,7 @@ from factory.data.stage_curate import UnitTask, curate_unit
 from factory.data.stage_write import StagesResult, tokens_per_source
 from factory.data.tokenize import DocumentTokenizer
 from factory.data.unit_io import unit_done
+from factory.io import atomic_write_text
 from factory.jobs.progress import Progress
 
 __all__ = ["connect", "run_ray_stages"]
@@ -167,7 +168,5 @@ def _dedup(
     masks = [(u, i, shuffle) for i, u in enumerate(order)]
     counts = _run_all(mask_unit, masks, "dedup mask", progress)
     results = {str(unit): row for unit, row in zip(order, counts, strict=True)}
-    tmp = marker.with_name(marker.name + ".tmp")
-    tmp.write_text(json.dumps(results, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, marker)
+    atomic_write_text(marker, json.dumps(results, sort_keys=True))
     return results

@@ -17,7 +17,6 @@ tasks, the same bytes come from two steps:
 from __future__ import annotations
 
 import json
-import os
 import pickle
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -31,6 +30,7 @@ from factory.data.packing import PIECE_SEPARATOR, PackingStats, TokenizedDoc, ma
 from factory.data.shards import write_shard
 from factory.data.stage_write import MixedStream
 from factory.data.unit_io import read_records
+from factory.io import atomic_write_bytes
 
 __all__ = ["DocRef", "plan_shards", "write_megatron", "write_planned_shard"]
 
@@ -60,13 +60,6 @@ class DocRef:
 
 def _plan_path(work: Path, index: int) -> Path:
     return work / "plan" / f"shard-{index:06d}.pkl"
-
-
-def _atomic_bytes(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def plan_shards(
@@ -101,14 +94,14 @@ def plan_shards(
         stats.add_bin(len(bin_docs), sum(len(d) for d in bin_docs))
         shard.append([(d.key, d.unit, d.offset, d.start, d.end) for d in bin_docs])
         if len(shard) == samples_per_shard:
-            _atomic_bytes(_plan_path(work, len(samples_per)), pickle.dumps(shard))
+            atomic_write_bytes(_plan_path(work, len(samples_per)), pickle.dumps(shard))
             samples_per.append(len(shard))
             shard = []
     if shard:
-        _atomic_bytes(_plan_path(work, len(samples_per)), pickle.dumps(shard))
+        atomic_write_bytes(_plan_path(work, len(samples_per)), pickle.dumps(shard))
         samples_per.append(len(shard))
     summary = {"samples": samples_per, "emitted": stream.emitted, "packing": asdict(stats)}
-    _atomic_bytes(summary_path, json.dumps(summary, sort_keys=True).encode())
+    atomic_write_bytes(summary_path, json.dumps(summary, sort_keys=True).encode())
     return summary
 
 
@@ -142,7 +135,7 @@ def write_planned_shard(
         "samples": len(samples),
         "loss_tokens": sum(int(s.loss_mask.sum(dtype="int64")) for s in samples),
     }
-    _atomic_bytes(receipt_path, json.dumps(receipt, sort_keys=True).encode())
+    atomic_write_bytes(receipt_path, json.dumps(receipt, sort_keys=True).encode())
     return receipt
 
 

@@ -29,7 +29,6 @@ __all__ = [
     "read_sidecar",
     "read_unit",
     "read_unit_stats",
-    "read_unit_with_offsets",
     "sidecar_path",
     "unit_done",
 ]
@@ -122,20 +121,14 @@ class UnitWriter:
 
 
 def read_unit(path: Path) -> Iterator[CuratedDoc]:
-    for _, doc in read_unit_with_offsets(path):
-        yield doc
-
-
-def read_unit_with_offsets(path: Path) -> Iterator[tuple[int, CuratedDoc]]:
-    """Each record with the byte offset it starts at (for :func:`read_records`)."""
+    """A unit's records in file order (their offsets are in the sidecar)."""
     with open(path, "rb") as handle:
         while True:
-            offset = handle.tell()
             try:
                 key, digest, signature, ids, mask = pickle.load(handle)
             except EOFError:
                 return
-            yield offset, CuratedDoc(key, digest, signature, ids, mask)
+            yield CuratedDoc(key, digest, signature, ids, mask)
 
 
 def read_records(path: Path, offsets: Iterable[int]) -> dict[int, CuratedDoc]:
