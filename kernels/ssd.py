@@ -106,6 +106,45 @@ def _decay(cum: torch.Tensor) -> torch.Tensor:
     return (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
 
 
+class _IntraChunk(torch.autograd.Function):
+    """``(exp(cum_i - cum_j), 0 where hidden) * cb @ x_dt``, the within-chunk term.
+
+    The [b, c, g, r, l, l] weights are the scan's largest tensors, and on CPU their
+    elementwise passes cost more than the matmul that reads them. Autograd's graph of
+    sub/masked_fill/exp/mul makes about twelve passes over them (forward and backward);
+    this one makes seven, in place where it can, with the backward written out:
+    with M = L * cb and L = exp(S), dS = dM * L * cb = dM * M, and dcb = sum_r dM * L.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        cum: torch.Tensor,
+        cb: torch.Tensor,
+        x_dt: torch.Tensor,
+        hidden: torch.Tensor,
+    ) -> torch.Tensor:
+        # cum [b, c, g, r, l], cb [b, c, g, l, l], x_dt [b, c, g, r, l, p], hidden: bool
+        # broadcasting to [.., l, l], True above the diagonal and across documents.
+        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill_(hidden, float("-inf"))
+        decay = decay.exp_()
+        weights = decay * cb[:, :, :, None]
+        ctx.save_for_backward(decay, weights, x_dt)
+        return torch.matmul(weights, x_dt)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
+        decay, weights, x_dt = ctx.saved_tensors
+        grad_weights = torch.matmul(grad, x_dt.transpose(-1, -2))
+        grad_x = torch.matmul(weights.transpose(-1, -2), grad)
+        grad_seg = grad_weights * weights  # zero where hidden: the weight is 0 there
+        grad_cum = grad_seg.sum(-1) - grad_seg.sum(-2)
+        grad_cb = grad_weights.mul_(decay).sum(3)
+        return grad_cum, grad_cb, grad_x, None
+
+
 def ssd_sequential_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -194,8 +233,9 @@ def ssd_chunked_scan_torch(
 
     # 1. Within each chunk: y_i += sum_{j<=i} (C_i·B_j) exp(cum_i - cum_j) dt_j x_j.
     cb = torch.matmul(Cc, Bc.transpose(-1, -2))  # per group, [b, c, g, l, l]
-    decay = _decay(cum) if docs is None else _decay(cum) * docs.same_within_chunk()
-    y = torch.matmul(decay * cb[:, :, :, None], x_dt)  # [b, c, g, r, l, p]
+    upper = torch.ones(cs, cs, dtype=torch.bool, device=x.device).triu(1)
+    hidden = upper if docs is None else upper | ~docs.same_within_chunk()
+    y = _IntraChunk.apply(cum, cb, x_dt, hidden)  # [b, c, g, r, l, p]
 
     # 2. State each chunk leaves behind when started from zero: inputs decayed to its end.
     to_end = torch.exp(cum[..., -1:] - cum)  # [b, c, g, r, l]
