@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from typing import Any
@@ -17,10 +18,10 @@ from factory.data.filters import (
     _ngram_reason,
     cuda_kernel_reason,
     heuristic_reason,
-    ngram_repetition,
     text_quality_reason,
     trajectory_reason,
 )
+from factory.data.ngrams import ngram_repetition
 from factory.schemas.data_recipe import (
     FILTER_STEPS,
     CudaKernelFilter,
@@ -178,7 +179,8 @@ def test_skipping_larger_duplicate_sizes_never_changes_the_reason(
     for m in range(1, 10):
         assert fast[m + 1][1] <= fast[m][1] + 1e-12, m
     top, dups = dict(params.max_top_ngram_fraction), dict(params.max_duplicate_ngram_fraction)
-    assert _ngram_reason(words, top, dups) == _reason_from_every_size(words, params)
+    measure = functools.partial(ngram_repetition, words)
+    assert _ngram_reason(measure, top, dups) == _reason_from_every_size(words, params)
 
 
 def test_short_texts_do_not_crash_the_ngram_checks() -> None:

@@ -29,7 +29,7 @@ HEAVY = {
     "torch", "transformers", "transformer_engine", "mamba_ssm", "triton", "matplotlib", "numpy",
     "tokenizers", "safetensors", "webdataset", "pyarrow", "datasets", "ray", "megatron",
     "megatron_energon", "pydantic", "omegaconf", "yaml", "rich", "typer", "click", "xxhash",
-    "jsonschema", "hypothesis",
+    "jsonschema", "hypothesis", "numba",
 }  # fmt: skip
 """Third-party packages worth deferring: slow to import, or optional extras."""
 

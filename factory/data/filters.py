@@ -11,23 +11,21 @@ went", not as overlapping flags.
 Text heuristics use NeMo Curator's and Gopher's published thresholds
 (docs/data.md, Heuristic filters); the definitions are ours and are stated per field of
 ``HeuristicFilter``. The checks run cheapest first, and the n-gram statistics,
-the only super-linear work, are computed on integer word ids with numpy (one
-sort per n) rather than with Python tuples: this stage runs over every
-pretraining byte.
+the only super-linear work, come from :mod:`factory.data.ngrams` (compiled with
+numba where it is installed): this stage runs over every pretraining byte.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-import numpy as np
-
 from factory.data.document import Document, RawRecord
 from factory.data.formatting import call_parts, declared_tools
+from factory.data.ngrams import Repetition, repetition_of
 from factory.schemas.data_recipe import (
     FILTER_STEPS,
     CudaKernelFilter,
@@ -40,7 +38,6 @@ __all__ = [
     "FilterSpec",
     "cuda_kernel_reason",
     "heuristic_reason",
-    "ngram_repetition",
     "text_quality_reason",
     "trajectory_reason",
 ]
@@ -51,9 +48,6 @@ __all__ = [
 
 _NOT_ALNUM = re.compile(r"[\W_]+")  # runs of characters that are not letters or digits
 _URL = re.compile(r"(?:https?://|www\.|WWW\.)\S+")
-# An odd 64-bit multiplier (2^64 / golden ratio) spreads word-id sequences over the hash space.
-_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
-_FILLER = np.uint64(2**64 - 1)
 _ASCII_ALNUM = b"0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
 
 
@@ -87,11 +81,13 @@ def text_quality_reason(text: str, params: HeuristicFilter) -> str | None:
             return "url_ratio"
     top = dict(params.max_top_ngram_fraction)
     dup = dict(params.max_duplicate_ngram_fraction)
-    return _ngram_reason(words, top, dup)
+    return _ngram_reason(repetition_of(text, words), top, dup)
 
 
-def _ngram_reason(words: list[str], top: dict[int, float], dup: dict[int, float]) -> str | None:
-    """The first n-gram rule ``words`` fail (by n, top before duplicate), or None.
+def _ngram_reason(
+    repetition: Repetition, top: dict[int, float], dup: dict[int, float]
+) -> str | None:
+    """The first n-gram rule a document fails (by n, top before duplicate), or None.
 
     The duplicate fraction never grows with n: a repeated (n+1)-gram's words are
     covered by two repeated n-grams. So when the smallest duplicate size is at
@@ -100,92 +96,15 @@ def _ngram_reason(words: list[str], top: dict[int, float], dup: dict[int, float]
     """
     first = min(dup, default=None)
     later = {n for n in dup if n != first}
-    stats = ngram_repetition(words, {*top, *dup} - later)
+    stats = repetition({*top, *dup} - later)
     if later and stats[first][1] > min(dup[n] for n in later):  # type: ignore[index]
-        stats.update(ngram_repetition(words, later))
+        stats.update(repetition(later))
     for n, (top_fraction, dup_fraction) in sorted(stats.items()):
         if n in top and top_fraction > top[n]:
             return f"top_{n}gram"
         if n in dup and dup_fraction > dup[n]:
             return f"duplicate_{n}gram"
     return None
-
-
-def ngram_repetition(words: list[str], sizes: Iterable[int]) -> dict[int, tuple[float, float]]:
-    """``{n: (top fraction, duplicate fraction)}`` of word n-grams, as ``HeuristicFilter`` defines them.
-
-    All sizes are computed at once, one row per n, so a document costs a fixed
-    handful of numpy calls (one sort) rather than a handful per n: most web
-    documents are a few hundred words, where call overhead, not arithmetic,
-    is the cost.
-    """
-    n_words = len(words)
-    result = dict.fromkeys(sizes, (0.0, 0.0))
-    if any(n < 1 for n in result):
-        raise ValueError(f"n-gram sizes must be >= 1, got {sorted(result)}")
-    sizes = sorted(n for n in result if n < n_words)  # fewer than 2 n-grams: no repeats
-    word_chars = sum(map(len, words))
-    if not sizes or word_chars == 0:
-        return result
-    # Word -> id in first-seen order: deterministic, unlike hash(str), and C-speed.
-    vocab = dict.fromkeys(words)
-    for i, word in enumerate(vocab):
-        vocab[word] = i
-    ids = np.fromiter(map(vocab.__getitem__, words), np.uint64, n_words)
-    lengths = np.fromiter(map(len, words), np.int64, n_words)
-    starts = np.zeros(n_words + 1, np.int64)  # starts[i]: word characters before word i
-    np.cumsum(lengths, out=starts[1:])
-
-    # keys[r, i]: hash of the sizes[r]-gram at word i in the high bits, i in the
-    # low bits, so a plain sort (several times faster than argsort) groups equal
-    # n-grams in text order. A row's tail, where no n-gram starts, gets distinct
-    # filler hashes from the top of the range so it never repeats.
-    shift = np.uint64(max(n_words.bit_length(), 1))
-    position = np.arange(n_words, dtype=np.uint64)
-    width = n_words - sizes[0] + 1
-    filler = (_FILLER - position[:width]) << shift
-    keys = np.empty((len(sizes), width), np.uint64)
-    grams = np.zeros(n_words, np.uint64)
-    row = 0
-    for n in range(1, sizes[-1] + 1):
-        m = n_words - n + 1
-        grams = grams[:m]
-        grams *= _MULTIPLIER
-        grams += ids[n - 1 :]
-        if n == sizes[row]:
-            np.left_shift(grams, shift, out=keys[row, :m])
-            keys[row, m:] = filler[: width - m]
-            row += 1
-    keys |= position[:width]
-    keys.sort(axis=1)
-    order = (keys & ((np.uint64(1) << shift) - np.uint64(1))).astype(np.int64)
-    hashes = keys >> shift
-    same = hashes[:, 1:] == hashes[:, :-1]
-    size = np.array(sizes)
-
-    # Duplicate fraction: words inside any occurrence after an n-gram's first.
-    rows, cols = np.nonzero(same)
-    repeats = order[rows, cols + 1]
-    edges = np.zeros((len(sizes), n_words + 1), np.int32)
-    edges[rows, repeats] += 1  # (row, position) pairs are unique, so += is exact
-    edges[rows, np.minimum(repeats + size[rows], n_words)] -= 1
-    dup_fraction = (np.cumsum(edges[:, :-1], axis=1) > 0) @ lengths / word_chars
-
-    # Top fraction: the most frequent n-gram (first seen wins a tie) x its characters.
-    run_start = np.flatnonzero(np.concatenate([np.ones((len(sizes), 1), bool), ~same], 1))
-    run_len = np.diff(run_start, append=keys.size)
-    run_row = run_start // width
-    first_run = np.searchsorted(run_start, np.arange(len(sizes)) * width)
-    most = np.maximum.reduceat(run_len, first_run)
-    first_at = np.where(run_len == most[run_row], order.ravel()[run_start], n_words)
-    pos = np.minimum.reduceat(first_at, first_run)
-    gram_chars = starts[np.minimum(pos + size, n_words)] - starts[np.minimum(pos, n_words)]
-    # A single occurrence is no repetition: only n-grams seen twice or more count.
-    top_fraction = np.where(most >= 2, most * gram_chars, 0) / word_chars
-    result.update(
-        zip(sizes, zip(top_fraction.tolist(), dup_fraction.tolist(), strict=True), strict=True)
-    )
-    return result
 
 
 def heuristic_reason(record: RawRecord, doc: Document, params: HeuristicFilter) -> str | None:
