@@ -19,36 +19,85 @@ from factory.schemas.model import MambaConfig
 __all__ = ["Mamba2Mixer"]
 
 
+class _CausalDepthwiseConv(torch.autograd.Function):
+    """Depthwise causal conv1d over [B, L, C] as K shifted multiply-adds, backward written out.
+
+    Same result as ``nn.Conv1d(groups=C, padding=K-1)`` truncated to L, without
+    transposing to [B, C, L]: with K = 4 the shifted adds are faster on CPU than
+    oneDNN's depthwise backward. Autograd through the shifted slices would build a
+    zero-filled [B, L+K-1, C] gradient per tap; here the input gradient is one tensor
+    the taps add into, and each weight gradient is a product summed over (B, L) in one
+    reused buffer. The parameters stay those of ``self.conv1d`` so checkpoints keep their
+    names. ``same[j]`` [B, L, 1] (document mode) zeroes tap j where it reaches into the
+    previous document, as at the start of a sequence.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        same: list[torch.Tensor] | None,
+    ) -> torch.Tensor:
+        length, k = x.shape[1], weight.shape[-1]
+        padded = F.pad(x, (0, 0, k - 1, 0))
+        taps = weight.reshape(weight.shape[0], k).t()  # [K, C]
+        shifted = [_tap(padded, j, length, same) for j in range(k)]
+        y = shifted[0] * taps[0] if bias is None else torch.addcmul(bias, shifted[0], taps[0])
+        for j in range(1, k):
+            y = torch.addcmul(y, shifted[j], taps[j])
+        ctx.save_for_backward(padded, weight)
+        ctx.has_bias, ctx.same = bias is not None, same
+        return y
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
+        padded, weight = ctx.saved_tensors
+        length, k = grad.shape[1], weight.shape[-1]
+        taps = weight.reshape(weight.shape[0], k).t()
+        product = torch.empty_like(grad)
+        grad_taps = []
+        for j in range(k):
+            torch.mul(grad, _tap(padded, j, length, ctx.same), out=product)
+            grad_taps.append(product.sum((0, 1)))
+        # Tap j reads x at t - (k-1-j): its output gradient flows back shifted by that much.
+        grad_x = grad * taps[k - 1]
+        for j in range(k - 1):
+            shift = k - 1 - j
+            g = grad[:, shift:] if ctx.same is None else grad[:, shift:] * ctx.same[j][:, shift:]
+            grad_x[:, : length - shift].addcmul_(g, taps[j])
+        grad_weight = torch.stack(grad_taps, dim=-1).reshape(weight.shape)
+        grad_bias = grad.sum((0, 1)) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias, None
+
+
+def _tap(
+    padded: torch.Tensor, j: int, length: int, same: list[torch.Tensor] | None
+) -> torch.Tensor:
+    """The input that tap j multiplies: x shifted right by K-1-j (zeros before the start)."""
+    shifted = padded[:, j : j + length]
+    return shifted if same is None or j == len(same) else shifted * same[j]
+
+
 def _causal_depthwise_conv(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Depthwise causal conv1d over [B, L, C] as K shifted multiply-adds.
-
-    Same result as ``nn.Conv1d(groups=C, padding=K-1)`` truncated to L, without
-    transposing to [B, C, L]: with K = 4 the shifted adds are faster on CPU than
-    oneDNN's depthwise backward, and SiLU's backward runs on a contiguous tensor.
-    The parameters stay those of ``self.conv1d`` so checkpoints keep their names.
-    With ``document_ids`` a tap that reaches into the previous document reads zeros,
-    as at the start of a sequence.
-    """
-    length, k = x.shape[1], weight.shape[-1]
-    padded = F.pad(x, (0, 0, k - 1, 0))
+    """Depthwise causal conv1d over [B, L, C] (:class:`_CausalDepthwiseConv`); with
+    ``document_ids`` a tap that reaches into the previous document reads zeros."""
+    same = None
     if document_ids is not None:
+        length, k = x.shape[1], weight.shape[-1]
         docs = F.pad(document_ids, (k - 1, 0), value=-1)
-        same = [(docs[:, j : j + length] == document_ids)[..., None] for j in range(k - 1)]
-    taps = weight.reshape(weight.shape[0], k).t()  # [K, C]
-
-    def tap(j: int) -> torch.Tensor:
-        shifted = padded[:, j : j + length]
-        return shifted if document_ids is None or j == k - 1 else shifted * same[j]
-
-    y = tap(0) * taps[0] if bias is None else torch.addcmul(bias, tap(0), taps[0])
-    for j in range(1, k):
-        y = torch.addcmul(y, tap(j), taps[j])
-    return y
+        same = [
+            (docs[:, j : j + length] == document_ids)[..., None].to(x.dtype) for j in range(k - 1)
+        ]
+    return _CausalDepthwiseConv.apply(x, weight, bias, same)
 
 
 class Mamba2Mixer(nn.Module):
