@@ -13,10 +13,11 @@ from hypothesis import strategies as st
 
 from factory.data.dedup_shuffle import map_unit, mask_unit, reduce_partition, resolve_groups
 from factory.data.mixing import SourcePlan
-from factory.data.packing import PackingStats
+from factory.data.packing import PackingStats, pack_best_fit_decreasing
 from factory.data.shard_plan import plan_shards, write_planned_shard
+from factory.data.shards import write_shard
 from factory.data.stage_dedup import dedup_units, read_keep_mask
-from factory.data.stage_write import MixedStream, write_shards
+from factory.data.stage_write import MixedStream
 from factory.data.unit_io import CuratedDoc, UnitWriter
 from factory.schemas.data_recipe import DedupConfig
 
@@ -94,7 +95,21 @@ def test_a_near_duplicate_of_a_dropped_document_is_kept_as_locally() -> None:
         assert [n["near_duplicates"] for n in counts] == [0, 1, 0]
 
 
-def test_shards_planned_from_lengths_are_the_local_writers_bytes(tmp_path: Path) -> None:
+def _streamed(
+    stream: MixedStream, out: Path, seq_len: int, window: int, per_shard: int
+) -> tuple[list[str], PackingStats]:
+    """The one-pass reference: pack the documents with their tokens, write shards in turn."""
+    stats = PackingStats()
+    samples = list(pack_best_fit_decreasing(stream, seq_len, window=window, pad_id=0, stats=stats))
+    (out / "shards").mkdir(parents=True, exist_ok=True)
+    digests = [
+        write_shard(out / f"shards/shard-{i:06d}.tar", samples[lo : lo + per_shard], i)
+        for i, lo in enumerate(range(0, len(samples), per_shard))
+    ]
+    return digests, stats
+
+
+def test_shards_planned_from_lengths_are_the_streamed_packers_bytes(tmp_path: Path) -> None:
     rng = np.random.default_rng(3)
     corpus = [[(int(rng.integers(0, 10**6)), None, 0, int(n)) for n in rng.integers(0, 300, 40)]]
     corpus += [[(int(rng.integers(0, 10**6)), None, 0, int(n)) for n in rng.integers(0, 60, 30)]]
@@ -113,7 +128,7 @@ def test_shards_planned_from_lengths_are_the_local_writers_bytes(tmp_path: Path)
         return {"a": [units[0]], "b": [units[1]]}
 
     local_stream = MixedStream(by_source(roots["local"]), plans, seed=9)
-    receipts, stats = write_shards(local_stream, tmp_path / "local", seq_len, window, 0, per_shard)
+    digests, stats = _streamed(local_stream, tmp_path / "local", seq_len, window, per_shard)
     work = tmp_path / "planned" / ".work"
     summary = plan_shards(
         by_source(roots["planned"]), roots["planned"], plans, 9, seq_len, window, per_shard, work
@@ -122,12 +137,12 @@ def test_shards_planned_from_lengths_are_the_local_writers_bytes(tmp_path: Path)
         write_planned_shard(tmp_path / "planned", work, i, roots["planned"], seq_len, 0)
         for i in range(len(summary["samples"]))
     ]
-    assert stats.split_documents > 0 and len(receipts) > 2
-    assert [r["sha256"] for r in planned] == [r["sha256"] for r in receipts]
+    assert stats.split_documents > 0 and len(digests) > 2
+    assert [r["sha256"] for r in planned] == digests
     planned_stats = PackingStats(**summary["packing"])
     planned_stats.loss_tokens = sum(r["loss_tokens"] for r in planned)
     assert planned_stats == stats
     assert summary["emitted"] == local_stream.emitted
-    for receipt in receipts:
+    for receipt in planned:
         a = (tmp_path / "local" / receipt["name"]).read_bytes()
         assert a == (tmp_path / "planned" / receipt["name"]).read_bytes()

@@ -41,6 +41,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from factory.data.tar_headers import Member, ustar_members
 from factory.io import atomic_write_bytes, atomic_write_text
 
 __all__ = [
@@ -110,30 +111,40 @@ class ShardIndex:
 
 
 def scan_shard(path: Path, name: str) -> ShardIndex:
-    """Read the tar headers of ``path`` (not the data) as ``energon prepare`` does."""
+    """Read the tar headers of ``path`` (not the data) as ``energon prepare`` does: straight
+    from the headers for our plain USTAR shards, through ``tarfile`` for anything else."""
+    found = ustar_members(path)
+    if found is None:
+        found = _tarfile_members(path)
+    members, end = found
     index = ShardIndex(name)
-    with tarfile.open(path, mode="r:") as tar:
-        last_key: str | None = None
-        for member in tar:
-            if not member.isreg() or _SKIP_META.match(member.name):
-                continue
-            match = _SPLIT_NAME.match(member.name)
-            if match is None:
-                continue
-            key, part = match.group(1), match.group(2)
-            if key != last_key:
-                index.offsets.append(member.offset)
-                index.samples.append((key, member.offset, 0))
-                last_key = key
-            index.parts.append((len(index.samples) - 1, part, member.offset_data, member.size))
-        # tarfile stops at the zero blocks without moving past them: this is
-        # where the last sample ends, the value Energon appends.
-        index.offsets.append(tar.offset)
+    last_key: str | None = None
+    for member in members:
+        if _SKIP_META.match(member.name):
+            continue
+        match = _SPLIT_NAME.match(member.name)
+        if match is None:
+            continue
+        key, part = match.group(1), match.group(2)
+        if key != last_key:
+            index.offsets.append(member.offset)
+            index.samples.append((key, member.offset, 0))
+            last_key = key
+        index.parts.append((len(index.samples) - 1, part, member.offset_data, member.size))
+    index.offsets.append(end)  # where the last sample ends, the value Energon appends
     index.samples = [
         (key, start, end - start)
         for (key, start, _), end in zip(index.samples, index.offsets[1:], strict=True)
     ]
     return index
+
+
+def _tarfile_members(path: Path) -> tuple[list[Member], int]:
+    """Regular members and the end-of-archive offset, by ``tarfile`` (any tar format)."""
+    with tarfile.open(path, mode="r:") as tar:
+        members = [Member(m.name, m.offset, m.offset_data, m.size) for m in tar if m.isreg()]
+        # tarfile stops at the zero blocks without moving past them.
+        return members, tar.offset
 
 
 def _content_uuid(indexes: list[ShardIndex]) -> str:

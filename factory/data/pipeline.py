@@ -18,25 +18,28 @@ build with any worker count, or one killed and rerun, ends byte-identical.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import multiprocessing
 import os
 import shutil
 from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from multiprocessing.pool import Pool
 from pathlib import Path
 from typing import Any
 
-from factory.data.energon import write_energon_dataset
 from factory.data.manifest import sha256_file, write_manifest
-from factory.data.megatron_index import IndexedDatasetWriter
 from factory.data.mixing import plan_mixture
 from factory.data.ray_build import connect, run_ray_stages
 from factory.data.readers import expand_source_paths
 from factory.data.recipe_loading import LoadedRecipe, load_recipe, with_seq_len
+from factory.data.shard_plan import Runner, plan_and_write
 from factory.data.stage_curate import UnitTask, curate_unit
 from factory.data.stage_dedup import dedup_units
-from factory.data.stage_write import MixedStream, StagesResult, tokens_per_source, write_shards
+from factory.data.stage_write import StagesResult, tokens_per_source
 from factory.data.tokenize import DocumentTokenizer
 from factory.data.unit_io import read_unit_stats, unit_done
 from factory.io import atomic_write_text
@@ -104,25 +107,45 @@ def _one_thread() -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-def _run_units(tasks: list[UnitTask], workers: int, progress: Progress) -> None:
-    pending = [t for t in tasks if not unit_done(t.output_path)]
-    done = len(tasks) - len(pending)
-    progress("curate", done, len(tasks))
-    if workers <= 1 or len(pending) <= 1:
-        for task in pending:
-            curate_unit(task)
-            done += 1
-            progress("curate", done, len(tasks))
+def _apply(job: tuple[int, Callable[..., Any], tuple]) -> tuple[int, Any]:
+    index, fn, args = job
+    return index, fn(*args)
+
+
+def _run_calls(
+    pool: Pool | None,
+    fn: Callable[..., Any],
+    calls: Sequence[tuple],
+    stage: str,
+    progress: Progress,
+    done: int = 0,
+) -> list[Any]:
+    """``fn(*args)`` for every call, in ``pool`` (else here); results in call order."""
+    results: list[Any] = [None] * len(calls)
+    total = done + len(calls)
+    progress(stage, done, total)
+    jobs = [(i, fn, args) for i, args in enumerate(calls)]
+    finished = map(_apply, jobs) if pool is None else pool.imap_unordered(_apply, jobs)
+    for index, result in finished:
+        results[index] = result
+        done += 1
+        progress(stage, done, total)
+    return results
+
+
+@contextmanager
+def _local_runner(workers: int) -> Iterator[Runner]:
+    """A :class:`~factory.data.shard_plan.Runner` over ``workers`` forked processes (this
+    process alone when ``workers`` <= 1), kept for every stage of the build."""
+    if workers <= 1:
+        yield functools.partial(_run_calls, None)
         return
-    # fork: workers inherit the imported modules; the tokenizer is only ever
-    # loaded inside a worker, so there is no Rust thread pool to fork over.
+    # fork: workers inherit the imported modules; the tokenizer's Rust thread pool starts
+    # only at its first parallel call, which the main process never makes.
     # Each worker tokenizes on one thread: the workers already fill the cores, and
     # a Rust thread pool per worker only makes them contend (measured: 5% slower).
-    context = multiprocessing.get_context("fork")
-    with context.Pool(min(workers, len(pending)), initializer=_one_thread) as pool:
-        for _ in pool.imap_unordered(curate_unit, pending):
-            done += 1
-            progress("curate", done, len(tasks))
+    with multiprocessing.get_context("fork").Pool(workers, initializer=_one_thread) as pool:
+        yield functools.partial(_run_calls, pool)
 
 
 def build(
@@ -202,36 +225,17 @@ def _local_stages(
     workers: int,
     progress: Progress,
 ) -> StagesResult:
-    """Curate in a process pool, dedup in this process, then mix, pack and write streaming."""
+    """Curate in worker processes, dedup in this one, then plan and write the shards in the
+    workers again (one pool for the whole build)."""
     recipe = loaded.recipe
-    _run_units(tasks, workers, progress)
-    ordered = [t.output_path for t in tasks]
-    dedup = dedup_units(ordered, recipe.dedup, out / ".work" / "dedup.json")
-    progress("dedup", 1, 1)
-    plans = plan_mixture(recipe, tokens_per_source(units, dedup))
-    stream = MixedStream(units, plans, recipe.seed)
-    megatron = None
-    if recipe.output.megatron:
-        (out / "megatron").mkdir(exist_ok=True)
-        megatron = IndexedDatasetWriter(
-            out / "megatron" / recipe.name, vocab_size=tokenizer.vocab_size
-        )
-    shards, packing = write_shards(
-        stream,
-        out,
-        recipe.packing.seq_len,
-        recipe.packing.window,
-        tokenizer.pad_id,
-        recipe.output.samples_per_shard,
-        progress=lambda n: progress("shards", n, 0),  # the count is known only at the end
-        on_document=megatron.add_document if megatron is not None else None,
-    )
-    progress("shards", len(shards), len(shards))
-    if megatron is not None:
-        megatron.finalize()
-    if recipe.output.energon:
-        write_energon_dataset(out, [s["name"] for s in shards], [s["samples"] for s in shards])
-    return StagesResult(dedup, plans, stream.emitted, shards, packing)
+    order = [t.output_path for t in tasks]
+    pending = [(t,) for t in tasks if not unit_done(t.output_path)]
+    with _local_runner(workers) as run:
+        run(curate_unit, pending, "curate", progress, done=len(tasks) - len(pending))
+        dedup = dedup_units(order, recipe.dedup, out / ".work" / "dedup.json")
+        progress("dedup", 1, 1)
+        plans = plan_mixture(recipe, tokens_per_source(units, dedup))
+        return plan_and_write(run, recipe, out, order, units, dedup, plans, tokenizer, progress)
 
 
 def _write_quarantine(out: Path, tasks: list[UnitTask]) -> None:

@@ -31,11 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from factory.data.dedup_shuffle import map_unit, mask_unit, reduce_partition, resolve_groups
-from factory.data.energon import write_energon_dataset
 from factory.data.mixing import plan_mixture
-from factory.data.packing import PackingStats
 from factory.data.recipe_loading import LoadedRecipe
-from factory.data.shard_plan import plan_shards, write_megatron, write_planned_shard
+from factory.data.shard_plan import plan_and_write
 from factory.data.stage_curate import UnitTask, curate_unit
 from factory.data.stage_write import StagesResult, tokens_per_source
 from factory.data.tokenize import DocumentTokenizer
@@ -121,34 +119,7 @@ def run_ray_stages(
     order = [t.output_path for t in tasks]
     dedup = _dedup(order, recipe.dedup, work, partitions, progress)
     plans = plan_mixture(recipe, tokens_per_source(units, dedup))
-    progress("plan", 0, 1)
-    summary = _one(
-        plan_shards,
-        units,
-        order,
-        plans,
-        recipe.seed,
-        recipe.packing.seq_len,
-        recipe.packing.window,
-        recipe.output.samples_per_shard,
-        work,
-    )
-    progress("plan", 1, 1)
-    calls = [
-        (out, work, i, order, recipe.packing.seq_len, tokenizer.pad_id)
-        for i in range(len(summary["samples"]))
-    ]
-    receipts = _run_all(write_planned_shard, calls, "shards", progress)
-    if recipe.output.megatron:
-        prefix = out / "megatron" / recipe.name
-        _one(write_megatron, units, plans, recipe.seed, prefix, tokenizer.vocab_size)
-    shards = [{k: r[k] for k in ("name", "sha256", "samples")} for r in receipts]
-    if recipe.output.energon:
-        names = [s["name"] for s in shards]
-        _one(write_energon_dataset, out, names, [s["samples"] for s in shards])
-    packing = PackingStats(**summary["packing"])
-    packing.loss_tokens = sum(r["loss_tokens"] for r in receipts)
-    return StagesResult(dedup, plans, summary["emitted"], shards, packing)
+    return plan_and_write(_run_all, recipe, out, order, units, dedup, plans, tokenizer, progress)
 
 
 def _dedup(

@@ -1,7 +1,7 @@
-"""Stage 3 across machines: plan every shard from lengths, then write shards in parallel.
+"""Stage 3 in parallel: plan every shard from lengths, then write shards side by side.
 
-The local writer mixes, packs and writes in one streaming pass. Spread over
-tasks, the same bytes come from two steps:
+One process mixes, packs and writes in one streaming pass (``stage_write``).
+Spread over worker processes or Ray tasks, the same bytes come from two steps:
 
 1. **plan** (one task): run the very same mixed stream and packer over
    :class:`DocRef` s, a key, a length and where the record lies, read from the
@@ -18,21 +18,46 @@ from __future__ import annotations
 
 import json
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from factory.data.dedup_shuffle import read_sidecar
+from factory.data.energon import write_energon_dataset
 from factory.data.megatron_index import IndexedDatasetWriter
 from factory.data.mixing import SourcePlan
 from factory.data.packing import PIECE_SEPARATOR, PackingStats, TokenizedDoc, materialize, pack_bins
 from factory.data.shards import write_shard
-from factory.data.stage_write import MixedStream
+from factory.data.stage_write import MixedStream, StagesResult
+from factory.data.tokenize import DocumentTokenizer
 from factory.data.unit_io import read_records
 from factory.io import atomic_write_bytes
+from factory.jobs.progress import Progress
+from factory.schemas.data_recipe import DataRecipe
 
-__all__ = ["DocRef", "plan_shards", "write_megatron", "write_planned_shard"]
+__all__ = [
+    "DocRef",
+    "Runner",
+    "plan_and_write",
+    "plan_shards",
+    "write_megatron",
+    "write_planned_shard",
+]
+
+
+class Runner(Protocol):
+    """Runs ``fn(*args)`` for every call (Ray tasks, or a process pool) and returns the
+    results in call order, reporting ``progress(stage, done, total)`` as calls finish."""
+
+    def __call__(
+        self,
+        fn: Callable[..., Any],
+        calls: Sequence[tuple],
+        stage: str,
+        progress: Progress,
+        done: int = 0,
+    ) -> list[Any]: ...
 
 
 @dataclass(frozen=True)
@@ -157,3 +182,53 @@ def write_megatron(
     for doc in MixedStream(units, plans, seed):
         writer.add_document(doc.ids)
     writer.finalize()
+
+
+def plan_and_write(
+    run: Runner,
+    recipe: DataRecipe,
+    out: Path,
+    order: list[Path],
+    units: dict[str, list[Path]],
+    dedup: dict[str, dict],
+    plans: dict[str, SourcePlan],
+    tokenizer: DocumentTokenizer,
+    progress: Progress,
+) -> StagesResult:
+    """Plan the shards (one call), write them (one call each), then Megatron's ``.bin`` and
+    Energon's metadata (one call each), every call through ``run``."""
+    work = out / ".work"
+    progress("plan", 0, 1)
+    summary = run(
+        plan_shards,
+        [
+            (
+                units,
+                order,
+                plans,
+                recipe.seed,
+                recipe.packing.seq_len,
+                recipe.packing.window,
+                recipe.output.samples_per_shard,
+                work,
+            )
+        ],
+        "plan",
+        progress,
+    )[0]
+    calls = [
+        (out, work, i, order, recipe.packing.seq_len, tokenizer.pad_id)
+        for i in range(len(summary["samples"]))
+    ]
+    receipts = run(write_planned_shard, calls, "shards", progress)
+    if recipe.output.megatron:
+        prefix = out / "megatron" / recipe.name
+        call = (units, plans, recipe.seed, prefix, tokenizer.vocab_size)
+        run(write_megatron, [call], "megatron", progress)
+    shards = [{k: r[k] for k in ("name", "sha256", "samples")} for r in receipts]
+    if recipe.output.energon:
+        call = (out, [s["name"] for s in shards], [s["samples"] for s in shards])
+        run(write_energon_dataset, [call], "energon", progress)
+    packing = PackingStats(**summary["packing"])
+    packing.loss_tokens = sum(r["loss_tokens"] for r in receipts)
+    return StagesResult(dedup, plans, summary["emitted"], shards, packing)

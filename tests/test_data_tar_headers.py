@@ -1,0 +1,78 @@
+"""The USTAR header reader against tarfile: same members, or None and tarfile takes over."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from factory.data.energon_index import _tarfile_members, scan_shard
+from factory.data.packing import PackedSample
+from factory.data.shards import write_shard
+from factory.data.tar_headers import ustar_members
+
+FORMATS = {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT}
+names = st.text(st.characters(blacklist_characters="\0/", codec="utf-8"), min_size=1, max_size=120)
+
+
+def _tar(path: Path, members: list[tuple[str, int]], form: int) -> None:
+    with tarfile.open(path, "w", format=form) as tar:
+        for name, size in members:
+            info = tarfile.TarInfo(name)
+            info.size = size
+            tar.addfile(info, io.BytesIO(bytes(range(256)) * (size // 256 + 1)))
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.tuples(names, st.integers(0, 3000)), max_size=8),
+    st.sampled_from(sorted(FORMATS)),
+)
+def test_members_equal_tarfile_or_the_reader_steps_aside(
+    tmp_path_factory: pytest.TempPathFactory, members: list[tuple[str, int]], form: str
+) -> None:
+    path = tmp_path_factory.mktemp("tar") / "x.tar"
+    _tar(path, members, FORMATS[form])
+    found = ustar_members(path)
+    if found is not None:  # long, non-ASCII or PAX names make tarfile's job of it
+        assert found == _tarfile_members(path)
+    if form == "ustar" and all(len(n.encode()) <= 100 for n, _ in members):
+        assert found is not None
+
+
+def test_our_shards_are_read_without_tarfile(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    samples = [
+        PackedSample(
+            tokens=rng.integers(0, 1000, 64, dtype=np.int64),
+            loss_mask=np.ones(64, np.uint8),
+            cu_seqlens=np.array([0, 30, 64], np.int32),
+            doc_keys=["a", "b"],
+        )
+        for _ in range(5)
+    ]
+    path = tmp_path / "shard-000003.tar"
+    write_shard(path, samples, 3)
+    found = ustar_members(path)
+    assert found is not None and found == _tarfile_members(path)
+    assert len(scan_shard(path, "shards/shard-000003.tar").samples) == 5
+
+
+def test_damaged_or_truncated_archives_go_to_tarfile(tmp_path: Path) -> None:
+    path = tmp_path / "x.tar"
+    _tar(path, [("a.bin", 700), ("b.bin", 3)], tarfile.USTAR_FORMAT)
+    data = bytearray(path.read_bytes())
+    assert ustar_members(path) is not None
+    flipped = bytearray(data)
+    flipped[1536 + 10] ^= 0x01  # a byte of the second member's name: its checksum fails
+    path.write_bytes(bytes(flipped))
+    assert ustar_members(path) is None
+    path.write_bytes(bytes(data[:2048]))  # cut before the end-of-archive blocks
+    assert ustar_members(path) is None
+    path.write_bytes(b"")
+    assert ustar_members(path) is None
