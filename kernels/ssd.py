@@ -93,6 +93,11 @@ def _skip_term(x: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
     return x * (D[:, None] if D.ndim == 1 else D)
 
 
+def _pad_length(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """``t`` [b, l, ...] with ``pad`` zero positions appended (F.pad copies even for 0)."""
+    return F.pad(t, (0, 0) * (t.ndim - 2) + (0, pad)) if pad else t
+
+
 def _decay(cum: torch.Tensor) -> torch.Tensor:
     """exp(cum_i - cum_j) for j <= i and 0 above the diagonal: [..., l] -> [..., l, l].
 
@@ -216,10 +221,7 @@ def ssd_chunked_scan_torch(
     # Zero padding at the end is harmless: dt = 0 there, so the padded steps
     # neither decay the state (exp(0) = 1) nor inject into it, and the final
     # state equals the state after the last real position.
-    xf = F.pad(x.to(cdt), (0, 0, 0, 0, 0, pad))
-    dtf = F.pad(dt.to(cdt), (0, 0, 0, pad))
-    Bf = F.pad(B.to(cdt), (0, 0, 0, 0, 0, pad))
-    Cf = F.pad(C.to(cdt), (0, 0, 0, 0, 0, pad))
+    xf, dtf, Bf, Cf = (_pad_length(t.to(cdt), pad) for t in (x, dt, B, C))
 
     # Head-major layouts, built once, make every product below a plain batched
     # matmul with no permute copies: x_dt [b, c, g, r, l, p], B and C [b, c, g, l, n].
@@ -241,7 +243,10 @@ def ssd_chunked_scan_torch(
     to_end = torch.exp(cum[..., -1:] - cum)  # [b, c, g, r, l]
     if docs is not None:  # only the chunk's last document reaches its end state
         to_end = to_end * docs.same_as_chunk_end()
-    chunk_states = torch.matmul((x_dt * to_end[..., None]).transpose(-1, -2), Bc[:, :, :, None])
+    # The decay scales B, not x_dt: B per head [b, c, g, r, l, n] is what a broadcast of B
+    # over the heads would copy anyway, and x_dt is then read as it is (transposed, no copy).
+    b_to_end = Bc[:, :, :, None] * to_end[..., None]
+    chunk_states = torch.matmul(x_dt.transpose(-1, -2), b_to_end)  # [b, c, g, r, p, n]
 
     # 3. Carry states across chunks: start(c) = sum_{z<=c} decay(z -> c) * s_z,
     #    where s_0 is the initial state and s_{z>0} the state chunk z-1 produced.
@@ -259,15 +264,15 @@ def ssd_chunked_scan_torch(
     starts, final_state = carried[:, :-1], carried[:, -1]
 
     # 4. Contribution of each chunk's start state: decay to position i, read by C_i.
-    y_start = torch.matmul(Cc[:, :, :, None], starts.transpose(-1, -2))  # [b, c, g, r, l, p]
+    #    The decay scales C per head (as B above), and the product adds into y in the bmm.
     start_decay = torch.exp(cum) if docs is None else torch.exp(cum) * docs.same_as_chunk_start()
-    y = y + y_start * start_decay[..., None]
+    c_start = (Cc[:, :, :, None] * start_decay[..., None]).view(-1, cs, n)
+    starts_t = starts.reshape(-1, p, n).transpose(1, 2)
+    y = torch.baddbmm(y.view(-1, cs, p), c_start, starts_t).view(b, nc, g, r, cs, p)
     y = y.permute(0, 1, 4, 2, 3, 5)  # back to [b, c, l, g, r, p]
-
-    y = y.reshape(b, nc * cs, h, p)[:, :seqlen]
-    if D is not None:
-        y = y + _skip_term(xf[:, :seqlen], D.to(cdt))
-    y = y.to(x.dtype)
+    if D is not None:  # the skip term's fresh tensor takes y in place: no copy for the permute
+        y = _skip_term(xf.view(b, nc, cs, h, p), D.to(cdt)).view_as(y).add_(y)
+    y = y.reshape(b, nc * cs, h, p)[:, :seqlen].to(x.dtype)
     if return_final_state:
         return y, final_state.reshape(b, h, p, n)
     return y
