@@ -6,13 +6,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from factory.kernels.moe_dispatch import relu_squared
+
 __all__ = ["MLP", "activate"]
 
 
 def activate(h: torch.Tensor, activation: str, gate: torch.Tensor | None = None) -> torch.Tensor:
     """relu2: relu(h)^2 (Nemotron's non-gated squared ReLU); swiglu: silu(gate) * h."""
     if activation == "relu2":
-        return F.relu(h).square()
+        return relu_squared(h)
     if activation == "swiglu":
         assert gate is not None, "swiglu needs the gate projection"
         return F.silu(gate) * h
