@@ -61,7 +61,7 @@ BLUEPRINT = {
 
 Forward = Callable[[torch.Tensor], torch.Tensor]
 Step = Callable[[], float]
-GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_grouped_mm")
+GEMMS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm")
 SKEW = 0.2
 """Expert bias scale of the skewed variant: about 3-3.5x the mean load on the top experts."""
 
@@ -147,7 +147,7 @@ def make_step(model: torch.nn.Module, forward: Forward, ids: torch.Tensor) -> St
 
 def _category(op: str) -> str:
     if op in GEMMS:
-        return "GEMM (mm/addmm/bmm/_grouped_mm)"
+        return "GEMM (mm/addmm/bmm/baddbmm/_grouped_mm)"
     if "scaled_dot_product" in op:
         return "SDPA attention"
     if op in ("aten::copy_", "aten::fill_", "aten::cat", "aten::flip", "aten::constant_pad_nd"):
@@ -205,9 +205,10 @@ def _alone(key: str, shapes: list[list[int]], repeats: int = 3) -> float:
     contiguous operands. A ``_grouped_mm`` runs as the one ``mm`` of its FLOPs: the rate a
     GEMM of that size reaches here, not the ragged split's."""
     a, b = torch.randn(shapes[0]), torch.randn(shapes[1])
-    if key == "aten::addmm":
+    if key in ("aten::addmm", "aten::baddbmm"):  # (bias, a, b): the bias is added, not multiplied
         a, b, bias = b, torch.randn(shapes[2]), a
-        call = lambda: torch.addmm(bias, a, b)  # noqa: E731
+        add = torch.addmm if key == "aten::addmm" else torch.baddbmm
+        call = lambda: add(bias, a, b)  # noqa: E731
     elif key == "aten::bmm":
         call = lambda: torch.bmm(a, b)  # noqa: E731
     else:
@@ -223,7 +224,7 @@ def _alone(key: str, shapes: list[list[int]], repeats: int = 3) -> float:
 
 
 def gemm_work(step: Step) -> dict[str, float]:
-    """One profiled step's GEMMs (mm/addmm/bmm/_grouped_mm; ``linear`` counts through the
+    """One profiled step's GEMMs (mm/addmm/bmm/baddbmm/_grouped_mm; ``linear`` counts through the
     addmm/mm it calls): FLOPs, self CPU seconds in the step, and seconds for the same GEMMs
     each run alone at its own shape (the floor at the step's shapes)."""
     from torch.profiler import ProfilerActivity
