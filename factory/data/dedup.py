@@ -17,7 +17,8 @@ Defaults, and where they come from (docs/data.md, Deduplication):
 
 Speed: each word is hashed once (xxh3-64), a shingle hash combines its word
 hashes (numpy ops per word position, no string joins), and the ``num_perm``
-hashes ``a*x + b mod 2**32`` are one broadcast multiply-add and a column min.
+hashes ``a*x + b mod 2**32`` are one broadcast multiply-add and a column min;
+with numba installed, one compiled pass does both (``minhash_jit``, same bits).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from factory.data.jit import compiled_kernels
 from factory.schemas.data_recipe import MAX_NGRAM
 
 # Signatures only compare equal between runs that hash words the same way, so
@@ -198,7 +200,16 @@ class MinHasher:
         return (hashes >> np.uint64(32)).astype(np.uint32)
 
     def signature(self, text: str | Prepared) -> np.ndarray:
-        """``uint32[num_perm]`` MinHash signature of ``text``."""
+        """``uint32[num_perm]`` MinHash signature of ``text`` (compiled where numba is)."""
+        kernels = compiled_kernels("minhash_jit")
+        if kernels is not None:
+            consts = _position_constants(self.shingle_size)
+            return kernels.signature(
+                prepare(text).hashes, consts, self._a, self._b, self.shingle_size
+            )
+        return self._signature_numpy(text)
+
+    def _signature_numpy(self, text: str | Prepared) -> np.ndarray:
         x = self.shingle_hashes(text)
         if x.size <= _BLOCK:
             block = x[:, None] * self._a

@@ -21,6 +21,8 @@ from types import ModuleType
 
 import numpy as np
 
+from factory.data.jit import compiled_kernels
+
 __all__ = ["Repetition", "jit_available", "ngram_repetition", "repetition_of"]
 
 Repetition = Callable[[Iterable[int]], dict[int, tuple[float, float]]]
@@ -31,13 +33,8 @@ _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)
 _FILLER = np.uint64(2**64 - 1)
 
 
-@functools.cache
 def _jit() -> ModuleType | None:
-    try:  # numba is optional: importing the module compiles nothing yet (lazily, then cached)
-        import factory.data.ngram_jit as ngram_jit
-    except ImportError:
-        return None
-    return ngram_jit
+    return compiled_kernels("ngram_jit")
 
 
 def jit_available() -> bool:
