@@ -118,7 +118,7 @@ class _IntraChunk(torch.autograd.Function):
     elementwise passes cost more than the matmul that reads them. Autograd's graph of
     sub/masked_fill/exp/mul makes about twelve passes over them (forward and backward);
     this one makes seven, in place where it can, with the backward written out:
-    with M = L * cb and L = exp(S), dS = dM * L * cb = dM * M, and dcb = sum_r dM * L.
+    with M = L * cb and L = exp(S), dcb = sum_r dM * L and dS = dM * L * cb = dM * M.
     """
 
     @staticmethod
@@ -134,19 +134,20 @@ class _IntraChunk(torch.autograd.Function):
         decay = (cum[..., :, None] - cum[..., None, :]).masked_fill_(hidden, float("-inf"))
         decay = decay.exp_()
         weights = decay * cb[:, :, :, None]
-        ctx.save_for_backward(decay, weights, x_dt)
+        ctx.save_for_backward(decay, weights, cb, x_dt)
         return torch.matmul(weights, x_dt)
 
     @staticmethod
     def backward(
         ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None]:
-        decay, weights, x_dt = ctx.saved_tensors
-        grad_weights = torch.matmul(grad, x_dt.transpose(-1, -2))
+        decay, weights, cb, x_dt = ctx.saved_tensors
         grad_x = torch.matmul(weights.transpose(-1, -2), grad)
-        grad_seg = grad_weights * weights  # zero where hidden: the weight is 0 there
+        # Both products go in place into the one fresh [l, l] tensor, dM.
+        grad_weights = torch.matmul(grad, x_dt.transpose(-1, -2)).mul_(decay)  # dM * L
+        grad_cb = grad_weights.sum(3)
+        grad_seg = grad_weights.mul_(cb[:, :, :, None])  # dM * M, 0 where hidden
         grad_cum = grad_seg.sum(-1) - grad_seg.sum(-2)
-        grad_cb = grad_weights.mul_(decay).sum(3)
         return grad_cum, grad_cb, grad_x, None
 
 
