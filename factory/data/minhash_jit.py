@@ -13,7 +13,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["signature"]
+__all__ = ["fmix64", "signature"]
 
 _MIX_1 = np.uint64(0xFF51AFD7ED558CCD)  # MurmurHash3's 64-bit finalizer, as dedup._fmix64
 _MIX_2 = np.uint64(0xC4CEB9FE1A85EC53)
@@ -21,7 +21,8 @@ _LOW_32 = np.uint64(0xFFFFFFFF)
 
 
 @numba.njit(cache=True, nogil=True)
-def _fmix64(x: np.uint64) -> np.uint64:
+def fmix64(x: np.uint64) -> np.uint64:
+    """MurmurHash3's 64-bit finalizer: every input bit reaches every output bit."""
     x ^= x >> np.uint64(33)
     x *= _MIX_1
     x ^= x >> np.uint64(33)
@@ -46,7 +47,7 @@ def signature(
         total = np.uint64(0)
         for t in range(width):
             total += word_hashes[i + t] * consts[t]
-        x = _fmix64(total) >> np.uint64(32) if width else np.uint64(0)
+        x = fmix64(total) >> np.uint64(32) if width else np.uint64(0)
         for p in range(best.shape[0]):
             value = (a64[p] * x + b64[p]) & _LOW_32
             if value < best[p]:

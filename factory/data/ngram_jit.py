@@ -24,13 +24,13 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from factory.data.minhash_jit import fmix64
+
 __all__ = ["repetition_from_hashes", "repetition_from_utf8", "split_hashed_words"]
 
 _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # odd, 2^64 / golden ratio: as the reference
 _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
 _FNV_PRIME = np.uint64(0x100000001B3)
-_MIX_1 = np.uint64(0xFF51AFD7ED558CCD)  # MurmurHash3's 64-bit finalizer constants
-_MIX_2 = np.uint64(0xC4CEB9FE1A85EC53)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -52,17 +52,6 @@ def _is_space(code: int) -> bool:
         or code == 0x205F
         or code == 0x3000
     )
-
-
-@numba.njit(cache=True, nogil=True)
-def _finish(state: np.uint64) -> np.uint64:
-    """Spread FNV's state into its low bits too: the n-gram keys keep only the low bits."""
-    state ^= state >> np.uint64(33)
-    state *= _MIX_1
-    state ^= state >> np.uint64(33)
-    state *= _MIX_2
-    state ^= state >> np.uint64(33)
-    return state
 
 
 @numba.njit(cache=True, nogil=True)
@@ -91,7 +80,7 @@ def split_hashed_words(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             code = 0x10000  # every 4-byte code point is outside the whitespace set
         if _is_space(code):
             if chars:
-                hashes[count] = _finish(state)
+                hashes[count] = fmix64(state)  # spread FNV's state into the low bits too
                 lengths[count] = chars
                 count += 1
                 state = _FNV_OFFSET
@@ -102,7 +91,7 @@ def split_hashed_words(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             chars += 1
         i += width
     if chars:
-        hashes[count] = _finish(state)
+        hashes[count] = fmix64(state)  # spread FNV's state into the low bits too
         lengths[count] = chars
         count += 1
     return hashes[:count], lengths[:count]
