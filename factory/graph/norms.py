@@ -3,6 +3,8 @@
 Both compute in fp32 and multiply the weight in fp32 before casting back,
 which is what the released checkpoints were trained with and what
 transformers' NemotronH does; matching it keeps exported logits identical.
+``F.rms_norm`` is x * rsqrt(mean(x^2) + eps) as NemotronH writes it out (the same
+values), in a fused kernel with a fused backward: fewer passes than the ops one by one.
 """
 
 from __future__ import annotations
@@ -22,8 +24,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
         return (self.weight.float() * x).to(dtype)
 
 
@@ -41,5 +42,5 @@ class GatedGroupRMSNorm(nn.Module):
         dtype = y.dtype
         y = y.float() * F.silu(z.float())
         grouped = y.unflatten(-1, (self.groups, -1))
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        grouped = F.rms_norm(grouped, grouped.shape[-1:], eps=self.eps)
         return self.weight * grouped.flatten(-2).to(dtype)
