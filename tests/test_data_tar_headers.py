@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from factory.data.energon_index import _tarfile_members, scan_shard
@@ -37,7 +37,10 @@ def test_members_equal_tarfile_or_the_reader_steps_aside(
     tmp_path_factory: pytest.TempPathFactory, members: list[tuple[str, int]], form: str
 ) -> None:
     path = tmp_path_factory.mktemp("tar") / "x.tar"
-    _tar(path, members, FORMATS[form])
+    try:
+        _tar(path, members, FORMATS[form])
+    except ValueError:  # USTAR cannot hold a long name that no "/" splits: nothing to read
+        assume(False)
     found = ustar_members(path)
     if found is not None:  # long, non-ASCII or PAX names make tarfile's job of it
         assert found == _tarfile_members(path)

@@ -17,8 +17,6 @@ import mmap
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
-
 __all__ = ["Member", "ustar_members"]
 
 BLOCK = 512
@@ -54,11 +52,14 @@ def _member(header: bytes, offset: int) -> tuple[Member, int] | None:
     return Member(text, offset, offset + BLOCK, int(raw_size, 8)), int(raw_sum, 8)
 
 
-def _checksums_hold(data: np.ndarray, offsets: list[int], stored: list[int]) -> bool:
+def _checksums_hold(data: memoryview, offsets: list[int], stored: list[int]) -> bool:
     """Every header's checksum as tarfile computes it (its own 8 bytes as spaces), all at once."""
+    import numpy as np  # heavy: `factory validate` reaches this module and never imports numpy
+
     if not offsets:
         return True
-    headers = data[np.asarray(offsets)[:, None] + np.arange(BLOCK)].astype(np.int64)
+    archive = np.frombuffer(data, np.uint8)  # gone on return, before the view is released
+    headers = archive[np.asarray(offsets)[:, None] + np.arange(BLOCK)].astype(np.int64)
     sums = headers.sum(axis=1) - headers[:, 148:156].sum(axis=1) + 8 * 0x20
     return bool(np.array_equal(sums, stored))
 
@@ -77,9 +78,9 @@ def ustar_members(path: Path) -> tuple[list[Member], int] | None:
             while offset + BLOCK <= len(data):
                 header = data[offset : offset + BLOCK]
                 if header == _ZERO:
-                    view = np.frombuffer(data, np.uint8)
+                    view = memoryview(data).cast("B")
                     intact = _checksums_hold(view, [m.offset for m in members], stored)
-                    del view  # the map cannot close while an array still points into it
+                    view.release()  # the map cannot close while a view still points into it
                     return (members, offset) if intact else None
                 found = _member(header, offset)
                 if found is None:

@@ -24,8 +24,8 @@ Progress = Callable[[str, int, int], None]
 """``progress(stage, done, total)``: ``done`` of ``total`` units of ``stage`` are finished
 (``total`` 0: not known yet; a final ``done == total`` report ends a stage).
 
-Stages so far: ``curate`` (input files), ``dedup``, ``shards`` (shards written),
-``plan``, ``report``, ``compile``, ``train`` (optimizer steps), ``export``.
+Stages so far: ``curate`` (input files), ``dedup``, ``plan``, ``shards`` (shards written),
+``megatron``, ``energon``, ``report``, ``compile``, ``train`` (optimizer steps), ``export``.
 """
 
 
