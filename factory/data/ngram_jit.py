@@ -26,7 +26,7 @@ import numpy as np
 
 from factory.data.minhash_jit import fmix64
 
-__all__ = ["repetition_from_hashes", "repetition_from_utf8", "split_hashed_words"]
+__all__ = ["repetition_from_hashes", "split_hashed_words"]
 
 _MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # odd, 2^64 / golden ratio: as the reference
 _FNV_OFFSET = np.uint64(0xCBF29CE484222325)
@@ -177,10 +177,3 @@ def repetition_from_hashes(
             grams[: n_words - n + 1], n, starts, table, first, shift
         )
     return out
-
-
-@numba.njit(cache=True, nogil=True)
-def repetition_from_utf8(data: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """:func:`repetition_from_hashes` of the words of UTF-8 ``data``."""
-    hashes, lengths = split_hashed_words(data)
-    return repetition_from_hashes(hashes, lengths, sizes)

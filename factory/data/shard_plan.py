@@ -198,7 +198,6 @@ def plan_and_write(
     """Plan the shards (one call), write them (one call each), then Megatron's ``.bin`` and
     Energon's metadata (one call each), every call through ``run``."""
     work = out / ".work"
-    progress("plan", 0, 1)
     summary = run(
         plan_shards,
         [
