@@ -14,6 +14,7 @@ theirs, for balanced routing and for a skewed one (``skew_routers``) where the p
 expert path would multiply up to E/k times the rows. The floor's FLOPs are the smaller of the
 two models' counts, so a forced ``--expert-path padded_bmm`` run does not lower its own bar
 by its padding (it can still raise it to theirs, which counts extra Mamba GEMMs).
+``--compile`` runs both with their non-MoE blocks under ``torch.compile`` (``compile_both``).
 """
 
 from __future__ import annotations
@@ -106,6 +107,20 @@ def load_skew(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, float]:
     model.train()
     ratios = [float(load.max() / load.float().mean()) for load in loads]
     return sum(ratios) / len(ratios), max(ratios)
+
+
+def compile_both(ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
+    """``torch.compile`` the same blocks of both models: ours by ``compile_blocks``, theirs
+    the decoder layers whose Hugging Face block type is one of those layer types' (every
+    type but MoE). The warm-up steps pay the compile."""
+    from factory.graph.block_compile import compile_blocks
+    from factory.spec.layer_type import LAYER_TYPES
+
+    compile_blocks(ours)
+    static = {t.hf_block_type for t in LAYER_TYPES.values() if t.static_shapes}
+    for layer in theirs.model.layers:
+        if layer.block_type in static:
+            layer.compile(dynamic=False)
 
 
 def forwards(ours: torch.nn.Module, theirs: torch.nn.Module) -> dict[str, Forward]:
@@ -254,6 +269,8 @@ def run_variant(name: str, skew: float, args: argparse.Namespace, peak: float) -
     for module in ours.modules():
         if isinstance(module, RoutedExperts):
             module.path = args.expert_path  # None: chosen per call by the load
+    if args.compile:
+        compile_both(ours, theirs)
     fwd = forwards(ours, theirs)
     ids = torch.randint(0, BLUEPRINT["model"]["vocab_size"], (BATCH, SEQ))
     diff = max_logit_diff([ours, theirs], fwd, ids)
@@ -303,6 +320,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--profile", action="store_true", help="profile one step of each")
     parser.add_argument("--rows", type=int, default=25, help="top ops listed for ours")
     parser.add_argument("--variants", default="balanced,skewed", help="routings to run")
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the non-MoE blocks of both models"
+    )
     parser.add_argument("--experts", action="store_true", help="calibrate expert GEMM paths")
     parser.add_argument(
         "--expert-path", choices=PATHS, help="force our expert GEMM path (default: by load)"
@@ -325,7 +345,8 @@ def main(argv: list[str]) -> int:
         return 0
     print(
         f"model: {BLUEPRINT['model']['pattern']}, fp32, batch {BATCH} x {SEQ} tokens; "
-        "loss: plain CE for both (our aux loss not added)"
+        "loss: plain CE for both (our aux loss not added); "
+        f"{'non-MoE blocks compiled in both' if args.compile else 'eager'}"
     )
     peak = sgemm_peak()
     print(f"fp32 SGEMM peak now (best of 4096^3 and the head's GEMM): {peak / 1e9:.0f} GFLOP/s")

@@ -64,6 +64,11 @@ class TrainingConfig(Section):
     """Steps between checkpoints (at most 2**40)."""
     seed: Seed = 1234
     """Seed for initialisation, data order and stochastic rounding (0 to 2**63 - 1)."""
+    compile: bool = False
+    """``torch.compile`` each block whose shapes follow from the batch alone (Mamba,
+    attention, dense MLP; the MoE blocks stay eager, their routing decides shapes). The
+    first step pays the compile (seconds per block type); needs a C++ compiler on CPU.
+    Single-process runs only for now."""
     stability: StabilityConfig = StabilityConfig()
     """What the run watches (MoE load, residual stream, loss and gradient spikes, non-finite
     values) and what it does when a threshold is crossed (``factory.runtime.monitors``)."""

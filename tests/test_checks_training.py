@@ -59,6 +59,13 @@ CASES = [
         ("1000", "16384"),
         "error",
     ),
+    (
+        "training.compile_single_process",
+        {"training.compile": True},
+        "training.compile",
+        ("8",),
+        "error",
+    ),
 ]
 
 
@@ -87,3 +94,12 @@ def test_cosine_schedule_ignores_decay_fraction():
         **{"training.schedule": {"kind": "cosine", "warmup_fraction": 0.5, "decay_fraction": 0.6}}
     )
     assert findings("training.schedule_fractions", bp) == []
+
+
+def test_compile_is_allowed_in_one_process():
+    one = {
+        "training.compile": True,
+        "parallelism.world_size": 1,
+        "parallelism.global_batch_size": 1,
+    }
+    assert findings("training.compile_single_process", make(**one)) == []

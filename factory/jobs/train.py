@@ -280,6 +280,10 @@ class _Job:
     def _train(self, shards: Path, device: str) -> tuple[Compiled, LoopResult]:
         self.report("compile", 0, 1)
         compiled = factory.compile(self.bp, device=device, seed=self.seed, precision=self.precision)
+        if self.bp.training.compile:  # the rules allow it in one process only
+            from factory.graph.block_compile import compile_blocks  # imports torch
+
+            compile_blocks(compiled.model)
         self.report("compile", 1, 1)
         return compiled, self._train_loop(compiled, shards)
 

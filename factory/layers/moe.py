@@ -40,6 +40,7 @@ class MixtureOfExperts(LayerType):
     name = "moe"
     section = "moe"
     hf_block_type = "moe"
+    static_shapes = False  # each expert's rows are the router's choice
     megatron_modules: ClassVar[dict[str, str]] = {
         "mixer.experts.up_proj": "mlp.experts.linear_fc1",
         "mixer.experts.gate_proj": "mlp.experts.linear_fc1",

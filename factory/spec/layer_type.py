@@ -80,6 +80,10 @@ class LayerType:
     """Each GEMM's module in Megatron-Core's hybrid layer, by its path inside our block
     (``mixer.q_proj`` -> ``self_attention.linear_qkv``): several of ours may share one fused
     Megatron module. Read by the Megatron export's per-module quantization recipe."""
+    static_shapes: ClassVar[bool] = True
+    """Every tensor's shape in the block follows from the batch's shape alone, so
+    ``torch.compile`` traces the block once (``factory.graph.block_compile``). False where
+    the data decides shapes, as routing decides each expert's rows."""
 
     def config(self, model: ModelConfig) -> Any:
         """This layer's config section (raises when the blueprint lacks it)."""
