@@ -117,6 +117,21 @@ def test_nvfp4_run_stays_finite_and_near_unquantized(batches: ShardLoader) -> No
         assert abs(q - b) < 0.02 * b
 
 
+def test_compiled_blocks_train_as_the_eager_model(batches: ShardLoader) -> None:
+    on = tiny_blueprint(training={"compile": True, "steps": 3})
+    compiled = factory.compile(on, seed=0, precision="off")
+    result = train(compiled, batches, 3)
+    eager = train(factory.compile(tiny_blueprint(), seed=0, precision="off"), batches, 3)
+    blocks = compiled.model.backbone.layers
+    assert [b._compiled_call_impl is not None for b in blocks] == [b.static_shapes for b in blocks]
+    assert not result.diverged and len(result.lm_losses) == 3
+    for c, e in zip(result.lm_losses, eager.lm_losses, strict=True):
+        assert abs(c - e) <= 1e-4 * e
+    emulated = factory.compile(on, seed=0, precision="emulate")
+    with pytest.raises(ValueError, match=r"training\.compile needs precision off"):
+        train(emulated, batches, 1)
+
+
 def test_a_non_finite_loss_stops_the_run(batches: ShardLoader) -> None:
     compiled = factory.compile(tiny_blueprint(), seed=0, precision="off")
     with torch.no_grad():

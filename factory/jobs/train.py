@@ -37,6 +37,7 @@ from factory.io import atomic_write_text
 from factory.jobs.distributed_train import run_rank
 from factory.jobs.launch import LaunchRefused, check_launch, launched_world_size
 from factory.jobs.progress import Progress, silent
+from factory.precision.policy import uses_low_precision
 
 if TYPE_CHECKING:
     from factory.graph.compile import Compiled, PrecisionBackend
@@ -206,6 +207,12 @@ def _check_request(bp: Blueprint, proxy: bool, precision: str) -> None:
     backends = typing.get_args(PrecisionBackend)
     if precision not in backends:
         raise ValueError(f"precision must be one of {', '.join(backends)}, not {precision!r}")
+    if bp.training.compile and precision != "off" and uses_low_precision(bp):
+        raise ValueError(
+            "training.compile needs precision off: inductor cannot compile the quantized "
+            "GEMMs' casts (FP8/FP4 emulation or Transformer Engine); run with --precision off "
+            "or set training.compile: false"
+        )
     if precision == "te":
         from factory.precision.te_backend import require_te
 
@@ -280,10 +287,6 @@ class _Job:
     def _train(self, shards: Path, device: str) -> tuple[Compiled, LoopResult]:
         self.report("compile", 0, 1)
         compiled = factory.compile(self.bp, device=device, seed=self.seed, precision=self.precision)
-        if self.bp.training.compile:  # the rules allow it in one process only
-            from factory.graph.block_compile import compile_blocks  # imports torch
-
-            compile_blocks(compiled.model)
         self.report("compile", 1, 1)
         return compiled, self._train_loop(compiled, shards)
 
