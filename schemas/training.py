@@ -68,7 +68,8 @@ class TrainingConfig(Section):
     """``torch.compile`` each block whose shapes follow from the batch alone (Mamba,
     attention, dense MLP; the MoE blocks stay eager, their routing decides shapes). The
     first step pays the compile (seconds per block type); needs a C++ compiler on CPU.
-    Single-process runs only for now."""
+    For now only in one process and with precision off (inductor cannot compile the
+    quantized GEMMs' emulated casts)."""
     stability: StabilityConfig = StabilityConfig()
     """What the run watches (MoE load, residual stream, loss and gradient spikes, non-finite
     values) and what it does when a threshold is crossed (``factory.runtime.monitors``)."""
