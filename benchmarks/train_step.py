@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import math
 import tempfile
 import time
@@ -269,6 +270,7 @@ def run_variant(name: str, skew: float, args: argparse.Namespace, peak: float) -
     for module in ours.modules():
         if isinstance(module, RoutedExperts):
             module.path = args.expert_path  # None: chosen per call by the load
+    eager = [copy.deepcopy(ours), copy.deepcopy(theirs)] if args.compile else []
     if args.compile:
         compile_both(ours, theirs)
     fwd = forwards(ours, theirs)
@@ -283,9 +285,21 @@ def run_variant(name: str, skew: float, args: argparse.Namespace, peak: float) -
     if diff >= 1e-4:
         raise SystemExit(1)
     steps = {n: make_step(m, fwd[n], ids) for n, m in (("ours", ours), ("theirs", theirs))}
+    eager_steps = {}  # with --compile, the eager models run in the same rounds
+    if eager:
+        eager_fwd = forwards(*eager)
+        for n, m in zip(("ours", "theirs"), eager, strict=True):
+            eager_steps[f"{n} eager"] = make_step(m, eager_fwd[n], ids)
     load_before = load_average()
-    median = report(interleaved(steps, args.steps, args.warmup), tokens=BATCH * SEQ)
+    median = report(interleaved(steps | eager_steps, args.steps, args.warmup), tokens=BATCH * SEQ)
     print(f"1-min load average before/after timing: {load_before:.2f}/{load_average():.2f}")
+    if eager:
+        print(
+            f"eager in the same rounds: ours/theirs tokens/s "
+            f"{median['theirs eager'] / median['ours eager']:.2f}; compiled blocks make ours "
+            f"{median['ours eager'] / median['ours']:.2f}x and theirs "
+            f"{median['theirs eager'] / median['theirs']:.2f}x as fast"
+        )
     work = {n: gemm_work(step) for n, step in steps.items()}
     flops = min(w["flops"] for w in work.values())  # the work both must do, padding aside
     floor, alone = flops / peak, min(w["alone"] for w in work.values())
@@ -310,6 +324,7 @@ def run_variant(name: str, skew: float, args: argparse.Namespace, peak: float) -
         "skew": mean_skew,
         "flops": flops,
         "alone": alone,
+        **{k.replace(" ", "_"): median[k] for k in eager_steps},
     }
 
 
@@ -363,4 +378,15 @@ def main(argv: list[str]) -> int:
             f"{r['ours']:.3f} s | {r['theirs']:.3f} s | {r['ours'] / r['floor']:.2f}x | "
             f"{r['theirs'] / r['ours']:.2f}x |"
         )
+    if args.compile:
+        print(
+            "\n| routing | ours eager | theirs eager | ours vs theirs, eager | ours compiled "
+            "| theirs compiled | ours vs theirs, compiled |\n|---|---:|---:|---:|---:|---:|---:|"
+        )
+        for v, r in results.items():
+            print(
+                f"| {v} | {r['ours_eager']:.3f} s | {r['theirs_eager']:.3f} s | "
+                f"{r['theirs_eager'] / r['ours_eager']:.2f}x | {r['ours']:.3f} s | "
+                f"{r['theirs']:.3f} s | {r['theirs'] / r['ours']:.2f}x |"
+            )
     return 0
