@@ -37,7 +37,6 @@ from factory.io import atomic_write_text
 from factory.jobs.distributed_train import run_rank
 from factory.jobs.launch import LaunchRefused, check_launch, launched_world_size
 from factory.jobs.progress import Progress, silent
-from factory.precision.policy import uses_low_precision
 
 if TYPE_CHECKING:
     from factory.graph.compile import Compiled, PrecisionBackend
@@ -203,6 +202,7 @@ def trained_blueprint(blueprint: Blueprint, proxy: bool, world_size: int = 1) ->
 def _check_request(bp: Blueprint, proxy: bool, precision: str) -> None:
     """Refuse what cannot run here, before any data is curated."""
     from factory.graph.compile import PrecisionBackend
+    from factory.precision.policy import uses_low_precision
 
     backends = typing.get_args(PrecisionBackend)
     if precision not in backends:
