@@ -7,10 +7,12 @@ import copy
 
 import torch
 from blueprint_factory import make
+from runtime_helpers import MICRO, SEQ, tiny_blueprint
 from torch._dynamo.utils import counters
 
 import factory
 from factory.graph.block_compile import compile_blocks
+from factory.graph.blocks import Block
 from factory.graph.documents import document_ids_from_cu_seqlens
 from factory.spec.layer_type import layer_type
 
@@ -35,27 +37,33 @@ def test_every_block_but_the_routed_ones_is_compiled() -> None:
 
 
 def test_compiled_blocks_give_the_eager_loss_and_gradients() -> None:
-    eager = _model().train()
+    # The runtime tests' tiny Super proxy at their micro-batch shape: the training-loop test
+    # then finds these graphs in inductor's cache instead of compiling them again.
+    eager = factory.compile(tiny_blueprint(), seed=0, precision="off").model.train()
     compiled = copy.deepcopy(eager)
     compile_blocks(compiled)
     torch._dynamo.reset()
     counters.clear()
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 1024, (2, 24), generator=generator)
-    docs = document_ids_from_cu_seqlens([[0, 10, 24], [0, 24]], 24)
+    vocab = eager.lm_head.weight.shape[0]
+    ids = torch.randint(0, vocab, (MICRO, SEQ), generator=generator)
+    docs = document_ids_from_cu_seqlens([[0, 10, SEQ], [0, SEQ]], SEQ)
     losses = []
     for model in (eager, compiled):
         logits = model(ids, docs).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         loss.backward()
         losses.append(loss.item())
-    # Traced, not skipped, and blocks of one type share one graph: M, * and - make three.
-    static_types = {s for s in PATTERN if layer_type(s).static_shapes}
-    assert counters["stats"]["unique_graphs"] == len(static_types) == 3
+    # Traced, not skipped, and blocks of one kind share one graph: the main stack's M and *
+    # blocks, and the MTP block (a Block of its own class), make three.
+    kinds = {(type(b), b.symbol) for b in compiled.modules() if isinstance(b, Block)}
+    static = {(kind, symbol) for kind, symbol in kinds if layer_type(symbol).static_shapes}
+    assert counters["stats"]["unique_graphs"] == len(static) == 3
     assert abs(losses[0] - losses[1]) <= 1e-5 * abs(losses[0])
-    pairs = zip(eager.named_parameters(), compiled.parameters(), strict=True)
-    trained = [(name, a, b) for (name, a), b in pairs if a.requires_grad]
-    assert len(trained) > 50
+    pairs = list(zip(eager.named_parameters(), compiled.parameters(), strict=True))
+    for (name, a), b in pairs:  # the same parameters get gradients (not MTP's: logits only)
+        assert (a.grad is None) == (b.grad is None), name
+    trained = [(name, a, b) for (name, a), b in pairs if a.grad is not None]
+    assert len(trained) > 30
     for name, a, b in trained:
-        assert b.grad is not None, name
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
