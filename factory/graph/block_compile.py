@@ -16,19 +16,36 @@ from __future__ import annotations
 from torch import nn
 
 from factory.graph.blocks import Block
+from factory.graph.compile import Compiled
+from factory.spec.layer_type import layer_type
 
-__all__ = ["compile_blocks"]
+__all__ = ["PRECISION_OFF", "compile_blocks", "compile_for_training"]
+
+PRECISION_OFF = (
+    "training.compile needs precision off: inductor cannot compile the quantized GEMMs' casts "
+    "(FP8/FP4 emulation or Transformer Engine)"
+)
+"""Why compiled blocks are refused with a precision policy installed (the loop and
+``factory train`` both say it)."""
 
 
 def compile_blocks(model: nn.Module) -> list[str]:
-    """Compile every :class:`Block` of ``model`` with static shapes, in place; return their
-    paths (``backbone.layers.0`` ...). The first step then pays the compile time (seconds
-    per distinct block type); later steps with the same batch shape reuse the graphs.
-    Blocks are compiled with ``dynamic=False``: a new batch shape compiles again, rather
-    than every shape paying for symbolic sizes."""
+    """Compile every :class:`Block` of ``model`` whose layer type has static shapes, in
+    place; return their paths (``backbone.layers.0`` ...). The first step then pays the
+    compile time (seconds per distinct block type); later steps with the same batch shape
+    reuse the graphs. Blocks are compiled with ``dynamic=False``: a new batch shape compiles
+    again, rather than every shape paying for symbolic sizes."""
     compiled = []
     for name, module in model.named_modules():
-        if isinstance(module, Block) and module.static_shapes:
+        if isinstance(module, Block) and layer_type(module.symbol).static_shapes:
             module.compile(dynamic=False)
             compiled.append(name)
     return compiled
+
+
+def compile_for_training(compiled: Compiled) -> None:
+    """``training.compile``: the blocks of ``compiled.model`` compiled, or ValueError when a
+    precision policy is installed."""
+    if compiled.precision is not None:
+        raise ValueError(f"{PRECISION_OFF}; build with factory.compile(..., precision='off')")
+    compile_blocks(compiled.model)

@@ -30,8 +30,6 @@ class Block(nn.Module):
         self.symbol = layer.symbol
         self.path = layer.prefix
         """The block's path in the graph (``backbone.layers.3``), which keys its router stats."""
-        self.static_shapes = layer.type.static_shapes
-        """Whether ``torch.compile`` may trace the block once for every batch of one shape."""
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mixer = layer.type.build(cfg)
 

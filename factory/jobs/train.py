@@ -201,6 +201,7 @@ def trained_blueprint(blueprint: Blueprint, proxy: bool, world_size: int = 1) ->
 
 def _check_request(bp: Blueprint, proxy: bool, precision: str) -> None:
     """Refuse what cannot run here, before any data is curated."""
+    from factory.graph.block_compile import PRECISION_OFF
     from factory.graph.compile import PrecisionBackend
     from factory.precision.policy import uses_low_precision
 
@@ -208,11 +209,7 @@ def _check_request(bp: Blueprint, proxy: bool, precision: str) -> None:
     if precision not in backends:
         raise ValueError(f"precision must be one of {', '.join(backends)}, not {precision!r}")
     if bp.training.compile and precision != "off" and uses_low_precision(bp):
-        raise ValueError(
-            "training.compile needs precision off: inductor cannot compile the quantized "
-            "GEMMs' casts (FP8/FP4 emulation or Transformer Engine); run with --precision off "
-            "or set training.compile: false"
-        )
+        raise ValueError(f"{PRECISION_OFF}; run with --precision off or training.compile: false")
     if precision == "te":
         from factory.precision.te_backend import require_te
 

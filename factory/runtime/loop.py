@@ -38,7 +38,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from factory.graph.block_compile import compile_blocks
+from factory.graph.block_compile import compile_for_training
 from factory.graph.compile import Compiled
 from factory.runtime import checkpoint
 from factory.runtime.batches import MicroBatch
@@ -324,12 +324,7 @@ def train(
     torch.manual_seed(bp.training.seed if o.seed is None else o.seed)
     compiled.model.train()
     if bp.training.compile:
-        if compiled.precision is not None:
-            raise ValueError(
-                "training.compile needs precision off: inductor cannot compile the quantized "
-                "GEMMs' casts (factory.compile(..., precision='off'))"
-            )
-        compile_blocks(compiled.model)
+        compile_for_training(compiled)
     run = _Run(compiled, batches, total, o)
     layers = [layer.prefix for layer in model_spec(bp.model).layers]
     run.metrics.write("run", name=bp.meta.name, steps=total, seq_len=bp.data.seq_len,
