@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from factory.graph.mamba import _causal_depthwise_conv
+from factory.graph.mamba import _causal_depthwise_conv, _taps
 
 
 def reference(
@@ -53,3 +53,11 @@ def test_conv_matches_conv1d_and_gradcheck(with_bias: bool, documents: bool) -> 
         return _causal_depthwise_conv(*args[:2], args[2] if with_bias else None, document_ids)
 
     assert torch.autograd.gradcheck(fn, [t.detach().requires_grad_() for t in leaves])
+
+
+def test_taps_are_contiguous_rows_of_the_weight() -> None:
+    """Unit-stride [K, C] taps: what lets inductor vectorise the compiled conv over C."""
+    weight = torch.randn(6, 1, 4)
+    taps = _taps(weight)
+    assert taps.shape == (4, 6) and taps.is_contiguous()
+    assert torch.equal(taps, weight[:, 0, :].t())

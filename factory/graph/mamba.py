@@ -42,7 +42,7 @@ class _CausalDepthwiseConv(torch.autograd.Function):
     ) -> torch.Tensor:
         length, k = x.shape[1], weight.shape[-1]
         padded = F.pad(x, (0, 0, k - 1, 0))
-        taps = weight.reshape(weight.shape[0], k).t()  # [K, C]
+        taps = _taps(weight)
         shifted = [_tap(padded, j, length, same) for j in range(k)]
         y = shifted[0] * taps[0] if bias is None else torch.addcmul(bias, shifted[0], taps[0])
         for j in range(1, k):
@@ -57,7 +57,7 @@ class _CausalDepthwiseConv(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
         padded, weight = ctx.saved_tensors
         length, k = grad.shape[1], weight.shape[-1]
-        taps = weight.reshape(weight.shape[0], k).t()
+        taps = _taps(weight)
         product = torch.empty_like(grad)
         grad_taps = []
         for j in range(k):
@@ -72,6 +72,17 @@ class _CausalDepthwiseConv(torch.autograd.Function):
         grad_weight = torch.stack(grad_taps, dim=-1).reshape(weight.shape)
         grad_bias = grad.sum((0, 1)) if ctx.has_bias else None
         return grad_x, grad_weight, grad_bias, None
+
+
+def _taps(weight: torch.Tensor) -> torch.Tensor:
+    """The conv weight [C, 1, K] as K contiguous rows [K, C].
+
+    A stack, not ``.t().contiguous()``: inductor fuses a clone into its readers, which
+    then load the taps at stride K and, past its ratio of strided loads, give up
+    vectorising the whole [B, L, C] loop (4x slower per compiled conv); a stack is
+    written out as its own buffer.
+    """
+    return torch.stack(weight.reshape(weight.shape[0], weight.shape[-1]).unbind(-1))
 
 
 def _tap(
