@@ -37,6 +37,10 @@ from factory.io import atomic_write_text
 from factory.jobs.distributed_train import run_rank
 from factory.jobs.launch import LaunchRefused, check_launch, launched_world_size
 from factory.jobs.progress import Progress, silent
+from factory.planner.params import count_params
+from factory.precision.policy import uses_low_precision
+from factory.proxy_layout import derive_proxy_layout
+from factory.runtime.report import ReportError, write_report
 
 if TYPE_CHECKING:
     from factory.graph.compile import Compiled, PrecisionBackend
@@ -194,8 +198,6 @@ def trained_blueprint(blueprint: Blueprint, proxy: bool, world_size: int = 1) ->
     (``factory.proxy_layout``)."""
     if not proxy:
         return blueprint
-    from factory.proxy_layout import derive_proxy_layout
-
     return derive_proxy_layout(blueprint, world_size)[0]
 
 
@@ -203,7 +205,6 @@ def _check_request(bp: Blueprint, proxy: bool, precision: str) -> None:
     """Refuse what cannot run here, before any data is curated."""
     from factory.graph.block_compile import PRECISION_OFF
     from factory.graph.compile import PrecisionBackend
-    from factory.precision.policy import uses_low_precision
 
     backends = typing.get_args(PrecisionBackend)
     if precision not in backends:
@@ -217,8 +218,6 @@ def _check_request(bp: Blueprint, proxy: bool, precision: str) -> None:
             require_te()
         except ImportError as exc:
             raise BackendUnavailable(str(exc)) from exc
-    from factory.planner.params import count_params
-
     params, have = count_params(bp.model).total, _memory_bytes()
     if have and params * BYTES_PER_PARAM > have:
         raise ModelTooBig(bp.meta.name, params, have, proxy)
@@ -330,7 +329,6 @@ class _Job:
     ) -> None:
         """train.json, the Hugging Face checkpoint in model/ and the report, each whole."""
         from factory.exports.hf import export_hf
-        from factory.runtime.report import ReportError, write_report
 
         summary = {
             "blueprint": self.bp.meta.name,
