@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -245,11 +246,21 @@ def test_an_integer_too_long_to_read(cli, write_yaml) -> None:
     assert "bp.yaml:2: meta.name: an integer of 5000 characters is too long" in err
 
 
-@pytest.mark.parametrize("depth", [100, 10_000, 200_000])
-def test_deep_nesting_is_refused(cli, write_yaml, depth: int) -> None:
-    status, _, err = cli("validate", str(write_yaml("a: " + "[" * depth + "]" * depth)))
+def test_deep_nesting_is_refused(cli, write_yaml) -> None:
+    status, _, err = cli("validate", str(write_yaml("a: " + "[" * 100 + "]" * 100)))
     assert status == 2
     assert "bp.yaml:1: <root>: nested more than 32 levels deep" in err
+
+
+@pytest.mark.parametrize("depth", [10_000, 200_000])
+def test_very_deep_nesting_is_one_clean_line(cli, write_yaml, depth: int) -> None:
+    # Newer PyYAML scanners stop such text themselves, before our event walk sees
+    # it; whose wording wins is theirs to choose, the exit code and the place are ours.
+    status, _, err = cli("validate", str(write_yaml("a: " + "[" * depth + "]" * depth)))
+    assert status == 2
+    assert err.count("\n") == 1
+    assert re.search(r"bp\.yaml:1: <root>: \S", err)
+    assert "Traceback" not in err and "internal error" not in err
 
 
 def test_deep_block_mappings_are_refused(cli, write_yaml) -> None:
