@@ -18,14 +18,14 @@ from benchmarks.machine import describe
 SCRIPT = """
 import json, resource, time
 t0 = time.perf_counter()
-import factory, factory.graph.compile  # torch import counted here, not in the build
+import factory, factory.compilation  # torch import counted here, not in the build
 bp = factory.load_blueprint({name!r})
 t1 = time.perf_counter()
 compiled = factory.compile(bp, device="meta")
 t2 = time.perf_counter()
 params = sum(p.numel() for p in compiled.model.parameters())
 print(json.dumps({{"import_and_load_s": t1 - t0, "build_s": t2 - t1, "params": params,
-                  "plan": compiled.plan.params.total,
+                  "plan": factory.plan(compiled.blueprint).params.total,
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
 """
 

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 
 from benchmarks.machine import describe
 from benchmarks.timing import interleaved, load_average, report
-from factory.graph.experts import PATHS
-from factory.graph.moe import RoutedExperts
+from factory.layers.moe.experts import PATHS
+from factory.layers.moe.module import RoutedExperts
 
 BATCH, SEQ, LR = 4, 512, 1e-4
 
@@ -91,7 +91,7 @@ def skew_routers(model: torch.nn.Module, skew: float) -> None:
     """Skewed routing as a trained router has it: expert e's bias is ``skew * 0.5**e``, so
     a few experts win most top-k choices. The bias only picks experts (the weights stay the
     unbiased scores) and exports as ``e_score_correction_bias``, so theirs routes alike."""
-    from factory.graph.moe import Router
+    from factory.layers.moe.module import Router
 
     for module in model.modules():
         if isinstance(module, Router) and module.e_score_correction_bias is not None:

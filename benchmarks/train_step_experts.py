@@ -1,4 +1,4 @@
-"""Calibration for the MoE expert GEMM path choice (``factory.graph.experts.choose_path``).
+"""Calibration for the MoE expert GEMM path choice (``factory.layers.moe.experts.choose_path``).
 
 Times forward + backward of one layer's routed experts at the train_step proxy's shape
 (``python -m benchmarks train_step --experts``) through each of the three paths, for
@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from factory.graph.experts import PATHS, ExpertPath, choose_path
-from factory.graph.moe import RoutedExperts
 from factory.kernels.moe_dispatch import route_tokens
+from factory.layers.moe.experts import PATHS, ExpertPath, choose_path
+from factory.layers.moe.module import RoutedExperts
 
 SKEWS = (0.0, 1.0, 2.0, 6.0)
 """Router logit slopes across the experts: 0 is balanced, 6 sends nearly all to the first k."""

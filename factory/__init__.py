@@ -36,8 +36,8 @@ __all__ = [
 
 if TYPE_CHECKING:
     from factory import data
+    from factory.compilation import compile
     from factory.errors import BlueprintError
-    from factory.graph.compile import compile
     from factory.jobs.build import BuildResult, build
     from factory.jobs.train import TrainRefused, TrainResult, train
     from factory.loading.load import load_blueprint
@@ -51,7 +51,7 @@ _LAZY = {
     "TrainRefused": "factory.jobs.train",
     "TrainResult": "factory.jobs.train",
     "build": "factory.jobs.build",
-    "compile": "factory.graph.compile",
+    "compile": "factory.compilation",
     "data": "factory",  # the subpackage itself: ``factory.data.build``
     "load_blueprint": "factory.loading.load",
     "plan": "factory.planner.plan",

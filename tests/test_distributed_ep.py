@@ -25,7 +25,7 @@ import factory
 from factory.distributed.expert_parallel import apply_expert_parallel, local_experts
 from factory.distributed.local import run_ranks
 from factory.distributed.mesh import build_meshes
-from factory.graph.moe import MoE
+from factory.layers.moe.module import MoE
 from factory.planner.layout import resolve_layout
 
 WORLD, BATCH, SEQ, TIMEOUT = 2, 2, 64, 120

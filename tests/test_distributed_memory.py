@@ -20,10 +20,10 @@ from torch.distributed.tensor import DTensor
 
 import factory
 from factory.distributed.local import run_ranks
+from factory.layers.model_spec import model_spec
 from factory.planner.layout import resolve_layout
 from factory.planner.runtime_memory import runtime_state_per_rank
 from factory.schemas.blueprint import Blueprint
-from factory.spec.model import model_spec
 
 
 def _blueprint(world: int, **parallelism: Any) -> Blueprint:

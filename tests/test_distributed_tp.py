@@ -33,7 +33,7 @@ from factory.distributed.tensor_parallel import (
 from factory.graph.init import initialize
 from factory.graph.loss import language_model_loss
 from factory.graph.model import HybridLM
-from factory.spec.model import model_spec
+from factory.layers.model_spec import model_spec
 from factory.spec.tensors import Split
 
 WORLD, TIMEOUT = 2, 120

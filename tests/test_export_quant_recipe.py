@@ -17,9 +17,9 @@ import pytest
 
 import factory
 from factory.exports.quant_recipe import QuantRecipeError, megatron_quant_recipe
+from factory.layers.model_spec import model_spec
 from factory.precision.policy import resolve_policy
 from factory.schemas.blueprint import Blueprint
-from factory.spec.model import model_spec
 
 quant_config = pytest.importorskip("megatron.core.quantization.quant_config")
 te_extension = pytest.importorskip("megatron.core.extensions.transformer_engine")

@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 import factory
 from factory.graph.block_compile import compile_blocks
 from factory.graph.blocks import Block
-from factory.graph.documents import document_ids_from_cu_seqlens
+from factory.nn.packed_documents import document_ids_from_cu_seqlens
 from factory.spec.layer_type import layer_type
 
 PATTERN = "M*ME-M*ME"

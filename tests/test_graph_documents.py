@@ -12,8 +12,8 @@ import torch
 from blueprint_factory import make
 
 import factory
-from factory.graph.documents import document_ids_from_cu_seqlens, same_document
 from factory.graph.loss import language_model_loss
+from factory.nn.packed_documents import document_ids_from_cu_seqlens, same_document
 
 LENGTHS = [[7, 12, 5, 8], [16, 16], [32]]
 SEQ = 32

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from factory.graph.mamba import _causal_depthwise_conv, _taps
+from factory.layers.mamba.module import _causal_depthwise_conv, _taps
 
 
 def reference(

@@ -146,7 +146,7 @@ def test_rich_progress_ends_each_stage_and_draws_nothing_off_a_terminal() -> Non
 
 def test_precision_help_names_every_backend() -> None:
     from factory.cli.train_cmd import PRECISION_HELP
-    from factory.graph.compile import PrecisionBackend
+    from factory.compilation import PrecisionBackend
 
     assert all(name in PRECISION_HELP for name in typing.get_args(PrecisionBackend))
 

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from factory.graph.experts import PATHS, ExpertPath, choose_path
-from factory.graph.moe import RoutedExperts
 from factory.kernels.moe_dispatch import grouped_mm_works, route_tokens
+from factory.layers.moe.experts import PATHS, ExpertPath, choose_path
+from factory.layers.moe.module import RoutedExperts
 
 
 def reference(

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import factory
-from factory.graph.compile import Compiled
+from factory.compilation import Compiled
 from factory.loading.load import load_blueprint
 from factory.precision import te_backend
 from factory.precision.qlinear import QuantizedExpertLinear, QuantizedLinear

@@ -19,13 +19,13 @@ from torch import nn
 import factory
 from factory.exports.hf_config import ExportError, hf_config
 from factory.graph.model import SpecMismatch
+from factory.layers.model_spec import model_spec
 from factory.precision.policy import resolve_policy
 from factory.spec import (
     LAYER_TYPES,
     Init,
     LayerType,
     Role,
-    model_spec,
     register_layer_type,
     unregister_layer_type,
 )
@@ -114,7 +114,10 @@ def test_expert_bias_off_builds_no_bias() -> None:
     names = set(model_spec(bp.model).shapes())
     assert not any(n.endswith("e_score_correction_bias") for n in names)
     compiled = factory.compile(bp)
-    assert sum(p.numel() for p in compiled.model.parameters()) == compiled.plan.params.total
+    assert (
+        sum(p.numel() for p in compiled.model.parameters())
+        == factory.plan(compiled.blueprint).params.total
+    )
 
 
 # --------------------------------------------------------------------------- a toy layer type

@@ -10,13 +10,15 @@ already rejects.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import factory.layers  # noqa: F401  (registers the built-in layer types before the loop below)
 from factory.checks.model_rules import used_symbols
 from factory.checks.registry import Finding, rule
 from factory.loading.paths import join_path
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.parallelism import GPU_SPECS
+from factory.spec.layer_type import LAYER_TYPES, LayerType
 
 __all__: list[str] = []
 
@@ -76,31 +78,24 @@ def expert_grid(bp: Blueprint) -> Iterator[Finding]:
         )
 
 
-@rule("parallelism.tp_attention")
-def tp_attention(bp: Blueprint) -> Iterator[Finding]:
-    """TP shards attention heads; KV groups are split or replicated evenly."""
-    att, tp = bp.model.attention, bp.parallelism.tp
-    if att is None or "*" not in used_symbols(bp.model):
-        return
-    if att.heads % tp:
-        yield Finding("parallelism.tp", f"tp={tp} must divide attention heads ({att.heads})")
-    if att.kv_heads % tp and tp % att.kv_heads:
-        yield Finding(
-            "parallelism.tp",
-            f"attention kv_heads ({att.kv_heads}) must be a multiple or divisor of tp={tp}",
-        )
+def _tp_rule(kind: LayerType) -> Callable[[Blueprint], Iterator[Finding]]:
+    """``parallelism.tp_<name>``: the layer type's own TP rules, where the pattern uses it."""
+
+    def check(bp: Blueprint) -> Iterator[Finding]:
+        if kind.symbol not in used_symbols(bp.model):
+            return
+        if kind.section is not None and getattr(bp.model, kind.section) is None:
+            return  # model.layer_sections reports the missing section
+        for message in kind.tp_rules(bp.model, bp.parallelism.tp):
+            yield Finding("parallelism.tp", message)
+
+    check.__doc__ = type(kind).tp_rules.__doc__
+    return check
 
 
-@rule("parallelism.tp_mamba")
-def tp_mamba(bp: Blueprint) -> Iterator[Finding]:
-    """TP shards Mamba heads and groups, so it must divide both."""
-    mamba, tp = bp.model.mamba, bp.parallelism.tp
-    if mamba is None or "M" not in used_symbols(bp.model):
-        return
-    if mamba.heads % tp:
-        yield Finding("parallelism.tp", f"tp={tp} must divide mamba heads ({mamba.heads})")
-    if mamba.groups % tp:
-        yield Finding("parallelism.tp", f"tp={tp} must divide mamba groups ({mamba.groups})")
+for _kind in sorted(LAYER_TYPES.values(), key=lambda kind: kind.name):
+    if type(_kind).tp_rules is not LayerType.tp_rules:
+        rule(f"parallelism.tp_{_kind.name}")(_tp_rule(_kind))
 
 
 @rule("parallelism.cp_mamba")

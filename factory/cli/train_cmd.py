@@ -40,7 +40,7 @@ def parse_precision(value: str) -> str:
     register: the module defining it imports torch, and ``factory validate``
     must not.
     """
-    from factory.graph.compile import PrecisionBackend
+    from factory.compilation import PrecisionBackend
 
     backends = typing.get_args(PrecisionBackend)
     if value not in backends:

@@ -38,9 +38,15 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from factory.graph.moe import MoE, RoutedExperts
+from factory.graph.model import held_submodule
+from factory.layers.model_spec import model_spec
 
-__all__ = ["apply_data_parallel", "mixed_precision_policy", "unsharded_params"]
+__all__ = [
+    "apply_data_parallel",
+    "mixed_precision_policy",
+    "routed_expert_modules",
+    "unsharded_params",
+]
 
 
 def mixed_precision_policy(device_type: str) -> MixedPrecisionPolicy:
@@ -50,12 +56,22 @@ def mixed_precision_policy(device_type: str) -> MixedPrecisionPolicy:
 
 
 def unsharded_params(model: nn.Module) -> set[nn.Parameter]:
-    """Parameters no data-parallel wrapper may touch: the expert biases (moved by a rule)."""
+    """Parameters no data-parallel wrapper may touch: the spec's untrained ones (the expert
+    biases, moved by a rule)."""
     return {
-        module.gate.e_score_correction_bias
-        for module in model.modules()
-        if isinstance(module, MoE) and module.gate.e_score_correction_bias is not None
+        module._parameters[tensor.name.rpartition(".")[2]]
+        for tensor in model_spec(model.cfg).tensors()
+        if not tensor.trainable and (module := held_submodule(model, tensor.module)) is not None
     }
+
+
+def routed_expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules holding routed experts' stacked weights (the spec's expert tensors), which
+    the expert-data-parallel group shards apart from the rest."""
+    paths = dict.fromkeys(
+        t.module for t in model_spec(model.cfg).tensors() if t.expert_dim is not None
+    )
+    return [module for path in paths if (module := held_submodule(model, path)) is not None]
 
 
 def _wrap(
@@ -90,12 +106,11 @@ def apply_data_parallel(
     experts over ``edp_mesh``, then each block and the root over ``dp_mesh``."""
     policy = mixed_precision_policy(device_type)
     ignored = unsharded_params(model)
-    for module in model.modules():
-        if isinstance(module, RoutedExperts) and edp_mesh.size() > 1:
+    experts = routed_expert_modules(model)
+    if edp_mesh.size() > 1:
+        for module in experts:
             _wrap(module, edp_mesh, shard, policy, ignored)
-    experts_alone = {
-        p for m in model.modules() if isinstance(m, RoutedExperts) for p in m.parameters()
-    }
+    experts_alone = {p for module in experts for p in module.parameters()}
     if edp_mesh.size() == 1:
         ignored = ignored | experts_alone  # one replica: nothing to reduce
     for unit in _units(model):

@@ -46,8 +46,10 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from factory.graph.moe import MoE, RoutedExperts
+from factory.graph.model import held_submodule
 from factory.kernels.moe_dispatch import Dispatch, route_tokens
+from factory.layers.model_spec import model_spec
+from factory.layers.moe.module import RoutedExperts
 
 __all__ = ["AllToAllDispatcher", "apply_expert_parallel", "local_experts"]
 
@@ -132,7 +134,12 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     if ep_mesh.ndim != 1:
         raise ValueError(f"ep_mesh must be 1-D (meshes.expert['ep']), got {ep_mesh.ndim} dims")
     ep_size, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+    layers = [
+        (f"{layer.prefix}.mixer", block.mixer)
+        for layer in model_spec(model.cfg).layers
+        if any(t.expert_dim is not None for t in layer.tensors)
+        and (block := held_submodule(model, layer.prefix)) is not None
+    ]
     for name, moe in layers:  # check every layer before changing any
         experts = moe.cfg.num_experts
         if experts % ep_size:

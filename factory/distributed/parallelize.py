@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from factory.compilation import Compiled
 from factory.distributed.data_parallel import apply_data_parallel
 from factory.distributed.expert_parallel import apply_expert_parallel
 from factory.distributed.mesh import Meshes
@@ -23,7 +24,6 @@ from factory.distributed.pipeline import PipelineRunner
 from factory.distributed.pipeline_stages import split_stages
 from factory.distributed.pipelined_model import PipelinedModel
 from factory.distributed.tensor_parallel import apply_tensor_parallel
-from factory.graph.compile import Compiled
 from factory.runtime.loop import mtp_loss_scale
 
 __all__ = ["parallelize", "parallelize_compiled"]

@@ -33,8 +33,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from factory.distributed.pipeline_stages import PipelineStageModule, stage_named_parameters
 from factory.graph.loss import language_model_loss
-from factory.graph.moe import MoE
-from factory.graph.outputs import ModelOutput
+from factory.nn.outputs import ModelOutput
 from factory.planner.layout import Layout
 from factory.runtime.batches import MicroBatch
 from factory.runtime.step import StepOutcome
@@ -141,8 +140,7 @@ class PipelineRunner:
                     mixer = stage.get_submodule(f"{name}.mixer")
                 except AttributeError:
                     continue  # a layer of another stage
-                if isinstance(mixer, MoE):
-                    mixer.gate.update_expert_bias(load.to(self.device))
+                mixer.update_expert_bias(load.to(self.device))  # a routing mixer's load
 
     # --- the step -------------------------------------------------------------------------
 

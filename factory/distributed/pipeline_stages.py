@@ -30,7 +30,7 @@ from torch import nn
 
 from factory.graph.blocks import Block
 from factory.graph.model import HybridLM
-from factory.graph.outputs import collect_routing
+from factory.nn.outputs import collect_routing
 from factory.planner.layout import Layout
 
 __all__ = [

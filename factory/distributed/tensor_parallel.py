@@ -61,10 +61,9 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import Placement
 
-from factory.graph.attention import Attention
-from factory.graph.mamba import Mamba2Mixer
-from factory.graph.outputs import RoutedOutput
-from factory.spec.model import model_spec
+from factory.graph.model import held_submodule
+from factory.layers.model_spec import model_spec
+from factory.nn.outputs import RoutedOutput
 from factory.spec.tensors import Role, TensorSpec
 
 __all__ = ["apply_tensor_parallel", "check_tensor_parallel", "reduce_partial_gradients"]
@@ -77,23 +76,16 @@ def check_tensor_parallel(model: nn.Module, tp: int, sequence_parallel: bool) ->
     holding blocks under the full model's names). The sequence length is checked
     on each forward pass under SP.
     """
-    problems, replicated_kv = [], set()
-    for module in model.modules():
-        if isinstance(module, Attention):
-            if module.kv_heads < tp:
-                replicated_kv |= {id(module.k_proj), id(module.v_proj)}
-            if module.kv_heads % tp and tp % module.kv_heads:
-                problems.append(f"attention kv_heads ({module.kv_heads}) are neither a "
-                                f"multiple nor a divisor of tp={tp}")  # fmt: skip
-        counts = {"attention heads": module.heads} if isinstance(module, Attention) else {}
-        if isinstance(module, Mamba2Mixer):
-            counts = {"mamba heads": module.heads, "mamba groups": module.groups}
-        problems += [f"{w} ({n}) are not divisible by tp={tp}" for w, n in counts.items() if n % tp]
     spec = model_spec(model.cfg)
+    problems, whole = [], set()
+    for layer in spec.layers:
+        problems += layer.type.tp_rules(model.cfg, tp)
+        names = layer.type.tp_whole_linears(model.cfg, tp)
+        whole |= {f"{layer.prefix}.mixer.{name}" for name in names}
     if tp > 1 and not sequence_parallel and any(t.expert_dim is not None for t in spec.tensors()):
         problems.append(f"sequence parallel is required with TP and MoE (tp={tp})")
     for t in spec.tensors():
-        if t.tp is None or t.expert_dim is not None or id(_find(model, t.module)) in replicated_kv:
+        if t.tp is None or t.expert_dim is not None or t.module in whole:
             continue
         problems += [
             f"{t.name}: its {t.tp.kind} split of width {width} (dim {t.tp.dim}) is not "
@@ -110,8 +102,8 @@ def check_tensor_parallel(model: nn.Module, tp: int, sequence_parallel: bool) ->
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Split ``model`` (a HybridLM or a pipeline stage of one) over the 1-D ``tp_mesh`` in place.
 
-    Parameters become DTensors (module docstring); Attention.heads / kv_heads and
-    Mamba2Mixer.heads / groups (and its norm's groups) become this rank's share.
+    Parameters become DTensors (module docstring); each mixer's heads become this rank's
+    share, as its layer type's ``localize_for_tp`` says.
     With one rank nothing changes.
     """
     tp = tp_mesh.size()
@@ -122,14 +114,19 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         raise ValueError("the model already has DTensor parameters: apply tensor parallelism once")
     kv_columns = _split_heads(model, tp, tp_mesh.get_local_rank())
     tensors = [
-        (t, m) for t in model_spec(model.cfg).tensors() if (m := _find(model, t.module)) is not None
+        (t, m)
+        for t in model_spec(model.cfg).tensors()
+        if (m := held_submodule(model, t.module)) is not None
     ]
     ties = _distribute(tensors, tp_mesh, kv_columns)
     _plan(model, tensors, tp_mesh, sequence_parallel, kv_columns)
     for (module, name), (source, source_name) in ties.items():
         # The styles re-wrap parameters, so tied ones (a tied head) are re-tied last.
         module.register_parameter(name, source._parameters[source_name])
-    if sequence_parallel and (embeddings := _find(model, "backbone.embeddings")) is not None:
+    if (
+        sequence_parallel
+        and (embeddings := held_submodule(model, "backbone.embeddings")) is not None
+    ):
 
         def check_length(module: nn.Module, args: tuple[Any, ...]) -> None:
             if (length := args[0].shape[1]) % tp:
@@ -149,29 +146,15 @@ def reduce_partial_gradients(model: nn.Module) -> None:
             param.grad = grad.redistribute(placements=param.placements)
 
 
-def _find(model: nn.Module, path: str) -> nn.Module | None:
-    """The module at ``path``, or None where this model (a pipeline stage) does not hold it."""
-    try:
-        return model.get_submodule(path)
-    except AttributeError:
-        return None
-
-
 def _split_heads(model: nn.Module, tp: int, rank: int) -> dict[int, tuple[int, int]]:
-    """Set every mixer's heads and groups to this rank's share; return, for the KV projections
-    every rank holds whole, the (start, width) of the columns this rank keeps."""
-    kv_columns = {}
-    for module in model.modules():
-        if isinstance(module, Attention):
-            if module.kv_heads < tp:
-                head = rank // (tp // module.kv_heads)  # the KV head of all this rank's queries
-                columns = (head * module.head_dim, module.head_dim)
-                kv_columns[id(module.k_proj)] = kv_columns[id(module.v_proj)] = columns
-            module.heads, module.kv_heads = module.heads // tp, max(module.kv_heads // tp, 1)
-        elif isinstance(module, Mamba2Mixer):
-            module.heads, module.groups = module.heads // tp, module.groups // tp
-            module.norm.groups //= tp
-    return kv_columns
+    """Give every mixer this rank's share of its heads (its layer type knows how); return, for
+    the column linears every rank holds whole, the (start, width) of the columns it keeps."""
+    kept_columns = {}
+    for layer in model_spec(model.cfg).layers:
+        if (block := held_submodule(model, layer.prefix)) is not None:
+            kept = layer.type.localize_for_tp(block.mixer, tp, rank)
+            kept_columns |= {id(block.mixer.get_submodule(n)): cols for n, cols in kept.items()}
+    return kept_columns
 
 
 def _distribute(
@@ -223,7 +206,7 @@ def _plan(
     mixer_of: dict[int, nn.Module] = {}  # id(module) -> the block mixer that holds it
     dense, routing = [], []
     for layer in model_spec(model.cfg).layers:
-        if (block := _find(model, layer.prefix)) is not None:
+        if (block := held_submodule(model, layer.prefix)) is not None:
             experts = any(t.expert_dim is not None for t in layer.tensors)
             (routing if experts else dense).append(block.mixer)
             mixer_of |= {id(m): block.mixer for m in block.mixer.modules()}

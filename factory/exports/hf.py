@@ -10,7 +10,6 @@ mapping is the identity except for splitting and merging the experts.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
@@ -18,12 +17,10 @@ import torch
 from factory.exports.hf_config import hf_config
 from factory.graph.model import HybridLM
 from factory.io import staged_directory
+from factory.layers.model_spec import model_spec
 from factory.schemas.blueprint import Blueprint
-from factory.spec.model import model_spec
 
-__all__ = ["export_hf", "load_hf_state_dict", "to_checkpoint_state_dict"]
-
-_PER_EXPERT = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj|gate_proj)\.weight$")
+__all__ = ["export_hf", "to_checkpoint_state_dict"]
 
 
 def to_checkpoint_state_dict(model: HybridLM) -> dict[str, torch.Tensor]:
@@ -59,25 +56,4 @@ def export_hf(model: HybridLM, bp: Blueprint, out: Path) -> Path:
     with staged_directory(out) as staging:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-    return out
-
-
-def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    """Read a ``.safetensors`` file, or every one in a folder, into our names (experts merged to 3D)."""
-    from safetensors.torch import load_file
-
-    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-    out: dict[str, torch.Tensor] = {}
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    for file in files:
-        for name, tensor in load_file(str(file)).items():
-            name = name.replace("backbone.embedding.weight", "backbone.embeddings.weight")
-            match = _PER_EXPERT.match(name)
-            if match:
-                prefix, index, proj = match.groups()
-                experts.setdefault((prefix, proj), {})[int(index)] = tensor
-            else:
-                out[name] = tensor
-    for (prefix, proj), by_index in experts.items():
-        out[f"{prefix}.{proj}"] = torch.stack([by_index[i] for i in sorted(by_index)])
     return out

@@ -26,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from factory.layers.model_spec import model_spec
 from factory.precision.policy import resolve_policy
 from factory.schemas.blueprint import Blueprint
-from factory.spec.model import model_spec
 
 __all__ = [
     "QUANT_RECIPE_FILE",

@@ -16,17 +16,9 @@ from __future__ import annotations
 from torch import nn
 
 from factory.graph.blocks import Block
-from factory.graph.compile import Compiled
 from factory.spec.layer_type import layer_type
 
-__all__ = ["PRECISION_OFF", "compile_blocks", "compile_for_training"]
-
-PRECISION_OFF = (
-    "training.compile needs precision off: inductor cannot compile the quantized GEMMs' casts "
-    "(FP8/FP4 emulation or Transformer Engine)"
-)
-"""Why compiled blocks are refused with a precision policy installed (the loop and
-``factory train`` both say it)."""
+__all__ = ["compile_blocks"]
 
 
 def compile_blocks(model: nn.Module) -> list[str]:
@@ -41,11 +33,3 @@ def compile_blocks(model: nn.Module) -> list[str]:
             module.compile(dynamic=False)
             compiled.append(name)
     return compiled
-
-
-def compile_for_training(compiled: Compiled) -> None:
-    """``training.compile``: the blocks of ``compiled.model`` compiled, or ValueError when a
-    precision policy is installed."""
-    if compiled.precision is not None:
-        raise ValueError(f"{PRECISION_OFF}; build with factory.compile(..., precision='off')")
-    compile_blocks(compiled.model)

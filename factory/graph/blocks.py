@@ -5,7 +5,7 @@ residual block, as in Megatron's hybrid model and the Hugging Face checkpoints
 (``layers.{i}.norm``, ``layers.{i}.mixer.*``). The mixer comes from the layer
 type registered for the symbol (``factory.layers``), so a new layer type needs
 no change here. Every mixer is called as ``mixer(x, document_ids)``
-(``factory.graph.documents``); token-wise mixers ignore the second argument.
+(``factory.nn.packed_documents``); token-wise mixers ignore the second argument.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from factory.graph.norms import RMSNorm
-from factory.graph.outputs import RoutedOutput
+from factory.layers.model_spec import LayerSpec
+from factory.nn.norms import RMSNorm
+from factory.nn.outputs import RoutedOutput
 from factory.schemas.model import ModelConfig
-from factory.spec.model import LayerSpec
 
 __all__ = ["Block"]
 

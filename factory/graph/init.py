@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from factory.spec.model import ModelSpec
+from factory.layers.model_spec import ModelSpec
 from factory.spec.tensors import TensorSpec
 
 __all__ = ["initial_value", "initialize"]

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from factory.graph.documents import same_document
-from factory.graph.outputs import ModelOutput
+from factory.nn.outputs import ModelOutput
+from factory.nn.packed_documents import same_document
 
 __all__ = ["LossBreakdown", "language_model_loss"]
 

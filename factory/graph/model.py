@@ -2,7 +2,7 @@
 
 The graph is built from the model spec (``factory.spec``), one block per
 layer, and checked against it: every parameter's name and shape is the
-spec's. ``model(input_ids)`` returns a :class:`~factory.graph.outputs.ModelOutput`.
+spec's. ``model(input_ids)`` returns a :class:`~factory.nn.outputs.ModelOutput`.
 Parameter names match the Hugging Face NemotronH checkpoints
 (``backbone.layers.{i}.mixer...``, ``lm_head``, ``mtp.layers.{j}...``).
 """
@@ -13,14 +13,13 @@ import torch
 from torch import nn
 
 from factory.graph.blocks import Block
-from factory.graph.moe import MoE
 from factory.graph.mtp import MultiTokenPrediction
-from factory.graph.norms import RMSNorm
-from factory.graph.outputs import ModelOutput, collect_routing
+from factory.layers.model_spec import ModelSpec, model_spec
+from factory.nn.norms import RMSNorm
+from factory.nn.outputs import ModelOutput, collect_routing
 from factory.schemas.model import ModelConfig
-from factory.spec.model import ModelSpec, model_spec
 
-__all__ = ["Backbone", "HybridLM", "SpecMismatch", "check_against_spec"]
+__all__ = ["Backbone", "HybridLM", "SpecMismatch", "check_against_spec", "held_submodule"]
 
 
 class SpecMismatch(RuntimeError):
@@ -66,7 +65,7 @@ class HybridLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None
     ) -> ModelOutput:
-        """``document_ids`` [B, S] (``factory.graph.documents``) keeps packed documents apart:
+        """``document_ids`` [B, S] (``factory.nn.packed_documents``) keeps packed documents apart:
         each position's logits are those of its document run alone."""
         routed: dict[str, torch.Tensor] = {}
         aux: list[torch.Tensor] = []
@@ -99,8 +98,16 @@ class HybridLM(nn.Module):
         expert received over the optimizer step (summed over its micro-batches)."""
         for name, load in tokens_per_expert.items():
             mixer = self.get_submodule(f"{name}.mixer")
-            if isinstance(mixer, MoE):
-                mixer.gate.update_expert_bias(load)
+            mixer.update_expert_bias(load)  # only routing mixers report a load
+
+
+def held_submodule(model: nn.Module, path: str) -> nn.Module | None:
+    """The module at ``path`` (a full model's name), or None where ``model`` (a pipeline stage
+    of one) does not hold it."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
 
 
 def check_against_spec(model: nn.Module, spec: ModelSpec) -> None:

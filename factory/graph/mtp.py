@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from factory.graph.blocks import Block
-from factory.graph.norms import RMSNorm
-from factory.graph.outputs import collect_routing
+from factory.layers.model_spec import LayerSpec, ModelSpec
+from factory.nn.norms import RMSNorm
+from factory.nn.outputs import collect_routing
 from factory.schemas.model import ModelConfig
-from factory.spec.model import LayerSpec, ModelSpec
 
 __all__ = ["MTPLayer", "MultiTokenPrediction"]
 

@@ -54,7 +54,7 @@ import torch
 
 from factory.graph.blocks import Block
 from factory.graph.model import HybridLM
-from factory.graph.moe import MoE
+from factory.layers.moe.module import MoE
 
 __all__ = ["UpcycleError", "upcycle"]
 

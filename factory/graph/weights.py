@@ -1,15 +1,22 @@
-"""Load weights into a built model from a checkpoint file or a Hugging Face folder."""
+"""Load weights into a built model from a checkpoint file or a Hugging Face folder.
+
+A NemotronH checkpoint's names are the graph's, except that it stores each routed expert's
+matrix apart (``experts.{e}.up_proj.weight``) where the graph stacks them.
+"""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 
-from factory.exports.hf import load_hf_state_dict
 from factory.graph.model import HybridLM
 
-__all__ = ["WeightsError", "load_weights"]
+__all__ = ["WeightsError", "load_hf_state_dict", "load_weights", "read_state_dict"]
+
+_PER_EXPERT = re.compile(r"^(.*\.mixer\.experts)\.(\d+)\.(up_proj|down_proj|gate_proj)\.weight$")
+"""A routed expert's matrix under a Hugging Face checkpoint's name; ours stacks the experts."""
 
 
 class WeightsError(ValueError):
@@ -53,3 +60,24 @@ def load_weights(model: HybridLM, path: Path, ignore: tuple[str, ...] = ()) -> N
     for name, tensor in own.items():
         if name in state:
             tensor.copy_(state[name].to(tensor.dtype))
+
+
+def load_hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    """Read a ``.safetensors`` file, or every one in a folder, into our names (experts merged to 3D)."""
+    from safetensors.torch import load_file
+
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    for file in files:
+        for name, tensor in load_file(str(file)).items():
+            name = name.replace("backbone.embedding.weight", "backbone.embeddings.weight")
+            match = _PER_EXPERT.match(name)
+            if match:
+                prefix, index, proj = match.groups()
+                experts.setdefault((prefix, proj), {})[int(index)] = tensor
+            else:
+                out[name] = tensor
+    for (prefix, proj), by_index in experts.items():
+        out[f"{prefix}.{proj}"] = torch.stack([by_index[i] for i in sorted(by_index)])
+    return out

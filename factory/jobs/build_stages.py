@@ -111,7 +111,7 @@ def _model(ctx: BuildContext) -> str:
     model = compiled.model
     tensors = len(model.state_dict(keep_vars=True))
     parameters = sum(p.numel() for p in model.parameters())  # shared (tied) counted once
-    planned = compiled.plan.params.total
+    planned = factory.plan(compiled.blueprint).params.total
     check = {"device": "meta", "tensors": tensors, "parameters": parameters}
     atomic_write_text(
         ctx.out / "model_check.json",

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import factory
 
 if TYPE_CHECKING:
-    from factory.graph.compile import Compiled
+    from factory.compilation import Compiled
     from factory.jobs.train import _Job
     from factory.runtime.loop import TrainResult as LoopResult
 

@@ -43,7 +43,7 @@ from factory.proxy_layout import derive_proxy_layout
 from factory.runtime.report import ReportError, write_report
 
 if TYPE_CHECKING:
-    from factory.graph.compile import Compiled, PrecisionBackend
+    from factory.compilation import Compiled, PrecisionBackend
     from factory.runtime.loop import StepRecord
     from factory.runtime.loop import TrainResult as LoopResult
     from factory.runtime.ranks import Ranks
@@ -203,8 +203,7 @@ def trained_blueprint(blueprint: Blueprint, proxy: bool, world_size: int = 1) ->
 
 def _check_request(bp: Blueprint, proxy: bool, precision: str) -> None:
     """Refuse what cannot run here, before any data is curated."""
-    from factory.graph.block_compile import PRECISION_OFF
-    from factory.graph.compile import PrecisionBackend
+    from factory.compilation import PRECISION_OFF, PrecisionBackend
 
     backends = typing.get_args(PrecisionBackend)
     if precision not in backends:

@@ -1,10 +1,11 @@
-"""The built-in layer types, one module each; importing this package registers them.
+"""The built-in layer types, one folder each; importing this package registers them.
 
 ``M`` :mod:`~factory.layers.mamba`, ``*`` :mod:`~factory.layers.attention`,
-``-`` :mod:`~factory.layers.mlp`, ``E`` :mod:`~factory.layers.moe`, and the
-MTP block in :mod:`~factory.layers.mtp`. Each declares its tensors, FLOPs,
-activation memory, initialisation, Hugging Face mapping and proxy shrink on a
-:class:`~factory.spec.layer_type.LayerType`.
+``-`` :mod:`~factory.layers.mlp`, ``E`` :mod:`~factory.layers.moe`. A folder holds its
+layer type's description (``spec.py``: tensors, FLOPs, activation memory,
+tensor-parallel rules, proxy shrink, Hugging Face mapping) and its module
+(``module.py``). :mod:`~factory.layers.mtp` is the MTP block's part of the spec, and
+:mod:`~factory.layers.model_spec` assembles every layer's tensors into the model spec.
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from factory.layers.model_spec import LayerSpec, model_spec
 from factory.schemas.model import ModelConfig
 from factory.spec.layer_type import LAYER_TYPES, layer_type
-from factory.spec.model import LayerSpec, model_spec
 
 __all__ = ["FlopsPerToken", "flops_keys", "flops_per_token", "megatron_flops_per_sequence"]
 

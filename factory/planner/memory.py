@@ -20,13 +20,13 @@ import math
 from dataclasses import asdict, dataclass
 
 from factory.layers import mtp as mtp_block
+from factory.layers.model_spec import ModelSpec, model_spec
 from factory.planner.layout import Layout
 from factory.planner.params import LayerParams, tensor_params
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.model import ModelConfig
 from factory.spec.activations import BF16, FP32, INT64, TokenShards
 from factory.spec.layer_type import LAYER_TYPES, LayerType, layer_type
-from factory.spec.model import ModelSpec, model_spec
 
 __all__ = ["ActivationMemory", "MemoryPlan", "ParamsOnRank", "RankMemory", "memory_per_rank"]
 

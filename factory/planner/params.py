@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from factory.layers.model_spec import LayerSpec, model_spec
 from factory.schemas.model import ModelConfig
-from factory.spec.model import LayerSpec, model_spec
 from factory.spec.tensors import TensorSpec
 
 __all__ = ["LayerParams", "ModelParams", "count_params", "layer_params", "tensor_params"]

@@ -26,9 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
+from factory.layers.model_spec import model_spec
 from factory.planner.layout import Layout
 from factory.schemas.blueprint import Blueprint
-from factory.spec.model import model_spec
 
 __all__ = ["RuntimeState", "runtime_state_per_rank"]
 

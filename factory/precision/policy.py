@@ -25,9 +25,9 @@ from collections import Counter
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
+from factory.layers.model_spec import model_spec
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.model import ModelConfig
-from factory.spec.model import model_spec
 from factory.spec.tensors import Role
 
 __all__ = [

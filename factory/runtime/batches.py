@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from factory.data import manifest as manifest_io
-from factory.graph.documents import document_ids_from_cu_seqlens
+from factory.nn.packed_documents import document_ids_from_cu_seqlens
 from factory.schemas.blueprint import Blueprint
 
 __all__ = [
@@ -57,7 +57,7 @@ class MicroBatch:
     0). :func:`factory.graph.loss.language_model_loss` takes both as they are
     and does the shift, also for the MTP depths. ``document_ids`` [B, S] int64
     (None where the source has no ``cu_seqlens``) is the packed document of
-    every position, as the graph's mixers take it (``factory/graph/documents.py``).
+    every position, as the graph's mixers take it (``factory/nn/packed_documents.py``).
     """
 
     input_ids: torch.Tensor

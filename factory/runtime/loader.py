@@ -68,7 +68,7 @@ headers itself (checksums and bounds checked, damage raised as
 arrays in place with ``np.frombuffer``: about 13x webdataset, so it is the
 reader here. End to end (reading, collation, thread) the loader gives ~10,800
 samples/s at seq 64 and B=8; at seq 512 it falls to ~500 samples/s, bound by
-:func:`~factory.graph.documents.document_ids_from_cu_seqlens` (one
+:func:`~factory.nn.packed_documents.document_ids_from_cu_seqlens` (one
 multi-threaded ``torch.searchsorted`` per row), not by reading.
 """
 

@@ -38,8 +38,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from factory.graph.block_compile import compile_for_training
-from factory.graph.compile import Compiled
+from factory.compilation import Compiled, compile_for_training
+from factory.layers.model_spec import model_spec
 from factory.runtime import checkpoint
 from factory.runtime.batches import MicroBatch
 from factory.runtime.gradients import clip_to_norm, norm_masters
@@ -51,7 +51,6 @@ from factory.runtime.run_state import Anneal, Position, restore, snapshot
 from factory.runtime.schedule import annealed_rate, learning_rate
 from factory.runtime.step import StepOutcome, forward_backward
 from factory.schemas.model import MTPConfig
-from factory.spec.model import model_spec
 
 __all__ = ["BatchSource", "RunOptions", "StepRecord", "TrainResult", "train"]
 

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from factory.graph.compile import Compiled
+from factory.compilation import Compiled
+from factory.layers.model_spec import model_spec
 from factory.runtime import checkpoint
 from factory.runtime.monitors import Monitors
 from factory.runtime.optimizer import MasterOptimizer
-from factory.spec.model import model_spec
 
 __all__ = ["Anneal", "Position", "fingerprint", "restore", "snapshot"]
 

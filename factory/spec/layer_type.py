@@ -85,6 +85,13 @@ class LayerType:
     ``torch.compile`` traces the block once (``factory.graph.block_compile``). False where
     the data decides shapes, as routing decides each expert's rows."""
 
+    context_parallel: ClassVar[str | None] = None
+    """How the layer splits across a context-parallel group: ``"token_wise"`` (no token sees
+    another: nothing to exchange), ``"kv_exchange"`` (attention: every rank's queries need
+    the keys and values of the whole sequence), ``"heads_all_to_all"`` (Mamba: an
+    all-to-all turns sequence shards into head shards for the conv and the scan, as
+    Megatron-Core's ``MambaContextParallel`` does). None: the layer has no CP style."""
+
     def config(self, model: ModelConfig) -> Any:
         """This layer's config section (raises when the blueprint lacks it)."""
         if self.section is None:
@@ -110,6 +117,22 @@ class LayerType:
         """Bytes one layer saves for backward per micro-batch on one rank, without recompute
         'full' (the planner handles that: only the layer input is kept)."""
         raise NotImplementedError
+
+    def tp_rules(self, model: ModelConfig, tp: int) -> list[str]:
+        """Why ``tp`` tensor-parallel ranks cannot split this layer evenly (empty when they
+        can). ``factory validate`` reports them as ``parallelism.tp_<name>`` and the runtime
+        refuses a layout with them; the spec's split widths are checked separately."""
+        return []
+
+    def tp_whole_linears(self, model: ModelConfig, tp: int) -> tuple[str, ...]:
+        """The mixer's column linears (names under the mixer) that every rank holds whole at
+        ``tp``, each keeping its own columns (attention's KV heads when TP exceeds them)."""
+        return ()
+
+    def localize_for_tp(self, mixer: nn.Module, tp: int, rank: int) -> dict[str, tuple[int, int]]:
+        """Make the built ``mixer`` compute this rank's share of its heads, in place; return,
+        for each of :meth:`tp_whole_linears`, the (start, width) of the columns it keeps."""
+        return {}
 
     def build(self, model: ModelConfig) -> nn.Module:
         """The mixer module (imports torch)."""

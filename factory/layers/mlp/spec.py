@@ -49,6 +49,7 @@ class DenseMLP(LayerType):
     symbol = "-"
     name = "mlp"
     section = "mlp"
+    context_parallel = "token_wise"
     hf_block_type = "mlp"
     megatron_modules: ClassVar[dict[str, str]] = {  # Megatron fuses the gate into fc1
         "mixer.up_proj": "mlp.linear_fc1",
@@ -74,7 +75,7 @@ class DenseMLP(LayerType):
         return prologue_bytes(tokens, model.hidden_size) + ffn
 
     def build(self, model: ModelConfig) -> nn.Module:
-        from factory.graph.mlp import MLP
+        from factory.layers.mlp.module import MLP
 
         cfg: MLPConfig = self.config(model)
         return MLP(model.hidden_size, cfg.intermediate_size, cfg.activation, cfg.bias)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from factory.layers.mlp import mlp_tensors, swiglu_factor
+from factory.layers.mlp.spec import mlp_tensors, swiglu_factor
 from factory.spec.activations import BF16, FP32, TokenShards, ffn_bytes, prologue_bytes
 from factory.spec.layer_type import LayerType, ProxyScale, register_layer_type
 from factory.spec.rounding import half_up, nearest_multiple
@@ -39,6 +39,7 @@ class MixtureOfExperts(LayerType):
     symbol = "E"
     name = "moe"
     section = "moe"
+    context_parallel = "token_wise"
     hf_block_type = "moe"
     static_shapes = False  # each expert's rows are the router's choice
     megatron_modules: ClassVar[dict[str, str]] = {
@@ -159,7 +160,7 @@ class MixtureOfExperts(LayerType):
         return saved
 
     def build(self, model: ModelConfig) -> nn.Module:
-        from factory.graph.moe import MoE
+        from factory.layers.moe.module import MoE
 
         return MoE(model.hidden_size, self.config(model), _mlp_bias(model))
 

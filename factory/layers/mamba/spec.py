@@ -29,6 +29,7 @@ class Mamba(LayerType):
     symbol = "M"
     name = "mamba"
     section = "mamba"
+    context_parallel = "heads_all_to_all"
     hf_block_type = "linear_attention"
     megatron_modules: ClassVar[dict[str, str]] = {
         "mixer.in_proj": "mixer.in_proj",
@@ -107,8 +108,22 @@ class Mamba(LayerType):
             + BF16 * tokens.sharded(cfg.d_inner)
         )
 
+    def tp_rules(self, model: ModelConfig, tp: int) -> list[str]:
+        """TP shards Mamba heads and groups, so it must divide both."""
+        cfg: MambaConfig = self.config(model)
+        return [
+            f"tp={tp} must divide mamba {what} ({count})"
+            for what, count in (("heads", cfg.heads), ("groups", cfg.groups))
+            if count % tp
+        ]
+
+    def localize_for_tp(self, mixer: nn.Module, tp: int, rank: int) -> dict[str, tuple[int, int]]:
+        mixer.heads, mixer.groups = mixer.heads // tp, mixer.groups // tp
+        mixer.norm.groups //= tp
+        return {}
+
     def build(self, model: ModelConfig) -> nn.Module:
-        from factory.graph.mamba import Mamba2Mixer
+        from factory.layers.mamba.module import Mamba2Mixer
 
         return Mamba2Mixer(model.hidden_size, self.config(model), model.norm_eps)
 

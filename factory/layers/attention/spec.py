@@ -27,6 +27,7 @@ class SelfAttention(LayerType):
     symbol = "*"
     name = "attention"
     section = "attention"
+    context_parallel = "kv_exchange"
     hf_block_type = "full_attention"
     megatron_modules: ClassVar[
         dict[str, str]
@@ -74,8 +75,32 @@ class SelfAttention(LayerType):
             saved += FP32 * tokens.sharded(cfg.heads)
         return saved
 
+    def tp_rules(self, model: ModelConfig, tp: int) -> list[str]:
+        """TP shards attention heads; KV groups are split or replicated evenly."""
+        cfg: AttentionConfig = self.config(model)
+        problems = []
+        if cfg.heads % tp:
+            problems.append(f"tp={tp} must divide attention heads ({cfg.heads})")
+        if cfg.kv_heads % tp and tp % cfg.kv_heads:
+            problems.append(
+                f"attention kv_heads ({cfg.kv_heads}) must be a multiple or divisor of tp={tp}"
+            )
+        return problems
+
+    def tp_whole_linears(self, model: ModelConfig, tp: int) -> tuple[str, ...]:
+        """Megatron replicates KV heads when TP exceeds them: every rank holds k and v whole."""
+        return ("k_proj", "v_proj") if self.config(model).kv_heads < tp else ()
+
+    def localize_for_tp(self, mixer: nn.Module, tp: int, rank: int) -> dict[str, tuple[int, int]]:
+        kept = {}
+        if mixer.kv_heads < tp:
+            head = rank // (tp // mixer.kv_heads)  # the KV head of all this rank's queries
+            kept = dict.fromkeys(("k_proj", "v_proj"), (head * mixer.head_dim, mixer.head_dim))
+        mixer.heads, mixer.kv_heads = mixer.heads // tp, max(mixer.kv_heads // tp, 1)
+        return kept
+
     def build(self, model: ModelConfig) -> nn.Module:
-        from factory.graph.attention import Attention
+        from factory.layers.attention.module import Attention
 
         rope = (
             (model.rope_base, model.rope_fraction) if model.position_embedding == "rope" else None

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
-import factory.layers  # noqa: F401  (registers the built-in layer types)
 from factory.layers import mtp
 from factory.schemas.model import ModelConfig
 from factory.spec.layer_type import LayerType, layer_type, registry_revision

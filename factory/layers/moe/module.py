@@ -13,10 +13,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from factory.graph.experts import ExpertPath, choose_path, combine, pair_outputs
-from factory.graph.mlp import MLP
-from factory.graph.outputs import RoutedOutput
 from factory.kernels.moe_dispatch import Dispatch, ExpertLinear, grouped_mlp, route_tokens
+from factory.layers.mlp.module import MLP
+from factory.layers.moe.experts import ExpertPath, choose_path, combine, pair_outputs
+from factory.nn.outputs import RoutedOutput
 from factory.schemas.model import MoEConfig, RouterConfig
 
 __all__ = ["ExpertDispatcher", "MoE", "RoutedExperts", "Router"]
@@ -108,7 +108,7 @@ class RoutedExperts(nn.Module):
         """Runs the expert GEMMs when set (``factory.precision`` installs quantized ones)."""
         self.path: ExpertPath | None = None
         """Forces one expert GEMM path; None picks by each routing's load
-        (``factory.graph.experts.choose_path``)."""
+        (``factory.layers.moe.experts.choose_path``)."""
 
     def forward(
         self, x: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor | None
@@ -201,6 +201,11 @@ class MoE(nn.Module):
             return weights
         kept = dispatch.unpermute(dispatch.rank_in_expert < capacity)
         return weights * kept.to(weights.dtype)
+
+    def update_expert_bias(self, load: torch.Tensor) -> None:
+        """The routing mixer's half of the aux-loss-free step (every mixer that returns a
+        :class:`RoutedOutput` has one): the router moves its expert bias by ``load``."""
+        self.gate.update_expert_bias(load)
 
     def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> RoutedOutput:
         """Token-wise routing: ``document_ids`` changes nothing."""

@@ -1,4 +1,9 @@
-"""``factory.compile``: a blueprint in, a runnable PyTorch training graph and its plan out."""
+"""``factory.compile``: a blueprint in, a runnable PyTorch training graph out.
+
+The model is built from its spec (``factory.graph``), initialised by the spec's rules or
+loaded from ``model.init``, and given the blueprint's precision policy. Nothing else: the
+plan is ``factory.plan``'s job.
+"""
 
 from __future__ import annotations
 
@@ -8,27 +13,33 @@ from typing import Literal
 
 import torch
 
+from factory.graph.block_compile import compile_blocks
 from factory.graph.init import initialize
 from factory.graph.model import HybridLM
 from factory.graph.upcycle import upcycle
 from factory.graph.weights import load_weights, read_state_dict
-from factory.planner.plan import Plan, plan
+from factory.layers.model_spec import model_spec
 from factory.precision import te_backend
 from factory.precision.apply import PrecisionRuntime, apply_precision
 from factory.precision.policy import uses_low_precision
 from factory.proxy import derive_proxy
 from factory.schemas.blueprint import Blueprint
-from factory.spec.model import model_spec
 
-__all__ = ["Compiled", "compile"]
+__all__ = ["PRECISION_OFF", "Compiled", "compile", "compile_for_training"]
 
 PrecisionBackend = Literal["auto", "emulate", "te", "off"]
+
+PRECISION_OFF = (
+    "training.compile needs precision off: inductor cannot compile the quantized GEMMs' casts "
+    "(FP8/FP4 emulation or Transformer Engine)"
+)
+"""Why compiled blocks are refused with a precision policy installed (the loop and
+``factory train`` both say it)."""
 
 
 @dataclass
 class Compiled:
     model: HybridLM
-    plan: Plan
     blueprint: Blueprint
     """The blueprint the model was built from (the proxy's, when proxy=True)."""
     precision: PrecisionRuntime | None = None
@@ -75,7 +86,7 @@ def compile(
             upcycle(model, state, torch.Generator().manual_seed(seed + 1))
         _cast_keeping_fp32(model, dtype)
     runtime = _apply_precision(model, blueprint, device, precision, seed)
-    return Compiled(model=model, plan=plan(blueprint), blueprint=blueprint, precision=runtime)
+    return Compiled(model=model, blueprint=blueprint, precision=runtime)
 
 
 def _apply_precision(
@@ -101,3 +112,11 @@ def _cast_keeping_fp32(model: HybridLM, dtype: torch.dtype) -> None:
     for tensor in model_spec(model.cfg).tensors():
         if tensor.fp32:
             state[tensor.name].data = state[tensor.name].data.float()
+
+
+def compile_for_training(compiled: Compiled) -> None:
+    """``training.compile``: the blocks of ``compiled.model`` compiled, or ValueError when a
+    precision policy is installed."""
+    if compiled.precision is not None:
+        raise ValueError(f"{PRECISION_OFF}; build with factory.compile(..., precision='off')")
+    compile_blocks(compiled.model)

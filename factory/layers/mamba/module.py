@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from factory.graph.norms import GatedGroupRMSNorm
 from factory.kernels.ssd import ssd_chunked_scan
+from factory.nn.norms import GatedGroupRMSNorm
 from factory.schemas.model import MambaConfig
 
 __all__ = ["Mamba2Mixer"]

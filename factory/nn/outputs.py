@@ -16,7 +16,8 @@ __all__ = ["ModelOutput", "RoutedOutput", "collect_routing"]
 
 class RoutedOutput(NamedTuple):
     """A routing mixer's output, its load-balancing loss and how many (token, slot) pairs
-    each expert received."""
+    each expert received. A mixer that returns one also has ``update_expert_bias(load)``,
+    which the optimizer step calls with the step's tokens per expert."""
 
     y: torch.Tensor
     aux_loss: torch.Tensor | None
