@@ -78,7 +78,7 @@ def run_config(
     import torch
 
     import factory
-    from factory.loading.load import load_blueprint
+    from factory.checks.validate import load_blueprint
     from factory.runtime.loader import ShardLoader
     from factory.runtime.loop import RunOptions, train
 
@@ -181,7 +181,7 @@ def main(argv: list[str]) -> int:
 
     import torch
 
-    from factory.loading.load import load_blueprint
+    from factory.checks.validate import load_blueprint
     from factory.proxy import derive_proxy
     from factory.runtime.batches import build_shards
 

@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
 
     import factory
-    from factory.loading.load import load_blueprint
+    from factory.checks.validate import load_blueprint
 
     overrides = [f"precision.recipe={args.recipe}"] if args.recipe else []
     blueprint = load_blueprint(args.preset, overrides)

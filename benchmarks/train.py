@@ -330,7 +330,7 @@ def main(argv: list[str]) -> int:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
     import factory
-    from factory.loading.load import load_blueprint
+    from factory.checks.validate import load_blueprint
     from factory.proxy import PROXY_CHECKPOINT_INTERVAL, derive_proxy
     from factory.runtime.batches import build_shards
     from factory.runtime.checkpoint import Checkpointer

@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
         ours.append(_time(validate))
         theirs.append(_time(torch_import))
     ours_s, theirs_s = statistics.median(ours), statistics.median(theirs)
-    from factory.loading.load import preset_names
+    from factory.loading.blueprint import preset_names
     from factory.loading.shipped import shipped_names
 
     print(f"machine: {describe()}")

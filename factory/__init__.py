@@ -36,11 +36,11 @@ __all__ = [
 
 if TYPE_CHECKING:
     from factory import data
+    from factory.checks.validate import load_blueprint
     from factory.compilation import compile
     from factory.errors import BlueprintError
     from factory.jobs.build import BuildResult, build
     from factory.jobs.train import TrainRefused, TrainResult, train
-    from factory.loading.load import load_blueprint
     from factory.planner.plan import plan
 
 # Public names resolve on first use so that `import factory` imports neither
@@ -53,7 +53,7 @@ _LAZY = {
     "build": "factory.jobs.build",
     "compile": "factory.compilation",
     "data": "factory",  # the subpackage itself: ``factory.data.build``
-    "load_blueprint": "factory.loading.load",
+    "load_blueprint": "factory.checks.validate",
     "plan": "factory.planner.plan",
     "train": "factory.jobs.train",
 }

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from runtime_helpers import tiny_blueprint
 
-from factory.loading.load import resolve_source
+from factory.loading.blueprint import resolve_source
 from factory.runtime.batches import build_shards
 
 SUPER = resolve_source("super")

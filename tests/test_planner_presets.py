@@ -84,7 +84,8 @@ def test_distributed_optimizer_shrinks_the_peak_rank() -> None:
 
 
 def test_presets_fit_their_gpus_and_validate_without_warnings() -> None:
-    from factory.loading.load import load, preset_names
+    from factory.checks.validate import load
+    from factory.loading.blueprint import preset_names
 
     for name in preset_names():
         assert load(name).warnings == [], name

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import factory
+from factory.checks.validate import load_blueprint
 from factory.compilation import Compiled
 from factory.layers.moe.module import RoutedExperts
-from factory.loading.load import load_blueprint
 from factory.precision.apply import PrecisionRuntime, apply_precision
 from factory.precision.policy import resolve_policy
 from factory.precision.qlinear import QuantizedExpertLinear, QuantizedLinear

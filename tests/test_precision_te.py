@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import factory
+from factory.checks.validate import load_blueprint
 from factory.compilation import Compiled
-from factory.loading.load import load_blueprint
 from factory.precision import te_backend
 from factory.precision.qlinear import QuantizedExpertLinear, QuantizedLinear
 from factory.schemas.precision import FP8Options, NVFP4Options, PrecisionConfig

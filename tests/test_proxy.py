@@ -11,7 +11,7 @@ import pytest
 import factory
 from factory.checks.registry import run_rules
 from factory.cli.app import main
-from factory.loading.load import preset_names
+from factory.loading.blueprint import preset_names
 from factory.proxy import derive_proxy, proxy_pattern
 from factory.schemas.blueprint import Blueprint
 

@@ -45,9 +45,9 @@ def build(
     2-process layout check and one report page. A rerun reuses what is done."""
     from rich.console import Console
 
+    from factory.checks.validate import load
     from factory.jobs.build import BuildFailed
     from factory.jobs.build import build as build_job
-    from factory.loading.load import load
 
     console = Console(stderr=True)
     for stage in skip or []:

@@ -27,7 +27,7 @@ def plan(
     ] = False,
 ) -> None:
     """Plan a blueprint: exact parameter counts, FLOPs per token, memory per rank, cost."""
-    from factory.loading.load import load
+    from factory.checks.validate import load
     from factory.planner.plan import plan as make_plan
 
     loaded = load(target, overrides or [])

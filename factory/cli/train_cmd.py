@@ -27,7 +27,7 @@ from factory.proxy_layout import derive_proxy_layout
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from factory.loading.load import LoadedBlueprint
+    from factory.checks.validate import LoadedBlueprint
 
 PRECISION_HELP = "Backend of the precision policy: auto, emulate, te or off (factory.compile's)."
 """Names the backends for --help, which must not import torch; a test holds it to the Literal."""
@@ -102,7 +102,7 @@ def train(
     data/, checkpoints/, metrics.jsonl, and at the end train.json, model/ and report/."""
     from rich.console import Console
 
-    from factory.loading.load import load
+    from factory.checks.validate import load
 
     console = Console(stderr=True)
     loaded = load(target, overrides or [])

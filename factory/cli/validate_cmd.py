@@ -20,7 +20,7 @@ SetOption = Annotated[
 
 def _default_targets(with_recipes: bool) -> list[tuple[str, Path | None]]:
     """Every preset and, unless overrides were given (they address blueprints), every recipe."""
-    from factory.loading.load import preset_names
+    from factory.loading.blueprint import preset_names
 
     targets: list[tuple[str, Path | None]] = [(name, None) for name in preset_names()]
     if with_recipes:
@@ -32,8 +32,9 @@ def _default_targets(with_recipes: bool) -> list[tuple[str, Path | None]]:
 
 def _check(target: str, recipe: Path | None, overrides: list[str]) -> tuple[Path, list[Diagnostic]]:
     """Validate one target; return its file and warnings, or raise BlueprintError."""
+    from factory.checks.validate import load
+    from factory.loading.blueprint import resolve_source
     from factory.loading.documents import RECIPE, document_kind
-    from factory.loading.load import load, resolve_source
 
     source = recipe or resolve_source(target)
     # A preset name resolves to a shipped blueprint; only a path needs its keys read.

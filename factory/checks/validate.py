@@ -1,4 +1,8 @@
-"""``load_blueprint``: a preset name or a YAML path in, a validated Blueprint out."""
+"""``load_blueprint``: a preset name or a YAML path in, a validated Blueprint out.
+
+Reading and type-checking are ``factory.loading``'s; this adds every cross-field rule,
+some of which need the layer types and the planner, so it sits above them.
+"""
 
 from __future__ import annotations
 
@@ -6,26 +10,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import ValidationError
-
-from factory.checks import RULES, Finding, Rule, run_rules
+from factory.checks.registry import RULES, Finding, Rule, run_rules
 from factory.errors import BlueprintError, Diagnostic, SourceMap
-from factory.loading.compose import compose
-from factory.loading.shipped import resolve_named_yaml, shipped_names
-from factory.loading.validation_errors import diagnostics_from_validation_error
+from factory.loading.blueprint import read_blueprint, resolve_source
 from factory.schemas.blueprint import Blueprint
 
-__all__ = ["LoadedBlueprint", "load", "load_blueprint", "preset_names", "resolve_source"]
-
-
-def preset_names() -> list[str]:
-    """Names of the shipped presets (``blueprints/*.yaml``)."""
-    return shipped_names("factory.blueprints")
-
-
-def resolve_source(name_or_path: str | Path) -> Path:
-    """A preset name ('nano') or a path to a YAML file."""
-    return resolve_named_yaml(name_or_path, "factory.blueprints", "preset")
+__all__ = ["LoadedBlueprint", "load", "load_blueprint"]
 
 
 @dataclass(frozen=True)
@@ -69,13 +59,7 @@ def _run_rules(bp: Blueprint) -> list[tuple[Rule, Finding]]:
 def load(name_or_path: str | Path, overrides: Sequence[str] = ()) -> LoadedBlueprint:
     """Compose, type-check and rule-check a blueprint; raise BlueprintError on any error."""
     source = resolve_source(name_or_path)
-    data, source_map = compose(source, overrides)
-    try:
-        bp = Blueprint.model_validate(data)
-    except ValidationError as exc:
-        raise BlueprintError(
-            diagnostics_from_validation_error(exc, Blueprint, source_map)
-        ) from None
+    bp, source_map = read_blueprint(source, overrides)
     diagnostics = [
         source_map.diagnostic(f.path, f.message, severity=f.severity, rule=r.name)
         for r, f in _run_rules(bp)
