@@ -20,6 +20,14 @@ CASES = [
         "error",
     ),
     ("model.unused_sections", {"model.pattern": "M*M-"}, "model.moe", ("'E'",), "warning"),
+    ("model.pattern_symbols", {"model.pattern": "M*XE"}, "model.pattern", ("'X'", "2"), "error"),
+    (
+        "model.pattern_symbols",
+        {"model.pattern": "M*EG"},
+        "model.pattern",
+        ("'G'", "3", "Gated DeltaNet"),
+        "error",
+    ),
     (
         "model.attention_kv_heads",
         {"model.attention.kv_heads": 3},

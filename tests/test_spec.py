@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from blueprint_factory import make
+from blueprint_factory import findings, make
 from torch import nn
 
 import factory
@@ -211,5 +211,6 @@ def test_a_symbol_cannot_be_registered_twice() -> None:
 
 
 def test_an_unregistered_symbol_is_a_pattern_error() -> None:
-    with pytest.raises(Exception, match="unknown symbol 'T'"):
-        make(**{"model.pattern": "MT*E-"})
+    (problem,) = findings("model.pattern_symbols", make(**{"model.pattern": "MT*E-"}))
+    assert problem.path == "model.pattern"
+    assert "unknown symbol 'T'" in problem.message

@@ -15,10 +15,16 @@ from factory.checks.registry import Finding, rule
 from factory.precision.policy import LOW_PRECISION, uses_low_precision
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.model import ModelConfig
-from factory.schemas.pattern import MTP_SEPARATOR, PIPE, HybridPattern, PatternError
+from factory.schemas.pattern import (
+    MEGATRON_SYMBOLS,
+    MTP_SEPARATOR,
+    PIPE,
+    HybridPattern,
+    PatternError,
+)
 from factory.spec.layer_type import LAYER_TYPES
 
-__all__ = ["used_symbols"]
+__all__ = ["unbuilt_symbol", "used_symbols"]
 
 
 def used_symbols(model: ModelConfig) -> set[str]:
@@ -33,6 +39,33 @@ def used_symbols(model: ModelConfig) -> set[str]:
 def _count(model: ModelConfig, symbol: str) -> int:
     """Layers of one type, MTP inner layers counted once per depth."""
     return model.layout.main.count(symbol) + model.mtp_depth * model.mtp_pattern.count(symbol)
+
+
+def unbuilt_symbol(text: str) -> str | None:
+    """Why ``text``, a parsed pattern, names a layer that has no registered layer type (None
+    when every symbol has one)."""
+    for position, char in enumerate(text):
+        if char in LAYER_TYPES or char in (PIPE, MTP_SEPARATOR):
+            continue
+        known = " ".join(LAYER_TYPES)
+        if char in MEGATRON_SYMBOLS:
+            return (
+                f"symbol {char!r} at position {position} ({MEGATRON_SYMBOLS[char]}) is "
+                f"Megatron's but not built by factory; use {known} | /"
+            )
+        legend = ", ".join(f"{symbol} ({kind.name})" for symbol, kind in LAYER_TYPES.items())
+        return (
+            f"unknown symbol {char!r} at position {position}; "
+            f"known symbols: {legend}, | (pipeline), / (MTP)"
+        )
+    return None
+
+
+@rule("model.pattern_symbols")
+def pattern_symbols(bp: Blueprint) -> Iterator[Finding]:
+    """Every symbol of the pattern is a registered layer type."""
+    if (problem := unbuilt_symbol(bp.model.pattern)) is not None:
+        yield Finding("model.pattern", problem)
 
 
 @rule("model.layer_sections")
@@ -215,6 +248,9 @@ def mtp_pattern(bp: Blueprint) -> Iterator[Finding]:
         HybridPattern.parse(mtp.pattern)
     except PatternError as err:
         yield Finding("model.mtp.pattern", f"model.mtp.pattern={mtp.pattern!r}: {err}")
+        return
+    if (problem := unbuilt_symbol(mtp.pattern)) is not None:
+        yield Finding("model.mtp.pattern", f"model.mtp.pattern={mtp.pattern!r}: {problem}")
 
 
 @rule("model.rope_unused")

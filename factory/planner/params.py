@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from factory.layers.model_spec import LayerSpec, model_spec
 from factory.schemas.model import ModelConfig
+from factory.spec.layer_type import LAYER_TYPES
 from factory.spec.tensors import TensorSpec
 
 __all__ = ["LayerParams", "ModelParams", "count_params", "layer_params", "tensor_params"]
@@ -92,7 +93,7 @@ def count_params(model: ModelConfig) -> ModelParams:
     body = tensor_params(t for layer in spec.main_layers for t in layer.tensors)
     edges = tensor_params((spec.embedding, spec.head, spec.final_norm))
     mtp = tensor_params(t for layer in spec.mtp_layers for t in layer.tensors)
-    order = [name for name in model.layout.counts() if name in by_type]
+    order = [kind.name for kind in LAYER_TYPES.values() if kind.name in by_type]
     return ModelParams(
         total=edges.total + body.total + mtp.total,
         total_main=edges.total + body.total,
