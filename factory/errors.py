@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from factory.loading.paths import parent_path
+from factory.dotted_paths import parent_path
 
 __all__ = ["BlueprintError", "Diagnostic", "SourceMap", "did_you_mean"]
 

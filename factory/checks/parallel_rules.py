@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 import factory.layers  # noqa: F401  (registers the built-in layer types before the loop below)
 from factory.checks.model_rules import used_symbols
 from factory.checks.registry import Finding, rule
-from factory.loading.paths import join_path
+from factory.dotted_paths import join_path
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.parallelism import GPU_SPECS
 from factory.spec.layer_type import LAYER_TYPES, LayerType

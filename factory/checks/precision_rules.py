@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from fnmatch import fnmatchcase
 
 from factory.checks.registry import Finding, rule
+from factory.dotted_paths import join_path
 from factory.errors import did_you_mean
-from factory.loading.paths import join_path
 from factory.precision.policy import (
     excluded_gemm_names,
     generalized_gemm_names,

@@ -11,8 +11,8 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 
 from factory.data.readers import expand_source_paths
+from factory.dotted_paths import join_path
 from factory.errors import BlueprintError, Diagnostic, SourceMap, did_you_mean
-from factory.loading.paths import join_path
 from factory.loading.shipped import resolve_named_yaml, shipped_names
 from factory.loading.validation_errors import diagnostics_from_validation_error
 from factory.loading.yaml_source import read_yaml

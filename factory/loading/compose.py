@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
+from factory.dotted_paths import join_path
 from factory.errors import BlueprintError, Diagnostic, SourceMap
-from factory.loading.paths import join_path
 from factory.loading.yaml_source import display_path, first_line, read_yaml
 
 __all__ = ["OVERRIDE_FILE", "compose"]

@@ -10,8 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from factory.dotted_paths import path_from_loc
 from factory.errors import Diagnostic, SourceMap, did_you_mean
-from factory.loading.paths import path_from_loc
 
 __all__ = ["diagnostics_from_validation_error", "fields_at"]
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
+from factory.dotted_paths import join_path
 from factory.errors import BlueprintError, Diagnostic, SourceMap
-from factory.loading.paths import join_path
 
 __all__ = [
     "MAX_BYTES",
