@@ -32,14 +32,16 @@ from factory.exports.megatron import (
     export_megatron,
 )
 from factory.exports.megatron_fields import (
-    FIELDS,
     SECTIONS,
     Call,
     Ref,
+    fields,
     megatron_fields,
     pipeline_stage_sizes,
 )
 from factory.exports.megatron_refusals import refusals
+from factory.layers.mamba.spec import MEGATRON_MIXER_DEFAULTS
+from factory.schemas.model import MambaConfig
 
 try:
     with warnings.catch_warnings():
@@ -56,6 +58,7 @@ needs_core = pytest.mark.skipif(TransformerConfig is None, reason="megatron-core
 BRIDGE = json.loads((REPO / "factory/exports/megatron_bridge_fields.json").read_text())
 
 NAMES = sorted(p.stem for p in PRESETS.glob("*.yaml"))
+FIELDS = fields()
 KINDS = {f.name: f.kind for f in FIELDS if f.section == "model"}
 
 
@@ -67,8 +70,8 @@ def _resolve(value: Any) -> Any:
 
 
 def _config(bp) -> Any:
-    fields = megatron_fields(bp)["model"]
-    kwargs = {k: _resolve(v) for k, v in fields.items() if KINDS[k] == "config"}
+    model = megatron_fields(bp)["model"]
+    kwargs = {k: _resolve(v) for k, v in model.items() if KINDS[k] == "config"}
     return TransformerConfig(**kwargs)
 
 
@@ -243,3 +246,7 @@ def test_fused_gemms_in_two_formats_are_refused_naming_the_module(cli, tmp_path:
     )  # fmt: skip
     assert status == 2
     assert "self_attention.linear_qkv" in err
+
+
+def test_the_mamba_defaults_megatron_fixes_are_fields_of_the_mamba_section():
+    assert set(MEGATRON_MIXER_DEFAULTS) <= set(MambaConfig.model_fields)

@@ -4,7 +4,7 @@ Writes ``recipe.py`` (a ``<name>_pretrain_config()`` returning a Bridge
 ``ConfigContainer``), ``overrides.yaml`` (the same values as OmegaConf YAML),
 ``launch.sh`` (torchrun and srun), ``hf/config.json`` (``hf_config``) and a
 ``README.md`` that lists everything Megatron does not carry. Every value comes
-from ``megatron_fields.FIELDS``; what cannot be expressed is refused
+from ``megatron_fields.fields()``; what cannot be expressed is refused
 (``megatron_refusals``) unless the caller allows it, and then it is listed.
 
 Data comes as Megatron indexed datasets (``.bin``/``.idx`` prefixes, ``GPTDatasetConfig``).
@@ -26,11 +26,11 @@ import yaml
 from factory.exports.hf_config import ExportError, hf_config
 from factory.exports.megatron_fields import (
     BRIDGE_COMMIT,
-    FIELDS,
     MEGATRON_CORE_VERSION,
     SECTIONS,
     Call,
     Ref,
+    fields,
     megatron_fields,
 )
 from factory.exports.megatron_refusals import not_carried, refusals
@@ -47,7 +47,7 @@ __all__ = [
 ]
 
 # Fields the recipe sets that no blueprint field decides: paths, logging, data split. Listed
-# in docs/megatron.md beside the mapping; the tests allow exactly these beyond FIELDS.
+# in docs/megatron.md beside the mapping; the tests allow exactly these beyond fields().
 EXTRA_KEYWORDS: dict[str, dict[str, str]] = {
     # GPTDatasetConfig.finalize() asserts the three document flags are set; False keeps
     # Megatron's pretraining behaviour (documents concatenated, EOD tokens trained on).
@@ -300,14 +300,14 @@ def export_megatron(
 
 
 def mapping_markdown() -> str:
-    """The mapping table of ``docs/megatron.md`` (``megatron_fields.FIELDS``, row by row)."""
+    """The mapping table of ``docs/megatron.md`` (``megatron_fields.fields()``, row by row)."""
     rows = ["| blueprint | section | Megatron field | checked against |", "|---|---|---|---|"]
     where = {
         "config": f"megatron-core {MEGATRON_CORE_VERSION} TransformerConfig",
         "model": f"megatron-core {MEGATRON_CORE_VERSION} MambaModel",
         "provider": f"Megatron-Bridge {BRIDGE_COMMIT[:7]} HybridModelProvider",
     }
-    for f in FIELDS:
+    for f in fields():
         if f.kind == "container":
             cls = "preset name" if f.name == "name" else SECTIONS[f.section][1]
             target = f"Megatron-Bridge {BRIDGE_COMMIT[:7]} {cls}"

@@ -1,6 +1,7 @@
 """Blueprint -> Megatron-Bridge ``ConfigContainer`` fields: the one mapping table, torch-free.
 
-``FIELDS`` is the only place a blueprint field meets a Megatron field: the
+:func:`fields` is the only place a blueprint field meets a Megatron field (each layer
+type declares its own, ``LayerType.megatron_fields``): the
 generated ``recipe.py`` and ``overrides.yaml`` are rendered from it,
 ``docs/megatron.md`` carries its table (``factory.exports.megatron.mapping_markdown``, compared by the
 tests) and the tests check every ``config``/``model`` name against the installed
@@ -26,12 +27,13 @@ from factory.exports.quant_recipe import (
     mtp_formats,
 )
 from factory.schemas.blueprint import Blueprint
+from factory.spec.layer_type import LAYER_TYPES, LayerType, MegatronField
 
 __all__ = [
-    "FIELDS",
     "SECTIONS",
     "Field",
     "Ref",
+    "fields",
     "megatron_fields",
     "pipeline_stage_sizes",
 ]
@@ -110,16 +112,16 @@ def _has(bp: Blueprint, symbol: str) -> bool:
     return symbol in bp.model.layout.main or symbol in bp.model.mtp_pattern
 
 
-def _attn(fn: Callable[[Any], Any]) -> Callable[[Blueprint], Any]:
-    return lambda bp: fn(bp.model.attention) if _has(bp, "*") else SKIP
+def _layer_field(kind: LayerType, field: MegatronField) -> Field:
+    """A layer type's own field, set where the pattern uses the layer and the field applies."""
 
+    def get(bp: Blueprint) -> Any:
+        if not _has(bp, kind.symbol):
+            return SKIP
+        section = kind.config(bp.model)
+        return field.get(section) if field.when is None or field.when(section) else SKIP
 
-def _mamba(fn: Callable[[Any], Any]) -> Callable[[Blueprint], Any]:
-    return lambda bp: fn(bp.model.mamba) if _has(bp, "M") else SKIP
-
-
-def _moe(fn: Callable[[Any], Any]) -> Callable[[Blueprint], Any]:
-    return lambda bp: fn(bp.model.moe) if _has(bp, "E") else SKIP
+    return Field(field.blueprint, "model", field.name, "config", get)
 
 
 def _activation(bp: Blueprint) -> tuple[Ref, bool]:
@@ -191,14 +193,10 @@ def _mtp(fn: Callable[[Blueprint], Any]) -> Callable[[Blueprint], Any]:
     return lambda bp: fn(bp) if bp.model.mtp_depth else SKIP
 
 
-def _group(bp: Blueprint, value: int) -> Any:
-    return value if _has(bp, "E") and bp.model.moe.router.num_groups > 1 else SKIP
-
-
 M, T, P = "model", "container", "mixed_precision"
 # One row per field reads as the table it is; the formatter would spread rows over lines.
 # fmt: off
-FIELDS: tuple[Field, ...] = (
+_MODEL_FIELDS: tuple[Field, ...] = (
     # The hybrid stack. '|' is not written: pipeline cuts become first/last stage sizes.
     Field("model.pattern", M, "hybrid_layer_pattern", "provider", lambda bp: bp.model.layout.main),
     Field("model.pattern", M, "num_layers", "config", lambda bp: bp.model.num_layers),
@@ -234,44 +232,9 @@ FIELDS: tuple[Field, ...] = (
     # Attention.
     Field("model.attention.heads", M, "num_attention_heads", "config",
           lambda bp: bp.model.attention.heads if _has(bp, "*") else 1),
-    Field("model.attention.kv_heads", M, "num_query_groups", "config", _attn(lambda a: a.kv_heads)),
-    Field("model.attention.head_dim", M, "kv_channels", "config", _attn(lambda a: a.head_dim)),
-    # Mamba-2.
-    Field("model.mamba.heads", M, "mamba_num_heads", "config", _mamba(lambda s: s.heads)),
-    Field("model.mamba.head_dim", M, "mamba_head_dim", "config", _mamba(lambda s: s.head_dim)),
-    Field("model.mamba.state_size", M, "mamba_state_dim", "config",
-          _mamba(lambda s: s.state_size)),
-    Field("model.mamba.groups", M, "mamba_num_groups", "config", _mamba(lambda s: s.groups)),
-    # MoE and LatentMoE.
-    Field("model.moe.num_experts", M, "num_moe_experts", "config", _moe(lambda e: e.num_experts)),
-    Field("model.moe.top_k", M, "moe_router_topk", "config", _moe(lambda e: e.top_k)),
-    Field("model.moe.expert_intermediate_size", M, "moe_ffn_hidden_size", "config",
-          _moe(lambda e: e.expert_intermediate_size)),
-    Field("model.moe.shared_expert_intermediate_size", M, "moe_shared_expert_intermediate_size",
-          "config", _moe(lambda e: e.shared_expert_intermediate_size or None)),
-    Field("model.moe.latent_size", M, "moe_latent_size", "config", _moe(lambda e: e.latent_size)),
-    Field("model.moe.capacity_factor", M, "moe_expert_capacity_factor", "config",
-          _moe(lambda e: e.capacity_factor)),
-    Field("model.moe.router.score_function", M, "moe_router_score_function", "config",
-          _moe(lambda e: e.router.score_function)),
-    Field("model.moe.router.normalize_top_k", M, "moe_router_pre_softmax", "config",
-          _moe(lambda e: e.router.score_function == "softmax" and not e.router.normalize_top_k)),
-    Field("model.moe.router.scaling_factor", M, "moe_router_topk_scaling_factor", "config",
-          _moe(lambda e: e.router.scaling_factor)),
-    Field("model.moe.router.expert_bias", M, "moe_router_enable_expert_bias", "config",
-          _moe(lambda e: e.router.expert_bias)),
-    Field("model.moe.router.expert_bias_update_rate", M, "moe_router_bias_update_rate", "config",
-          _moe(lambda e: e.router.expert_bias_update_rate)),
-    Field("model.moe.router.aux_loss", M, "moe_router_load_balancing_type", "config",
-          _moe(lambda e: e.router.aux_loss)),
-    Field("model.moe.router.aux_loss_coeff", M, "moe_aux_loss_coeff", "config",
-          _moe(lambda e: e.router.aux_loss_coeff if e.router.aux_loss != "none" else 0.0)),
-    Field("model.moe.router.num_groups", M, "moe_router_num_groups", "config",
-          lambda bp: _group(bp, bp.model.moe.router.num_groups if bp.model.moe else 1)),
-    Field("model.moe.router.group_top_k", M, "moe_router_group_topk", "config",
-          lambda bp: _group(bp, bp.model.moe.router.group_top_k if bp.model.moe else 1)),
-    Field("(router runs in fp32)", M, "moe_router_dtype", "config", _moe(lambda e: "fp32")),
-    Field("(experts are grouped GEMMs)", M, "moe_grouped_gemm", "config", _moe(lambda e: True)),
+)
+# Each layer type's own fields (factory/layers/<name>/spec.py) come here, by layer name.
+_RUN_FIELDS: tuple[Field, ...] = (
     Field("parallelism.moe_dispatcher", M, "moe_token_dispatcher_type", "config",
           lambda bp: bp.parallelism.moe_dispatcher if _has(bp, "E") else SKIP),
     # Multi-token prediction.
@@ -368,6 +331,14 @@ FIELDS: tuple[Field, ...] = (
 # fmt: on
 
 
+def fields() -> tuple[Field, ...]:
+    """Every row of the mapping: the model's, each registered layer type's (those the pattern
+    does not use give nothing), then the run's."""
+    by_name = sorted(LAYER_TYPES.values(), key=lambda kind: kind.name)
+    own = [_layer_field(kind, f) for kind in by_name for f in kind.megatron_fields or ()]
+    return (*_MODEL_FIELDS, *own, *_RUN_FIELDS)
+
+
 def _quant_recipe(bp: Blueprint) -> Any:
     """quant_recipe.yaml (``factory.exports.quant_recipe``) when some module leaves the preset's
     format; the refusals report a table it cannot say."""
@@ -387,9 +358,9 @@ def _mtp_in_bf16(bp: Blueprint) -> Any:
 
 
 def megatron_fields(bp: Blueprint) -> dict[str, dict[str, Any]]:
-    """Section -> field -> value, for every field of ``FIELDS`` that applies to ``bp``."""
+    """Section -> field -> value, for every field of :func:`fields` that applies to ``bp``."""
     out: dict[str, dict[str, Any]] = {section: {} for section in SECTIONS}
-    for field in FIELDS:
+    for field in fields():
         value = field.get(bp)
         if value is not SKIP:
             out[field.section][field.name] = value

@@ -13,24 +13,10 @@ from __future__ import annotations
 from factory.exports.megatron_fields import pipeline_stage_sizes
 from factory.exports.quant_recipe import QuantRecipeError, megatron_quant_recipe, mtp_formats
 from factory.schemas.blueprint import Blueprint
-from factory.schemas.model import MambaConfig
 from factory.schemas.precision import NVFP4Options
+from factory.spec.layer_type import LAYER_TYPES
 
 __all__ = ["not_carried", "refusals"]
-
-# MambaMixer's constructor defaults (megatron/core/ssm/mamba_mixer.py, 0.16.1): the mixer
-# spec passes none of these, so only these values are expressible.
-_MIXER_DEFAULTS = {
-    "conv_kernel": 4,
-    "chunk_size": 128,
-    "dt_min": 0.001,
-    "dt_max": 0.1,
-    "dt_init_floor": 1e-4,
-    "dt_limit_min": 0.0,
-    "dt_limit_max": None,
-    "conv_bias": True,
-    "bias": False,
-}
 
 
 def _megatron_cuts(sizes: list[int], total: int) -> list[int]:
@@ -73,28 +59,9 @@ def _model(bp: Blueprint) -> list[tuple[str, str]]:
                 f"experts; mlp={m.mlp.activation}, moe={m.moe.activation}",
             )
         )
-    if "M" in used:
-        for name, default in _MIXER_DEFAULTS.items():
-            value = getattr(m.mamba, name)
-            if value != default:
-                out.append(
-                    (
-                        f"model.mamba.{name}",
-                        f"MambaMixer's {name} is fixed at "
-                        f"{default} by the layer spec (no config field), got {value}",
-                    )
-                )
-    if "E" in used:
-        r = m.moe.router
-        if r.score_function == "sigmoid" and not r.normalize_top_k and m.moe.top_k > 1:
-            out.append(
-                (
-                    "model.moe.router.normalize_top_k",
-                    "Megatron always renormalises sigmoid top-k scores",
-                )
-            )
-        if r.expert_bias and r.score_function != "sigmoid":
-            out.append(("model.moe.router.expert_bias", "Megatron's expert bias needs sigmoid"))
+    for kind in LAYER_TYPES.values():
+        if kind.symbol in used:
+            out += kind.megatron_refusals(m)
     if len(set(m.layout.mtp)) > 1:
         out.append(
             (
@@ -233,7 +200,3 @@ def not_carried(bp: Blueprint) -> list[tuple[str, str]]:
         ),
     ]
     return out
-
-
-# A blueprint's Mamba section is compared field by field above; keep the table in step.
-assert set(_MIXER_DEFAULTS) <= set(MambaConfig.model_fields)

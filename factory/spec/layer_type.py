@@ -15,6 +15,7 @@ which symbols exist without an import cycle.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LAYER_TYPES",
     "LayerType",
+    "MegatronField",
     "ProxyScale",
     "layer_type",
     "layer_type_named",
@@ -61,6 +63,20 @@ class ProxyScale:
     """width / the source's hidden size."""
     quantized: bool
     """The precision policy quantizes some GEMM (widths must then stay 16-aligned)."""
+
+
+@dataclass(frozen=True)
+class MegatronField:
+    """One field of Megatron-Core's ``TransformerConfig`` that a layer type's section sets."""
+
+    name: str
+    """The ``TransformerConfig`` field."""
+    blueprint: str
+    """The blueprint value it comes from, as ``docs/megatron.md``'s mapping table shows it."""
+    get: Callable[[Any], Any]
+    """The layer's config section -> the field's value."""
+    when: Callable[[Any], bool] | None = None
+    """Whether the field applies, given the section (None: whenever the layer is used)."""
 
 
 class LayerType:
@@ -154,6 +170,17 @@ class LayerType:
     def from_hf(self, cfg: dict[str, Any]) -> dict[str, Any] | None:
         """This layer's blueprint section from a NemotronH ``config.json``."""
         return None
+
+    megatron_fields: ClassVar[tuple[MegatronField, ...] | None] = None
+    """The ``TransformerConfig`` fields this layer's section sets in a Megatron-Bridge
+    recipe; None when Megatron-Core has no such layer, which the export then refuses."""
+
+    def megatron_refusals(self, model: ModelConfig) -> list[tuple[str, str]]:
+        """(blueprint path, reason) for what Megatron-Core cannot express about this layer."""
+        if self.megatron_fields is None:
+            message = f"{self.name!r} layers ({self.symbol!r}) have no Megatron-Core equivalent"
+            return [("model.pattern", message)]
+        return []
 
     def hf_zero_tensors(self, model: ModelConfig, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
         """Tensors a NemotronH checkpoint always has that this blueprint's mixer lacks; the

@@ -10,7 +10,7 @@ import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from factory.spec.activations import BF16, FP32, TokenShards, prologue_bytes
-from factory.spec.layer_type import LayerType, ProxyScale, register_layer_type
+from factory.spec.layer_type import LayerType, MegatronField, ProxyScale, register_layer_type
 from factory.spec.rounding import nearest_multiple
 from factory.spec.tensors import Init, TensorSpec, linear
 
@@ -37,6 +37,11 @@ class SelfAttention(LayerType):
         "mixer.v_proj": "self_attention.linear_qkv",
         "mixer.o_proj": "self_attention.linear_proj",
     }
+    # num_attention_heads is set for every model (Megatron requires it), so it is not here.
+    megatron_fields = (
+        MegatronField("num_query_groups", "model.attention.kv_heads", lambda a: a.kv_heads),
+        MegatronField("kv_channels", "model.attention.head_dim", lambda a: a.head_dim),
+    )
 
     def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
         cfg: AttentionConfig = self.config(model)

@@ -12,7 +12,7 @@ import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from factory.spec.activations import BF16, FP32, TokenShards, prologue_bytes
-from factory.spec.layer_type import LayerType, ProxyScale, register_layer_type
+from factory.spec.layer_type import LayerType, MegatronField, ProxyScale, register_layer_type
 from factory.spec.rounding import nearest_multiple
 from factory.spec.tensors import Init, Role, Split, TensorSpec, conv, linear, norm, vector
 
@@ -21,7 +21,22 @@ if TYPE_CHECKING:
 
     from factory.schemas.model import MambaConfig, ModelConfig
 
-__all__ = ["Mamba"]
+__all__ = ["MEGATRON_MIXER_DEFAULTS", "Mamba"]
+
+
+# MambaMixer's constructor defaults (megatron/core/ssm/mamba_mixer.py, 0.16.1): the mixer
+# spec passes none of these, so only these values are expressible in a Megatron recipe.
+MEGATRON_MIXER_DEFAULTS = {
+    "conv_kernel": 4,
+    "chunk_size": 128,
+    "dt_min": 0.001,
+    "dt_max": 0.1,
+    "dt_init_floor": 1e-4,
+    "dt_limit_min": 0.0,
+    "dt_limit_max": None,
+    "conv_bias": True,
+    "bias": False,
+}
 
 
 @register_layer_type
@@ -35,6 +50,12 @@ class Mamba(LayerType):
         "mixer.in_proj": "mixer.in_proj",
         "mixer.out_proj": "mixer.out_proj",
     }
+    megatron_fields = (
+        MegatronField("mamba_num_heads", "model.mamba.heads", lambda s: s.heads),
+        MegatronField("mamba_head_dim", "model.mamba.head_dim", lambda s: s.head_dim),
+        MegatronField("mamba_state_dim", "model.mamba.state_size", lambda s: s.state_size),
+        MegatronField("mamba_num_groups", "model.mamba.groups", lambda s: s.groups),
+    )
 
     def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
         cfg: MambaConfig = self.config(model)
@@ -121,6 +142,18 @@ class Mamba(LayerType):
         mixer.heads, mixer.groups = mixer.heads // tp, mixer.groups // tp
         mixer.norm.groups //= tp
         return {}
+
+    def megatron_refusals(self, model: ModelConfig) -> list[tuple[str, str]]:
+        cfg: MambaConfig = self.config(model)
+        return [
+            (
+                f"model.mamba.{name}",
+                f"MambaMixer's {name} is fixed at {default} by the layer spec (no config "
+                f"field), got {getattr(cfg, name)}",
+            )
+            for name, default in MEGATRON_MIXER_DEFAULTS.items()
+            if getattr(cfg, name) != default
+        ]
 
     def build(self, model: ModelConfig) -> nn.Module:
         from factory.layers.mamba.module import Mamba2Mixer

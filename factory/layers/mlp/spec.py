@@ -56,6 +56,9 @@ class DenseMLP(LayerType):
         "mixer.gate_proj": "mlp.linear_fc1",
         "mixer.down_proj": "mlp.linear_fc2",
     }
+    # Its width, activation and bias are Megatron fields the MoE's experts share
+    # (ffn_hidden_size, activation_func, add_bias_linear): the export sets them for both.
+    megatron_fields = ()
 
     def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
         cfg: MLPConfig = self.config(model)

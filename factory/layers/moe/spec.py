@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from factory.layers.mlp.spec import mlp_tensors, swiglu_factor
 from factory.spec.activations import BF16, FP32, TokenShards, ffn_bytes, prologue_bytes
-from factory.spec.layer_type import LayerType, ProxyScale, register_layer_type
+from factory.spec.layer_type import LayerType, MegatronField, ProxyScale, register_layer_type
 from factory.spec.rounding import half_up, nearest_multiple
 from factory.spec.tensors import Gemm, Init, Role, TensorSpec, expert_linear, linear
 
@@ -52,6 +52,73 @@ class MixtureOfExperts(LayerType):
         "mixer.fc1_latent_proj": "mlp.fc1_latent_proj",
         "mixer.fc2_latent_proj": "mlp.fc2_latent_proj",
     }
+    megatron_fields = (
+        MegatronField("num_moe_experts", "model.moe.num_experts", lambda e: e.num_experts),
+        MegatronField("moe_router_topk", "model.moe.top_k", lambda e: e.top_k),
+        MegatronField(
+            "moe_ffn_hidden_size",
+            "model.moe.expert_intermediate_size",
+            lambda e: e.expert_intermediate_size,
+        ),
+        MegatronField(
+            "moe_shared_expert_intermediate_size",
+            "model.moe.shared_expert_intermediate_size",
+            lambda e: e.shared_expert_intermediate_size or None,
+        ),
+        MegatronField("moe_latent_size", "model.moe.latent_size", lambda e: e.latent_size),
+        MegatronField(
+            "moe_expert_capacity_factor", "model.moe.capacity_factor", lambda e: e.capacity_factor
+        ),
+        MegatronField(
+            "moe_router_score_function",
+            "model.moe.router.score_function",
+            lambda e: e.router.score_function,
+        ),
+        MegatronField(
+            "moe_router_pre_softmax",
+            "model.moe.router.normalize_top_k",
+            lambda e: e.router.score_function == "softmax" and not e.router.normalize_top_k,
+        ),
+        MegatronField(
+            "moe_router_topk_scaling_factor",
+            "model.moe.router.scaling_factor",
+            lambda e: e.router.scaling_factor,
+        ),
+        MegatronField(
+            "moe_router_enable_expert_bias",
+            "model.moe.router.expert_bias",
+            lambda e: e.router.expert_bias,
+        ),
+        MegatronField(
+            "moe_router_bias_update_rate",
+            "model.moe.router.expert_bias_update_rate",
+            lambda e: e.router.expert_bias_update_rate,
+        ),
+        MegatronField(
+            "moe_router_load_balancing_type",
+            "model.moe.router.aux_loss",
+            lambda e: e.router.aux_loss,
+        ),
+        MegatronField(
+            "moe_aux_loss_coeff",
+            "model.moe.router.aux_loss_coeff",
+            lambda e: e.router.aux_loss_coeff if e.router.aux_loss != "none" else 0.0,
+        ),
+        MegatronField(
+            "moe_router_num_groups",
+            "model.moe.router.num_groups",
+            lambda e: e.router.num_groups,
+            when=lambda e: e.router.num_groups > 1,
+        ),
+        MegatronField(
+            "moe_router_group_topk",
+            "model.moe.router.group_top_k",
+            lambda e: e.router.group_top_k,
+            when=lambda e: e.router.num_groups > 1,
+        ),
+        MegatronField("moe_router_dtype", "(router runs in fp32)", lambda e: "fp32"),
+        MegatronField("moe_grouped_gemm", "(experts are grouped GEMMs)", lambda e: True),
+    )
 
     def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
         cfg: MoEConfig = self.config(model)
@@ -234,6 +301,20 @@ class MixtureOfExperts(LayerType):
                 "group_top_k": cfg.get("topk_group", 1),
             },
         }
+
+    def megatron_refusals(self, model: ModelConfig) -> list[tuple[str, str]]:
+        router = self.config(model).router
+        out = []
+        if (
+            router.score_function == "sigmoid"
+            and not router.normalize_top_k
+            and model.moe.top_k > 1
+        ):
+            reason = "Megatron always renormalises sigmoid top-k scores"
+            out.append(("model.moe.router.normalize_top_k", reason))
+        if router.expert_bias and router.score_function != "sigmoid":
+            out.append(("model.moe.router.expert_bias", "Megatron's expert bias needs sigmoid"))
+        return out
 
     def hf_zero_tensors(self, model: ModelConfig, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
         cfg: MoEConfig = self.config(model)
