@@ -10,15 +10,15 @@ already rejects.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import factory.layers  # noqa: F401  (registers the built-in layer types before the loop below)
 from factory.checks.model_rules import used_symbols
-from factory.checks.registry import Finding, rule
+from factory.checks.registry import Finding, layer_rule, rule
 from factory.dotted_paths import join_path
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.parallelism import GPU_SPECS
-from factory.spec.layer_type import LAYER_TYPES, LayerType
+from factory.spec.layer_type import LayerType
 
 __all__: list[str] = []
 
@@ -78,24 +78,19 @@ def expert_grid(bp: Blueprint) -> Iterator[Finding]:
         )
 
 
-def _tp_rule(kind: LayerType) -> Callable[[Blueprint], Iterator[Finding]]:
+@layer_rule(
+    "parallelism.tp",
+    applies=lambda kind: type(kind).tp_rules is not LayerType.tp_rules,
+    summary=lambda kind: (type(kind).tp_rules.__doc__ or "").strip().splitlines()[0],
+)
+def tp_layer(kind: LayerType, bp: Blueprint) -> Iterator[Finding]:
     """``parallelism.tp_<name>``: the layer type's own TP rules, where the pattern uses it."""
-
-    def check(bp: Blueprint) -> Iterator[Finding]:
-        if kind.symbol not in used_symbols(bp.model):
-            return
-        if kind.section is not None and getattr(bp.model, kind.section) is None:
-            return  # model.layer_sections reports the missing section
-        for message in kind.tp_rules(bp.model, bp.parallelism.tp):
-            yield Finding("parallelism.tp", message)
-
-    check.__doc__ = type(kind).tp_rules.__doc__
-    return check
-
-
-for _kind in sorted(LAYER_TYPES.values(), key=lambda kind: kind.name):
-    if type(_kind).tp_rules is not LayerType.tp_rules:
-        rule(f"parallelism.tp_{_kind.name}")(_tp_rule(_kind))
+    if kind.symbol not in used_symbols(bp.model):
+        return
+    if kind.section is not None and getattr(bp.model, kind.section) is None:
+        return  # model.layer_sections reports the missing section
+    for message in kind.tp_rules(bp.model, bp.parallelism.tp):
+        yield Finding("parallelism.tp", message)
 
 
 @rule("parallelism.cp_mamba")

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from factory.schemas.blueprint import Blueprint
+from factory.spec.layer_type import LAYER_TYPES, LayerType, registry_revision
 
-__all__ = ["RULES", "Finding", "Rule", "rule", "run_rules"]
+__all__ = ["RULES", "Finding", "Rule", "layer_rule", "rule", "run_rules", "sync_layer_rules"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class Finding:
 
 
 RuleFn = Callable[[Blueprint], Iterator[Finding]]
+LayerRuleFn = Callable[[LayerType, Blueprint], Iterator[Finding]]
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,70 @@ def rule(name: str) -> Callable[[RuleFn], RuleFn]:
     return register
 
 
+@dataclass(frozen=True)
+class _LayerRule:
+    prefix: str
+    applies: Callable[[LayerType], bool]
+    summary: Callable[[LayerType], str]
+    check: LayerRuleFn
+
+
+_LAYER_RULES: list[_LayerRule] = []
+_synced: tuple[int, int] | None = None  # (layer registry revision, layer rules) at the last sync
+_FROM_LAYERS: set[str] = set()
+
+
+def layer_rule(
+    prefix: str, applies: Callable[[LayerType], bool], summary: Callable[[LayerType], str]
+) -> Callable[[LayerRuleFn], LayerRuleFn]:
+    """Register a check that runs once for each layer type it ``applies`` to, as the rule
+    ``<prefix>_<layer name>``: a layer type registered later (``factory.layers``, or a
+    test's) gets its rule without touching this package."""
+
+    def register(fn: LayerRuleFn) -> LayerRuleFn:
+        _LAYER_RULES.append(_LayerRule(prefix, applies, summary, fn))
+        sync_layer_rules()
+        return fn
+
+    return register
+
+
+def sync_layer_rules() -> None:
+    """Give :data:`RULES` one rule per (layer rule, registered layer type it applies to),
+    and none for layer types no longer registered."""
+    global _synced
+    if _synced == (registry_revision(), len(_LAYER_RULES)):
+        return
+    wanted: dict[str, Rule] = {}
+    for family in _LAYER_RULES:
+        for kind in sorted(LAYER_TYPES.values(), key=lambda kind: kind.name):
+            if family.applies(kind):
+                name = f"{family.prefix}_{kind.name}"
+                check = _bind(family.check, kind)
+                wanted[name] = RULES.get(name) or Rule(name, family.summary(kind), check)
+    for name in _FROM_LAYERS - set(wanted):
+        del RULES[name]
+    RULES.update((name, r) for name, r in wanted.items() if name not in RULES)
+    _FROM_LAYERS.clear()
+    _FROM_LAYERS.update(wanted)
+    _synced = (registry_revision(), len(_LAYER_RULES))
+
+
+def _bind(check: LayerRuleFn, kind: LayerType) -> RuleFn:
+    def bound(bp: Blueprint) -> Iterator[Finding]:
+        return check(kind, bp)
+
+    bound.__module__ = check.__module__  # where the rule is written, as for plain rules
+    bound.__qualname__ = f"{check.__qualname__}[{kind.name}]"
+    return bound
+
+
 def run_rules(bp: Blueprint) -> list[tuple[Rule, Finding]]:
     """Run every registered rule; findings come back in registration order.
 
     Every rule is registered by then: Python runs ``factory/checks/__init__.py``,
-    which imports every rule module, before this module.
+    which imports every rule module, before this module; layer types registered since
+    get their layer rules here.
     """
+    sync_layer_rules()
     return [(r, finding) for r in RULES.values() for finding in r.check(bp)]
