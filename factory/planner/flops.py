@@ -43,8 +43,9 @@ class FlopsPerToken:
     """Training FLOPs (forward + backward) per token at one sequence length."""
 
     seq_len: int
-    megatron: int
-    """Megatron-LM's hybrid formula, per token."""
+    megatron: int | None
+    """Megatron-LM's hybrid formula, per token; None when a layer type of the pattern has no
+    Megatron formula (``LayerType.megatron_flops``)."""
     exact: int
     """Our exact count, per token (= 3 x exact_forward)."""
     exact_forward: int
@@ -70,8 +71,9 @@ class FlopsPerToken:
 # --------------------------------------------------------------------------- Megatron's formula
 
 
-def _megatron_split(model: ModelConfig, seq_len: int) -> dict[str, int]:
-    """Training FLOPs of one sequence by Megatron's formula, per layer type plus 'head'.
+def _megatron_split(model: ModelConfig, seq_len: int) -> dict[str, int] | None:
+    """Training FLOPs of one sequence by Megatron's formula, per layer type plus 'head'; None
+    when a layer type of the pattern has no Megatron formula.
 
     Layer counts are get_hybrid_layer_counts': the MTP pattern's layers count once per depth.
     """
@@ -80,18 +82,22 @@ def _megatron_split(model: ModelConfig, seq_len: int) -> dict[str, int]:
         counts[symbol] += 1
     for symbol in model.mtp_pattern:
         counts[symbol] += model.mtp_depth
-    split = {
-        layer_type(symbol).name: _TRAIN * count * layer_type(symbol).megatron_flops(model, seq_len)
-        for symbol, count in sorted(counts.items(), key=lambda kv: list(LAYER_TYPES).index(kv[0]))
-    }
+    split = {}
+    for symbol, count in sorted(counts.items(), key=lambda kv: list(LAYER_TYPES).index(kv[0])):
+        one_layer = layer_type(symbol).megatron_flops(model, seq_len)
+        if one_layer is None:
+            return None
+        split[layer_type(symbol).name] = _TRAIN * count * one_layer
     h, vocab = model.hidden_size, model.vocab_size
     split["head"] = _TRAIN * 2 * seq_len * h * vocab * (1 + model.mtp_depth)
     return split
 
 
-def megatron_flops_per_sequence(model: ModelConfig, seq_len: int) -> int:
-    """Megatron-LM's training FLOPs for one sequence of ``seq_len`` tokens (T = s, S2 = s^2)."""
-    return sum(_megatron_split(model, seq_len).values())
+def megatron_flops_per_sequence(model: ModelConfig, seq_len: int) -> int | None:
+    """Megatron-LM's training FLOPs for one sequence of ``seq_len`` tokens (T = s, S2 = s^2);
+    None when a layer type of the pattern has no Megatron formula."""
+    split = _megatron_split(model, seq_len)
+    return None if split is None else sum(split.values())
 
 
 # --------------------------------------------------------------------------- exact forward count
@@ -125,10 +131,10 @@ def flops_per_token(model: ModelConfig, seq_len: int) -> FlopsPerToken:
     forward = _exact_forward_split(model, seq_len)
     megatron = _megatron_split(model, seq_len)
     # Every Megatron term is T * x + S2 * y with T = s and S2 = s^2, so the divisions are exact.
-    megatron_per_token = {k: v // seq_len for k, v in megatron.items()}
+    megatron_per_token = {k: v // seq_len for k, v in (megatron or {}).items()}
     return FlopsPerToken(
         seq_len=seq_len,
-        megatron=sum(megatron_per_token.values()),
+        megatron=sum(megatron_per_token.values()) if megatron is not None else None,
         exact=_TRAIN * sum(forward.values()),
         exact_forward=sum(forward.values()),
         by_layer_type={k: _TRAIN * v for k, v in forward.items()},

@@ -125,9 +125,10 @@ class LayerType:
         """Forward FLOPs per token that are not a tensor's GEMM (attention scores, the scan)."""
         return 0
 
-    def megatron_flops(self, model: ModelConfig, seq_len: int) -> int:
-        """Forward FLOPs of one layer over one sequence by Megatron-LM's formula."""
-        raise NotImplementedError(f"Megatron-LM has no FLOPs formula for {self.name!r} layers")
+    def megatron_flops(self, model: ModelConfig, seq_len: int) -> int | None:
+        """Forward FLOPs of one layer over one sequence by Megatron-LM's formula; None where
+        Megatron-LM has none for this layer (the plan then has no Megatron count)."""
+        return None
 
     def activation_bytes(self, model: ModelConfig, tokens: TokenShards, recompute: str) -> float:
         """Bytes one layer saves for backward per micro-batch on one rank, without recompute
