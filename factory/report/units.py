@@ -31,10 +31,9 @@ def human_flops(n: float) -> str:
 
 
 def human_bytes(n: float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
+    """Bytes in binary units: 1.50 GiB; below a KiB, whole bytes (512 B)."""
+    units = ((" TiB", 2**40), (" GiB", 2**30), (" MiB", 2**20), (" KiB", 2**10))
+    return _scaled(n, units) if abs(n) >= 2**10 else f"{n:.0f} B"
 
 
 def human_duration(seconds: float) -> str:
