@@ -1,7 +1,7 @@
-"""A ``factory build`` folder: its layout (the stages, in order, and the files each writes),
-which the build job writes by, and reading it back for the page, where every file is optional
-since its stage may have been skipped. Names only at import: the CLI offers the stages
-without loading the build."""
+"""A ``factory build`` folder: its layout (the stages in the order they run, the files each
+writes, ``build.json``), which the build job writes by, and reading it back for the build
+page, where every file is optional since its stage may have been skipped. Light to import:
+the CLI offers the stages without loading the build."""
 
 from __future__ import annotations
 
