@@ -11,8 +11,9 @@ from factory.cli.output import EXIT_INVALID, print_diagnostics
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.errors import BlueprintError
-from factory.jobs.build_names import DEFAULT_CHECK_STEPS, DEFAULT_SMOKE_STEPS, STAGES
+from factory.jobs.build_defaults import DEFAULT_CHECK_STEPS, DEFAULT_SMOKE_STEPS
 from factory.jobs.progress import RichProgress
+from factory.report.build_folder import STAGES
 
 if TYPE_CHECKING:
     from factory.jobs.build import StageRecord

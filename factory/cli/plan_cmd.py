@@ -10,7 +10,7 @@ import typer
 from factory.cli.output import print_diagnostics
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
-from factory.planner.report import cost_summary, rich_tables
+from factory.report.plan_text import cost_summary, rich_tables
 
 
 @app.command()

@@ -27,7 +27,8 @@ def report(
     """
     # Deferred: this module loads pydantic (the monitors' schemas); every command module is
     # imported at startup, and `factory validate` does not need it.
-    from factory.runtime.report import ReportError, write_report
+    from factory.report.run_metrics import ReportError
+    from factory.report.run_page import write_report
 
     try:
         page = write_report(run_dir, out)

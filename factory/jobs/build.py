@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from factory.io import atomic_write_text
-from factory.jobs.build_names import DEFAULT_CHECK_STEPS, DEFAULT_SMOKE_STEPS, STAGES
-from factory.jobs.build_stages import OUTPUTS, BuildContext, StageFailed, run_stage
+from factory.jobs.build_defaults import DEFAULT_CHECK_STEPS, DEFAULT_SMOKE_STEPS
+from factory.jobs.build_stages import BuildContext, StageFailed, run_stage
 from factory.jobs.progress import Progress, silent
+from factory.report.build_folder import BUILD_RECORD, OUTPUTS, STAGES
 
 if TYPE_CHECKING:
     from factory.schemas.blueprint import Blueprint
@@ -47,8 +48,6 @@ __all__ = [
     "StageRecord",
     "build",
 ]
-
-BUILD_RECORD = "build.json"
 
 
 class BuildFailed(RuntimeError):

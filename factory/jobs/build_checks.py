@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from factory.runtime.report import read_metrics
+from factory.report.run_metrics import read_metrics
 
 __all__ = ["LOSS_TOLERANCE", "Comparison", "Fall", "compare_losses", "loss_falls", "run_losses"]
 

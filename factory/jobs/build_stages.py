@@ -1,9 +1,10 @@
 """The stages of ``factory build``, one function each: do the work, write its files, and
 return the one-line result the build prints.
 
-Each stage writes only its own files (listed in :data:`OUTPUTS`), each whole:
-through a temporary name and a rename, a staged folder, or a job that resumes
-itself (the data build, training). A stage that finds its work wrong raises
+Each stage writes only its own files (the build folder's layout,
+:data:`factory.report.build_folder.OUTPUTS`), each whole: through a temporary
+name and a rename, a staged folder, or a job that resumes itself (the data
+build, training). A stage that finds its work wrong raises
 :class:`StageFailed` with the reason.
 """
 
@@ -18,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 import factory
-from factory.build_report import write_build_report
 from factory.data.pipeline import build as build_data
 from factory.data.recipe_loading import load_recipe
 from factory.exports.hf_config import hf_config
@@ -27,30 +27,17 @@ from factory.exports.megatron_refusals import refusals
 from factory.io import atomic_write_text, staged_directory
 from factory.jobs.build_checks import compare_losses, loss_falls, run_losses
 from factory.jobs.build_distributed import run_layout_check
-from factory.jobs.build_names import STAGES
 from factory.jobs.progress import Progress
 from factory.jobs.train import CheckpointPolicy
 from factory.planner.plan import plan
-from factory.planner.report import markdown_report
 from factory.precision.policy import flops_share, resolve_policy
+from factory.report.build_page import write_build_report
+from factory.report.plan_text import markdown_report
 
 if TYPE_CHECKING:
     from factory.schemas.blueprint import Blueprint
 
-__all__ = ["OUTPUTS", "STAGES", "BuildContext", "StageFailed", "run_stage"]
-
-OUTPUTS: dict[str, tuple[str, ...]] = {
-    "validate": ("resolved.yaml",),
-    "plan": ("plan.json", "report.md"),
-    "model": ("model_check.json",),
-    "precision": ("precision.json",),
-    "export": ("exports",),
-    "data": ("data",),
-    "smoke": ("smoke",),
-    "distributed": ("distributed", "distributed.json"),
-    "report": ("report.html",),
-}
-"""What each stage writes in the build folder (and what a changed blueprint clears)."""
+__all__ = ["BuildContext", "StageFailed", "run_stage"]
 
 SMOKE_CHECKPOINT_EVERY = 8
 """A smoke run killed midway resumes from its last checkpoint (at most this many steps lost)."""

@@ -40,7 +40,8 @@ from factory.jobs.progress import Progress, silent
 from factory.planner.params import count_params
 from factory.precision.policy import uses_low_precision
 from factory.proxy_layout import derive_proxy_layout
-from factory.runtime.report import ReportError, write_report
+from factory.report.run_metrics import ReportError
+from factory.report.run_page import write_report
 
 if TYPE_CHECKING:
     from factory.compilation import Compiled, PrecisionBackend

@@ -2,7 +2,7 @@
 
 ``metrics.jsonl`` holds one JSON object per line, flushed as it is written, so
 a killed run keeps everything up to its last step; ``factory report`` reads it
-(``factory.runtime.report``). Kinds: ``run`` (first), ``step``, ``event``,
+(``factory.report.run_metrics``). Kinds: ``run`` (first), ``step``, ``event``,
 ``checkpoint``, ``rollback`` and ``end``.
 """
 

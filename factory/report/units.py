@@ -1,13 +1,46 @@
-"""Numbers for people: a value formatted by what its key's suffix says it measures."""
+"""Numbers for people: counts, FLOPs, bytes and durations with their units, and a value
+formatted by what its key's suffix says it measures. Every report page formats numbers here."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
-from factory.planner.report import human_bytes, human_duration, human_flops
+__all__ = [
+    "format_named_value", "format_number", "human_bytes", "human_count", "human_duration",
+    "human_flops", "percent",
+]  # fmt: skip
 
-__all__ = ["format_named_value", "format_number", "percent"]
+
+def _scaled(n: float, units: tuple[tuple[str, float], ...]) -> str:
+    for unit, scale in units:
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:g}"
+
+
+def human_count(n: float) -> str:
+    """Parameter-style counts: 3.58B, 31.58B (B for billions, as model cards write them)."""
+    return _scaled(n, (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)))
+
+
+def human_flops(n: float) -> str:
+    """FLOPs with SI prefixes: 22.28 GFLOP, 5.20e+23 = 520.20 ZFLOP."""
+    units = (("Y", 1e24), ("Z", 1e21), ("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9))
+    return _scaled(n, tuple((f" {u}FLOP", s) for u, s in units)) if n else "0"
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in binary units: 1.50 GiB; below a KiB, whole bytes (512 B)."""
+    units = ((" TiB", 2**40), (" GiB", 2**30), (" MiB", 2**20), (" KiB", 2**10))
+    return _scaled(n, units) if abs(n) >= 2**10 else f"{n:.0f} B"
+
+
+def human_duration(seconds: float) -> str:
+    """Seconds as the largest unit that keeps the number at least 1: 1.88 min, 500.64 days."""
+    if seconds < 60:
+        return f"{seconds:.2f} s"
+    return _scaled(seconds, ((" days", 86400.0), (" h", 3600.0), (" min", 60.0)))
 
 
 def format_number(value: float) -> str:

@@ -1,36 +1,20 @@
-"""The sections drawn from the plan and the precision policy: layers, memory, FLOPs, cost."""
+"""The build page's sections drawn from the plan and the precision policy: layers, memory,
+FLOPs, cost."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from factory.build_report.bar_chart import Series, bar_chart_svg
-from factory.build_report.folder import BuildFolder
-from factory.build_report.html_parts import (
-    escape,
-    figure_svg,
-    key_value_table,
-    note,
-    section,
-    table,
-)
-from factory.build_report.layer_stack import layer_stack_svg
-from factory.build_report.memory_bars import memory_components, memory_svg
-from factory.build_report.units import format_named_value, percent
-from factory.planner.report import flatten, human_bytes, human_count, human_flops, sections
+from factory.report.bar_chart import Series, bar_chart_svg
+from factory.report.build_folder import BuildFolder, missing
+from factory.report.html_parts import escape, figure_svg, key_value_table, note, section, table
+from factory.report.layer_stack import layer_stack_svg
+from factory.report.memory_bars import memory_components, memory_svg
+from factory.report.plan_text import flatten, plan_tables
+from factory.report.units import format_named_value, human_bytes, human_count, human_flops, percent
 from factory.schemas.parallelism import GPU_SPECS
 
-__all__ = ["cost_section", "flops_section", "layers_section", "memory_section", "missing"]
-
-
-def missing(folder: BuildFolder, stage: str, what: str) -> str:
-    """The note a section shows when its stage left nothing: why, from build.json."""
-    info = folder.stage(stage)
-    why = f": {info.result}" if info.result else ""
-    kind = "failed" if info.status == "failed" else "skipped"
-    return note(
-        f"No {what}: the {stage} stage {info.status.replace('done', 'finished')}{why}.", kind
-    )
+__all__ = ["cost_section", "flops_section", "layers_section", "memory_section"]
 
 
 def _mtp_pattern(folder: BuildFolder) -> str:
@@ -151,15 +135,15 @@ def cost_section(folder: BuildFolder) -> str:
         f"<details><summary>{escape(name)}</summary>"
         + table(["", "value", "detail"], [list(r) for r in rows], "numbers")
         + "</details>"
-        for name, rows in _plan_tables(plan)
+        for name, rows in _readable_plan_tables(plan)
     )
     parts.append("<h3>Every plan table</h3>" + tables)
     return section("cost", "Cost and failures", "".join(parts))
 
 
-def _plan_tables(plan: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, str]]]]:
-    """The planner's own tables (report.md's), or none for a plan it cannot read."""
+def _readable_plan_tables(plan: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, str]]]]:
+    """The plan's own tables (report.md's), or none for a plan they cannot read."""
     try:
-        return sections(plan)
+        return plan_tables(plan)
     except (KeyError, TypeError):
         return []

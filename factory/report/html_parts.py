@@ -1,4 +1,5 @@
-"""Small pieces of HTML the report's sections share: tables, notes, figures, the stylesheet."""
+"""Small pieces of HTML every report page shares: escaping, tables, notes, sections, figures,
+and the build page's stylesheet."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import html
 from collections.abc import Sequence
 
 __all__ = [
-    "STYLE", "escape", "figure_png", "figure_svg", "key_value_table", "note", "section", "table",
+    "STYLE", "escape", "figure_png", "figure_svg", "key_value_table", "legend_key", "note",
+    "section", "svg", "table",
 ]  # fmt: skip
 
 
@@ -15,12 +17,24 @@ def escape(text: object) -> str:
     return html.escape(str(text), quote=True)
 
 
-def table(header: Sequence[str], rows: Sequence[Sequence[str]], css: str = "") -> str:
-    """A table of already-formatted text cells (escaped here)."""
+def _class(css: str) -> str:
+    return f' class="{escape(css)}"' if css else ""
+
+
+def table(
+    header: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    css: str = "",
+    row_classes: Sequence[str] | None = None,
+) -> str:
+    """A table of already-formatted text cells (escaped here); ``row_classes`` gives each row a
+    CSS class (the run page colours an event's row by its action)."""
     head = "".join(f"<th>{escape(c)}</th>" for c in header)
-    body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>" for row in rows)
-    klass = f' class="{escape(css)}"' if css else ""
-    return f"<table{klass}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    body = "".join(
+        f"<tr{_class(row_css)}>" + "".join(f"<td>{escape(c)}</td>" for c in row) + "</tr>"
+        for row, row_css in zip(rows, row_classes or [""] * len(rows), strict=True)
+    )
+    return f"<table{_class(css)}><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def key_value_table(rows: Sequence[tuple[str, str]]) -> str:
@@ -35,6 +49,23 @@ def note(text: str, kind: str = "skipped") -> str:
 
 def section(anchor: str, title: str, body: str) -> str:
     return f'<section id="{escape(anchor)}"><h2>{escape(title)}</h2>{body}</section>'
+
+
+def svg(css: str, width: float, height: float, body: str) -> str:
+    """A standalone SVG picture of ``width`` x ``height`` pixels that scales down with the page."""
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="{css}" width="{width:.0f}" '
+        f'height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}" font-family="sans-serif">'
+        f"{body}</svg>"
+    )
+
+
+def legend_key(x: int, y: float, colour: str, label: str) -> str:
+    """One key of an SVG picture's legend: a 14 px swatch and its label to the right."""
+    return (
+        f'<rect x="{x}" y="{y:.0f}" width="14" height="14" fill="{colour}"/>'
+        f'<text x="{x + 19}" y="{y + 11:.0f}" font-size="11">{escape(label)}</text>'
+    )
 
 
 def figure_svg(svg: str, caption: str) -> str:

@@ -1,16 +1,15 @@
-"""The sections about the build itself: stages, the model check, precision, exports, files."""
+"""The build page's sections about the build itself: stages, the model check, precision,
+exports, files."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from factory.build_report.folder import STAGES, BuildFolder
-from factory.build_report.html_parts import escape, key_value_table, note, section, table
-from factory.build_report.layer_stack import precision_colour
-from factory.build_report.sections_plan import missing
-from factory.build_report.units import percent
-from factory.planner.report import human_bytes, human_count
+from factory.report.build_folder import STAGES, BuildFolder, missing
+from factory.report.html_parts import escape, key_value_table, note, section, table
+from factory.report.layer_stack import precision_colour
+from factory.report.units import human_bytes, human_count, percent
 
 __all__ = [
     "artifacts_section", "exports_section", "model_section", "precision_section",

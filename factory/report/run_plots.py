@@ -1,6 +1,8 @@
-"""The PNG plots of a training run's report (:mod:`factory.runtime.report` writes the page).
+"""The PNG plots of training runs: a run's loss, learning rate, gradient norm and per-layer
+monitors (the run page shows them all, the build page the loss and the monitors), and the
+build's distributed check, its losses over the smoke run's.
 
-Every plot has the optimizer update on its x axis, which keeps counting across
+Every plot of a run has the optimizer update on its x axis, which keeps counting across
 rollbacks, and marks what the run's monitors did on it the same way (see
 :data:`MARKS`). Drawn on the Agg canvas directly: no pyplot state, no display.
 matplotlib and numpy are imported inside the functions, so reading a run's
@@ -12,12 +14,12 @@ from __future__ import annotations
 import io
 import math
 import re
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
-if TYPE_CHECKING:
-    from factory.runtime.report import RunMetrics
+from factory.report.run_metrics import RunMetrics
 
-__all__ = ["ACTION_COLOURS", "CAPTIONS", "MARKS", "plots"]
+__all__ = ["ACTION_COLOURS", "CAPTIONS", "MARKS", "distributed_loss_png", "plots"]
 
 ACTION_COLOURS = {"warn": "#f58518", "stop": "#d62728", "rollback": "#7b3294"}
 OTHER_COLOUR = "#7f7f7f"
@@ -112,11 +114,11 @@ def _legend(figure: Any, metrics: RunMetrics, handles: list[Any], on_map: bool =
         figure.legend(handles=handles, loc="outside lower center", ncol=ncol, fontsize=8)
 
 
-def _figure(height: float) -> Any:
+def _figure(height: float, width: float = 9.0) -> Any:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(9.0, height), dpi=100, layout="constrained")
+    figure = Figure(figsize=(width, height), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)  # draws without pyplot's global state or a display
     return figure
 
@@ -270,3 +272,38 @@ def plots(metrics: RunMetrics) -> list[tuple[str, bytes]]:
         "residual_rms.png": _heatmap_png(metrics, "residual_rms", "residual RMS", log=True),
     }
     return [(name, png) for name, png in drawn.items() if png is not None]
+
+
+def distributed_loss_png(
+    steps: Sequence[int],
+    losses: Sequence[float],
+    smoke_losses: Sequence[float],
+    tolerance: float,
+    title: str,
+) -> bytes:
+    """The distributed run's losses over the smoke run's at the same steps, and below, their
+    relative difference."""
+    from matplotlib.ticker import MaxNLocator
+
+    figure = _figure(4.6, width=6.4)
+    top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[3, 1])
+    shared = min(len(steps), len(losses), len(smoke_losses))
+    x = list(steps)[:shared]
+    top.plot(
+        x, list(smoke_losses)[:shared], "o-", color="#9ecae1", lw=3, ms=7, label="smoke (1 process)"
+    )
+    top.plot(x, list(losses)[:shared], "x--", color="#08519c", ms=8, label="distributed")
+    top.set(ylabel="loss", title=title)
+    top.legend(fontsize=9)
+    difference = [
+        abs(a - b) / max(abs(b), 1e-12)
+        for a, b in zip(losses[:shared], smoke_losses[:shared], strict=True)
+    ]
+    bottom.plot(x, difference, "o-", color="#555555", ms=4, label="relative difference")
+    bottom.axhline(tolerance, color="#d62728", ls="--", lw=1, label="tolerance")
+    bottom.set(xlabel="step", ylabel="rel. diff.", ylim=(0, max([tolerance, *difference]) * 1.15))
+    bottom.legend(fontsize=8, loc="upper left")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    return _png(figure)

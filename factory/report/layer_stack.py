@@ -12,12 +12,12 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from factory.build_report.html_parts import escape
-from factory.planner.report_html import COLOURS as TYPE_COLOURS
-from factory.planner.report_html import NAMES as TYPE_NAMES
+from factory.report.html_parts import escape, legend_key, svg
 
 __all__ = ["PRECISION_COLOURS", "Segment", "layer_stack_svg", "segments"]
 
+TYPE_COLOURS = {"M": "#4c78a8", "*": "#f58518", "-": "#54a24b", "E": "#b279a2"}
+TYPE_NAMES = {"M": "Mamba-2", "*": "attention", "-": "MLP", "E": "MoE"}
 PRECISION_COLOURS = {
     "nvfp4": "#e7298a",
     "mxfp8": "#17becf",
@@ -129,8 +129,7 @@ def _legend(y: int, recipes: list[str]) -> str:
         if i == len(TYPE_NAMES) and recipes:
             parts.append(f'<text x="{x + 10}" y="{y + 11}" font-size="11">GEMM formats:</text>')
             x += 96
-        parts.append(f'<rect x="{x}" y="{y}" width="14" height="14" fill="{colour}"/>')
-        parts.append(f'<text x="{x + 19}" y="{y + 11}" font-size="11">{escape(label)}</text>')
+        parts.append(legend_key(x, y, colour, label))
         x += 30 + 7 * len(label)
     return "".join(parts)
 
@@ -183,13 +182,7 @@ def layer_stack_svg(
     legend_y = below + 30
     width = max((count + gap_cells + len(mtp_pattern)) * pitch, 760)
     height = legend_y + 20
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="layer-stack" width="{width:.0f}" '
-        f'height="{height}" viewBox="0 0 {width:.0f} {height}" font-family="sans-serif">'
-        + "".join(parts)
-        + _legend(legend_y, recipes)
-        + "</svg>"
-    )
+    return svg("layer-stack", width, height, "".join(parts) + _legend(legend_y, recipes))
 
 
 def _recipe_order(recipe: str) -> tuple[int, str]:

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 import factory.cli.report_cmd  # noqa: F401  (registers `report` until app.py imports it)
-from factory.runtime.report import ReportError, read_metrics, write_report
+from factory.report.run_metrics import ReportError, read_metrics
+from factory.report.run_page import write_report
 
 Cli = Callable[..., tuple[int, str, str]]
 
@@ -182,7 +183,7 @@ def test_cli_writes_the_report_where_asked(
     cli: Cli, run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # drawing is tested above; this is the command's plumbing, so skip the seconds it takes
-    monkeypatch.setattr("factory.runtime.report.plots", lambda metrics: [])
+    monkeypatch.setattr("factory.report.run_page.plots", lambda metrics: [])
     for _ in range(2):  # the second run replaces the first report
         status, out, err = cli("report", str(run), "--out", str(tmp_path / "page"))
         assert status == 0, err

@@ -1,52 +1,14 @@
-"""Human-readable views of a plan: rich tables for the terminal, Markdown for files."""
+"""A plan as text: its tables (every number exact and readable), rich tables for the terminal
+(``factory plan``), and Markdown for ``report.md``; the build page shows the same tables."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = [
-    "cost_summary",
-    "flatten",
-    "human_bytes",
-    "human_count",
-    "human_duration",
-    "human_flops",
-    "markdown_report",
-    "rich_tables",
-]
+from factory.report.units import human_bytes, human_count, human_duration, human_flops
 
-
-def _scaled(n: float, units: tuple[tuple[str, float], ...]) -> str:
-    for unit, scale in units:
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return f"{n:g}"
-
-
-def human_count(n: float) -> str:
-    """Parameter-style counts: 3.58B, 31.58B (B for billions, as model cards write them)."""
-    return _scaled(n, (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)))
-
-
-def human_flops(n: float) -> str:
-    """FLOPs with SI prefixes: 22.28 GFLOP, 5.20e+23 = 520.20 ZFLOP."""
-    units = (("Y", 1e24), ("Z", 1e21), ("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9))
-    return _scaled(n, tuple((f" {u}FLOP", s) for u, s in units)) if n else "0"
-
-
-def human_bytes(n: float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def human_duration(seconds: float) -> str:
-    """Seconds as the largest unit that keeps the number at least 1: 1.88 min, 500.64 days."""
-    if seconds < 60:
-        return f"{seconds:.2f} s"
-    return _scaled(seconds, ((" days", 86400.0), (" h", 3600.0), (" min", 60.0)))
+__all__ = ["cost_summary", "flatten", "markdown_report", "plan_tables", "rich_tables"]
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -59,7 +21,7 @@ def flatten(data: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]
             yield name, value
 
 
-def sections(plan: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, str]]]]:
+def plan_tables(plan: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, str]]]]:
     """(title, rows of (what, exact value, readable value)) for every part of the plan."""
     params = plan["params"]
     param_rows = [
@@ -227,7 +189,7 @@ def rich_tables(plan: dict[str, Any]) -> list[Any]:
     from rich.table import Table
 
     tables = []
-    for title, rows in sections(plan):
+    for title, rows in plan_tables(plan):
         table = Table(title=title, title_justify="left", show_header=False)
         table.add_column(style="bold")
         table.add_column(justify="right")
@@ -240,7 +202,7 @@ def rich_tables(plan: dict[str, Any]) -> list[Any]:
 
 def markdown_report(plan: dict[str, Any], title: str) -> str:
     lines = [f"# {title}", "", cost_summary(plan), ""]
-    for section, rows in sections(plan):
+    for section, rows in plan_tables(plan):
         lines += [f"## {section}", "", "| | value | |", "|---|---:|---|"]
         lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
         lines.append("")

@@ -1,4 +1,12 @@
-"""The page: every section in reading order, and writing it into the build folder."""
+"""The build page: one self-contained HTML page over a ``factory build`` folder.
+
+:func:`write_build_report` reads whatever the build's stages left in the folder
+(``build.json``, ``plan.json``, ``precision.json``, ``data/manifest.json``,
+``smoke/``, ``distributed.json`` ...) and writes ``report.html`` beside them, every
+picture inline (SVG, or PNG as a data URI), every section in reading order. A stage
+that was skipped or failed leaves a short note in its section instead. Torch-free;
+matplotlib is imported only while drawing the plots.
+"""
 
 from __future__ import annotations
 
@@ -6,23 +14,23 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from factory.build_report.folder import BuildFolder
-from factory.build_report.html_parts import STYLE, escape
-from factory.build_report.sections_build import (
+from factory.io import atomic_write_text
+from factory.report.build_folder import BuildFolder
+from factory.report.build_sections_plan import (
+    cost_section,
+    flops_section,
+    layers_section,
+    memory_section,
+)
+from factory.report.build_sections_run import data_section, run_section
+from factory.report.build_sections_stages import (
     artifacts_section,
     exports_section,
     model_section,
     precision_section,
     stages_section,
 )
-from factory.build_report.sections_plan import (
-    cost_section,
-    flops_section,
-    layers_section,
-    memory_section,
-)
-from factory.build_report.sections_run import data_section, run_section
-from factory.io import atomic_write_text
+from factory.report.html_parts import STYLE, escape
 
 __all__ = ["SECTIONS", "render_build_report", "write_build_report"]
 

@@ -1,4 +1,7 @@
-"""Reading a build folder: every file is optional, since its stage may have been skipped."""
+"""A ``factory build`` folder: its layout (the stages in the order they run, the files each
+writes, ``build.json``), which the build job writes by, and reading it back for the build
+page, where every file is optional since its stage may have been skipped. Light to import:
+the CLI offers the stages without loading the build."""
 
 from __future__ import annotations
 
@@ -8,9 +11,38 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from factory.jobs.build_names import STAGES
+from factory.report.html_parts import note
 
-__all__ = ["STAGES", "BuildFolder", "StageInfo"]
+__all__ = ["BUILD_RECORD", "OUTPUTS", "STAGES", "BuildFolder", "StageInfo", "missing"]
+
+STAGES = (
+    "validate",
+    "plan",
+    "model",
+    "precision",
+    "export",
+    "data",
+    "smoke",
+    "distributed",
+    "report",
+)
+"""In the order they run; ``--skip`` takes these names."""
+
+OUTPUTS: dict[str, tuple[str, ...]] = {
+    "validate": ("resolved.yaml",),
+    "plan": ("plan.json", "report.md"),
+    "model": ("model_check.json",),
+    "precision": ("precision.json",),
+    "export": ("exports",),
+    "data": ("data",),
+    "smoke": ("smoke",),
+    "distributed": ("distributed", "distributed.json"),
+    "report": ("report.html",),
+}
+"""What each stage writes in the build folder (and what a changed blueprint clears)."""
+
+BUILD_RECORD = "build.json"
+"""Every stage's status, time and result, rewritten as each stage ends."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +74,7 @@ class BuildFolder:
 
     @cached_property
     def build(self) -> dict[str, Any]:
-        found = self.read_json("build.json")
+        found = self.read_json(BUILD_RECORD)
         return found if isinstance(found, dict) else {}
 
     @property
@@ -101,3 +133,13 @@ class BuildFolder:
 def _hidden(path: Path) -> bool:
     """Temporary files and folders of atomic writes (``.name.XXXX.tmp``)."""
     return any(part.startswith(".") and part.endswith(".tmp") for part in path.parts)
+
+
+def missing(folder: BuildFolder, stage: str, what: str) -> str:
+    """The note a section shows when its stage left nothing: why, from build.json."""
+    info = folder.stage(stage)
+    why = f": {info.result}" if info.result else ""
+    kind = "failed" if info.status == "failed" else "skipped"
+    return note(
+        f"No {what}: the {stage} stage {info.status.replace('done', 'finished')}{why}.", kind
+    )

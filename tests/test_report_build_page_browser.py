@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from browser import chromium, render_page
-from test_build_report import full_build  # noqa: F401  (the session's build folder fixture)
+from test_report_build_page import full_build  # noqa: F401  (the session's build folder fixture)
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
 

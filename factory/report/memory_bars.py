@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from factory.build_report.html_parts import escape
-from factory.planner.report import human_bytes
+from factory.report.html_parts import escape, legend_key, svg
+from factory.report.units import human_bytes
 
 __all__ = ["COMPONENT_COLOURS", "memory_components", "memory_svg"]
 
@@ -71,12 +71,8 @@ def memory_svg(per_rank: list[dict[str, Any]], capacity: int, gpu: str) -> str:
         )
     x = LABEL
     for name, colour in COMPONENT_COLOURS.items():
-        parts.append(f'<rect x="{x}" y="{bottom + 24}" width="14" height="14" fill="{colour}"/>')
-        parts.append(f'<text x="{x + 19}" y="{bottom + 35}" font-size="11">{name}</text>')
+        parts.append(legend_key(x, bottom + 24, colour, name))
         x += 40 + 7 * len(name)
     height = bottom + 46
     width = LABEL + BAR_WIDTH + 140
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="memory" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" font-family="sans-serif">' + "".join(parts) + "</svg>"
-    )
+    return svg("memory", width, height, "".join(parts))

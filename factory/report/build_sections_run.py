@@ -1,13 +1,15 @@
-"""The sections about what the build ran: the curated data, the smoke run, the distributed check."""
+"""The build page's sections about what the build ran: the curated data, the smoke run, the
+distributed check."""
 
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
-from factory.build_report.bar_chart import Series, bar_chart_svg
-from factory.build_report.folder import BuildFolder
-from factory.build_report.html_parts import (
+from factory.report.bar_chart import Series, bar_chart_svg
+from factory.report.build_folder import BuildFolder, missing
+from factory.report.html_parts import (
     escape,
     figure_png,
     figure_svg,
@@ -15,13 +17,14 @@ from factory.build_report.html_parts import (
     note,
     section,
 )
-from factory.build_report.run_plots import distributed_loss_png, smoke_plots
-from factory.build_report.sections_plan import missing
-from factory.build_report.units import format_number, percent
-from factory.planner.report import human_count
+from factory.report.run_metrics import ReportError, read_metrics
+from factory.report.run_plots import CAPTIONS, distributed_loss_png, plots
+from factory.report.units import format_number, human_count, percent
 
 __all__ = ["data_section", "run_section"]
 
+SMOKE_PLOTS = ("loss.png", "max_vio.png", "residual_rms.png")
+"""The run page's plots this page shows: the loss and the two per-layer monitors."""
 PLANNED, CURATED, DROPPED = "#9ecae1", "#08519c", "#d62728"
 
 
@@ -108,6 +111,19 @@ def data_section(folder: BuildFolder) -> str:
     return section("data", "Data mixture", "".join(parts))
 
 
+def _smoke_plots(run_dir: Path) -> tuple[list[tuple[str, bytes, str]], str | None]:
+    """(file, PNG, caption) of the run's loss and monitor plots, and the reason when there are
+    none (no metrics, or no step yet)."""
+    try:
+        metrics = read_metrics(run_dir)
+    except ReportError as exc:
+        return [], str(exc)
+    if not metrics.steps:
+        return [], f"{metrics.path}: no step recorded"
+    drawn = [(f, png, CAPTIONS[f]) for f, png in plots(metrics) if f in SMOKE_PLOTS]
+    return drawn, None
+
+
 def _distributed_html(folder: BuildFolder) -> str:
     check = folder.distributed
     if check is None:
@@ -143,7 +159,7 @@ def _distributed_html(folder: BuildFolder) -> str:
 def run_section(folder: BuildFolder) -> str:
     """The smoke run's loss beside the distributed check, then the run's monitors."""
     run_dir = folder.path("smoke")
-    drawn, why = smoke_plots(run_dir) if run_dir.is_dir() else ([], None)
+    drawn, why = _smoke_plots(run_dir) if run_dir.is_dir() else ([], None)
     if drawn:
         loss = [figure_png(png, f, caption) for f, png, caption in drawn if f == "loss.png"]
         left = "<h3>Smoke run: loss</h3>" + "".join(loss)

@@ -1,4 +1,4 @@
-"""The build report page (``factory.build_report``): over a real ``factory build nano`` (every
+"""The build report page (``factory.report.build_page``): over a real ``factory build nano`` (every
 stage, short training), and over folders made of real pieces with stages skipped and failed."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import pytest
 import yaml
 
 import factory
-from factory.build_report import write_build_report
-from factory.build_report.folder import STAGES
 from factory.exports.hf_config import hf_config
 from factory.exports.megatron import launch_sh, overrides_yaml
 from factory.planner.plan import plan
 from factory.precision.policy import flops_share, resolve_policy
+from factory.report.build_folder import STAGES
+from factory.report.build_page import write_build_report
 from factory.schemas.blueprint import Blueprint
 
 
@@ -189,7 +189,7 @@ def test_a_failed_distributed_check_says_fail(full_build: Path, tmp_path: Path) 
 def test_report_is_written_atomically_and_imports_no_torch(tmp_path: Path) -> None:
     import subprocess
 
-    code = "import factory.build_report, sys; assert 'torch' not in sys.modules, 'torch'"
+    code = "import factory.report.build_page, sys; assert 'torch' not in sys.modules, 'torch'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
     root = tmp_path / "b"
     root.mkdir()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from factory.build_report.html_parts import escape
+from factory.report.html_parts import escape, legend_key, svg
 
 __all__ = ["Series", "bar_chart_svg"]
 
@@ -29,8 +29,7 @@ def _bar(y: float, width: float, colour: str, title: str) -> str:
 def _legend(series: Sequence[Series], y: float) -> str:
     parts, x = [], LABEL
     for s in series:
-        parts.append(f'<rect x="{x}" y="{y:.0f}" width="14" height="14" fill="{s.colour}"/>')
-        parts.append(f'<text x="{x + 19}" y="{y + 11:.0f}" font-size="11">{escape(s.name)}</text>')
+        parts.append(legend_key(x, y, s.colour, s.name))
         x += 40 + 7 * len(s.name)
     return "".join(parts)
 
@@ -63,7 +62,4 @@ def bar_chart_svg(
         parts.append(_legend(series, height + 2))
         height += 22
     width = LABEL + PLOT + VALUE_ROOM
-    return (
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="bars" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" font-family="sans-serif">' + "".join(parts) + "</svg>"
-    )
+    return svg("bars", width, height, "".join(parts))
