@@ -22,9 +22,10 @@ from runtime_helpers import tiny_blueprint
 from torch.distributed.tensor import DTensor
 
 import factory
-from factory.distributed.expert_parallel import apply_expert_parallel, local_experts
+from factory.distributed.expert_parallel import apply_expert_parallel
 from factory.distributed.local import run_ranks
 from factory.distributed.mesh import build_meshes
+from factory.layers.moe.expert_parallel import local_experts
 from factory.layers.moe.module import MoE
 from factory.planner.layout import resolve_layout
 
@@ -175,12 +176,17 @@ def _experts_linear_hook(rank: int) -> list[tuple[str, tuple[int, ...]]]:
 def _refusal(rank: int) -> str:
     """E % EP != 0 is refused before anything changes."""
     bp = _blueprint()
-    cfg = bp.model.moe.model_copy(update={"num_experts": 3})
-    moe = MoE(16, cfg, mlp_bias=False)
+    moe_cfg = bp.model.moe.model_dump() | {"num_experts": 3, "top_k": 1}
+    model = factory.compile(
+        tiny_blueprint(model={"moe": moe_cfg}), device="meta", precision="off"
+    ).model
     mesh = build_meshes(resolve_layout(bp), "cpu").expert["ep"]
     with pytest.raises(ValueError) as err:
-        apply_expert_parallel(torch.nn.Sequential(moe), mesh)
-    assert moe.dispatcher is None and not isinstance(moe.experts.up_proj, DTensor)
+        apply_expert_parallel(model, mesh)
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    assert layers and all(
+        moe.dispatcher is None and not isinstance(moe.experts.up_proj, DTensor) for moe in layers
+    )
     return str(err.value)
 
 

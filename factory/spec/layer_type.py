@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
 
     from factory.schemas.model import ModelConfig
     from factory.spec.activations import TokenShards
@@ -150,6 +151,14 @@ class LayerType:
         """Make the built ``mixer`` compute this rank's share of its heads, in place; return,
         for each of :meth:`tp_whole_linears`, the (start, width) of the columns it keeps."""
         return {}
+
+    def expert_parallel_problems(self, mixer: nn.Module, ep: int) -> list[str]:
+        """Why the built ``mixer`` cannot split its experts over ``ep`` ranks (none: a layer
+        without experts is left alone by expert parallelism)."""
+        return []
+
+    def apply_expert_parallel(self, mixer: nn.Module, ep_mesh: DeviceMesh) -> None:
+        """Keep this EP rank's experts of ``mixer`` and exchange tokens over ``ep_mesh``."""
 
     def build(self, model: ModelConfig) -> nn.Module:
         """The mixer module (imports torch)."""

@@ -181,7 +181,7 @@ class MoE(nn.Module):
         self.fc2_latent_proj = nn.Linear(inner, width, bias=mlp_bias) if cfg.latent_size else None
         self.dispatcher: ExpertDispatcher | None = None
         """Runs the routed experts when set: expert parallelism
-        (``factory.distributed.expert_parallel``) sends the kept pairs to the ranks holding
+        (``factory.layers.moe.expert_parallel``) sends the kept pairs to the ranks holding
         their experts. Routing, aux loss and capacity stay local either way."""
 
     def capacity(self, dispatch: Dispatch) -> int | None:

@@ -20,6 +20,7 @@ from factory.spec.tensors import Gemm, Init, Role, TensorSpec, expert_linear, li
 
 if TYPE_CHECKING:
     from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
 
     from factory.schemas.model import ModelConfig, MoEConfig
 
@@ -225,6 +226,23 @@ class MixtureOfExperts(LayerType):
             shared = tokens.sharded(cfg.shared_expert_intermediate_size)
             saved += ffn_bytes(shared, cfg.activation, keep_act_output=True)
         return saved
+
+    def expert_parallel_problems(self, mixer: nn.Module, ep: int) -> list[str]:
+        experts, problems = mixer.cfg.num_experts, []
+        if experts % ep:
+            problems.append(
+                f"{experts} routed experts cannot be split evenly over {ep} expert-parallel "
+                f"ranks ({experts} % {ep} = {experts % ep}); choose an EP size that divides "
+                f"{experts}"
+            )
+        if mixer.dispatcher is not None:
+            problems.append("already expert-parallel")
+        return problems
+
+    def apply_expert_parallel(self, mixer: nn.Module, ep_mesh: DeviceMesh) -> None:
+        from factory.layers.moe.expert_parallel import shard_experts  # torch.distributed
+
+        shard_experts(mixer, ep_mesh)
 
     def build(self, model: ModelConfig) -> nn.Module:
         from factory.layers.moe.module import MoE
