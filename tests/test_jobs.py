@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import factory
-from factory.jobs.progress import RichProgress
+from factory.progress import RichProgress
 
 Reports = list[tuple[str, int, int]]
 

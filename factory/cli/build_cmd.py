@@ -12,7 +12,7 @@ from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.errors import BlueprintError
 from factory.jobs.build_defaults import DEFAULT_CHECK_STEPS, DEFAULT_SMOKE_STEPS
-from factory.jobs.progress import RichProgress
+from factory.progress import RichProgress
 from factory.report.build_folder import STAGES
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from factory.cli.root import app
 from factory.data.energon_index import META_DIR, check_energon_index
 from factory.data.inspect import inspect_table, write_share_plot
 from factory.data.manifest import verify
-from factory.jobs.progress import RichProgress
+from factory.progress import RichProgress
 
 
 class Executor(StrEnum):

@@ -19,9 +19,9 @@ from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.jobs.distributed_train import RankLost
 from factory.jobs.launch import LaunchRefused, check_launch, launched_world_size, torchrun_args
-from factory.jobs.progress import RichProgress
 from factory.jobs.train import CheckpointPolicy, TrainRefused, trained_blueprint
 from factory.jobs.train import train as train_job
+from factory.progress import RichProgress
 from factory.proxy_layout import derive_proxy_layout
 
 if TYPE_CHECKING:

@@ -43,7 +43,7 @@ from factory.data.stage_write import StagesResult, tokens_per_source
 from factory.data.tokenize import DocumentTokenizer
 from factory.data.unit_io import read_unit_stats, unit_done
 from factory.io import atomic_write_text
-from factory.jobs.progress import Progress, silent
+from factory.progress import Progress, silent
 
 __all__ = ["EXECUTORS", "build", "recipe_hash"]
 

@@ -39,7 +39,7 @@ from factory.data.stage_write import StagesResult, tokens_per_source
 from factory.data.tokenize import DocumentTokenizer
 from factory.data.unit_io import unit_done
 from factory.io import atomic_write_text
-from factory.jobs.progress import Progress
+from factory.progress import Progress
 
 __all__ = ["connect", "run_ray_stages"]
 

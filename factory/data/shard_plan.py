@@ -33,7 +33,7 @@ from factory.data.stage_write import MixedStream, StagesResult
 from factory.data.tokenize import DocumentTokenizer
 from factory.data.unit_io import read_records
 from factory.io import atomic_write_bytes
-from factory.jobs.progress import Progress
+from factory.progress import Progress
 from factory.schemas.data_recipe import DataRecipe
 
 __all__ = [

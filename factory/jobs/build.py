@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from factory.io import atomic_write_text
 from factory.jobs.build_defaults import DEFAULT_CHECK_STEPS, DEFAULT_SMOKE_STEPS
 from factory.jobs.build_stages import BuildContext, StageFailed, run_stage
-from factory.jobs.progress import Progress, silent
+from factory.progress import Progress, silent
 from factory.report.build_folder import BUILD_RECORD, OUTPUTS, STAGES
 
 if TYPE_CHECKING:

@@ -27,10 +27,10 @@ from factory.exports.megatron_refusals import refusals
 from factory.io import atomic_write_text, staged_directory
 from factory.jobs.build_checks import compare_losses, loss_falls, run_losses
 from factory.jobs.build_distributed import run_layout_check
-from factory.jobs.progress import Progress
 from factory.jobs.train import CheckpointPolicy
 from factory.planner.plan import plan
 from factory.precision.policy import flops_share, resolve_policy
+from factory.progress import Progress
 from factory.report.build_page import write_build_report
 from factory.report.plan_text import markdown_report
 

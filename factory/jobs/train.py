@@ -36,9 +36,9 @@ import factory
 from factory.io import atomic_write_text
 from factory.jobs.distributed_train import run_rank
 from factory.jobs.launch import LaunchRefused, check_launch, launched_world_size
-from factory.jobs.progress import Progress, silent
 from factory.planner.params import count_params
 from factory.precision.policy import uses_low_precision
+from factory.progress import Progress, silent
 from factory.proxy_layout import derive_proxy_layout
 from factory.report.run_metrics import ReportError
 from factory.report.run_page import write_report
