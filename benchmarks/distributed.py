@@ -4,7 +4,7 @@ Each layout trains the Super CPU proxy (``factory train super --proxy``'s model,
 width 256, seq 256, global batch 8 of micro-batch 2; precision off) on random
 tokens for ``--steps`` optimizer steps after ``--warmup`` steps, through the
 same pieces as ``factory train``: ``parallelize`` (or the pipeline's stages),
-``forward_backward`` with :class:`~factory.distributed.ranks.DistributedRanks`,
+``forward_backward`` with :class:`~factory.runtime.ranks.DistributedRanks`,
 the global gradient norm, and AdamW. Reported per layout: tokens/s (the global
 batch's tokens over rank 0's median step time) and the **communication share**:
 the self CPU time rank 0's main thread spends in collectives over one extra
@@ -62,13 +62,13 @@ def _model(bp: Any, world: int) -> tuple[Any, Any]:
     if world == 1:
         return compiled, SingleProcess()
     from factory.distributed.mesh import build_meshes
-    from factory.distributed.parallelize import parallelize_compiled
-    from factory.distributed.ranks import DistributedRanks
     from factory.planner.layout import resolve_layout
+    from factory.runtime.placement import lay_out
+    from factory.runtime.ranks import DistributedRanks
 
-    meshes = build_meshes(resolve_layout(bp), "cpu")
-    parallelize_compiled(compiled, meshes, "cpu")
-    return compiled, DistributedRanks(meshes)
+    ranks = DistributedRanks(build_meshes(resolve_layout(bp), "cpu"))
+    lay_out(compiled, ranks)
+    return compiled, ranks
 
 
 def _step(compiled: Any, ranks: Any, micro: list[Any], optimizer: Any, mtp: float) -> None:
@@ -85,8 +85,8 @@ def _measure(rank: int, world: int, bp: Any, steps: int, warmup: int) -> dict[st
     import numpy as np
     from torch.profiler import ProfilerActivity, profile
 
+    from factory.graph.loss import mtp_loss_scale
     from factory.runtime.batches import Sample, collate
-    from factory.runtime.loop import mtp_loss_scale
     from factory.runtime.optimizer import MasterOptimizer
 
     compiled, ranks = _model(bp, world)
@@ -100,7 +100,7 @@ def _measure(rank: int, world: int, bp: Any, steps: int, warmup: int) -> dict[st
         return Sample(tokens, np.ones(seq, np.uint8), np.array([0, seq], np.int32))
 
     micro = [collate([sample() for _ in range(par.micro_batch_size)]) for _ in range(count)]
-    mtp = mtp_loss_scale(compiled)
+    mtp = mtp_loss_scale(bp.model)
     times = []
     for i in range(warmup + steps):
         start = time.perf_counter()

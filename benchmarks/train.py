@@ -1,6 +1,6 @@
 """The training step of a preset's CPU proxy, split into its parts, with checkpoint costs.
 
-The step is :func:`factory.runtime.loop.train`'s, mirrored here with a clock
+The step is :class:`factory.runtime.trainer.Trainer`'s, mirrored here with a clock
 around each part (the library is not instrumented):
 
 * **data**: ``next()`` on a :class:`~factory.runtime.loader.ShardLoader` over
@@ -74,11 +74,11 @@ class Trainer:
     """The loop's state and its step, with a clock around each part."""
 
     def __init__(self, compiled: Any, data: Path, seed: int) -> None:
+        from factory.graph.loss import mtp_loss_scale
         from factory.runtime.loader import ShardLoader
         from factory.runtime.monitors import Monitors
         from factory.runtime.optimizer import MasterOptimizer
         from factory.runtime.run_state import Position
-        from factory.schemas.model import MTPConfig
 
         bp = compiled.blueprint
         self.compiled, self.model = compiled, compiled.model
@@ -91,7 +91,7 @@ class Trainer:
         self.stream = iter(self.loader)
         clip = bp.training.optimizer.grad_clip
         self.clip = clip if clip is not None else math.inf
-        self.mtp_scale = (bp.model.mtp or MTPConfig()).loss_scale if bp.model.mtp_depth else 0.0
+        self.mtp_scale = mtp_loss_scale(bp.model)
         self.run_steps, self.training = bp.training_steps, bp.training
         torch.manual_seed(seed)
         self.model.train()
@@ -170,7 +170,7 @@ class Trainer:
 
     def step(self) -> dict[str, float]:
         """One optimizer step as the loop takes it; seconds per part and in all."""
-        from factory.runtime.monitors import StepStats
+        from factory.runtime.callbacks import StepStats
         from factory.runtime.schedule import learning_rate
 
         clock = dict.fromkeys(PARTS, 0.0)
@@ -208,10 +208,12 @@ class Trainer:
         return clock
 
     def snapshot(self) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+        from factory.runtime.monitors import Monitors
         from factory.runtime.run_state import snapshot
 
         data_state = {**self.loader.state_dict(), "consumed": self.position.consumed}
-        return snapshot(self.compiled, self.optimizer, self.monitors, self.position, data_state)
+        states = {Monitors.state_key: self.monitors.state_dict()}
+        return snapshot(self.compiled, self.optimizer, states, self.position, data_state)
 
 
 def loader_alone(data: Path, micro: int, seed: int) -> float:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
@@ -21,20 +20,12 @@ from factory.graph.weights import load_weights, read_state_dict
 from factory.layers.model_spec import model_spec
 from factory.precision import te_backend
 from factory.precision.apply import PrecisionRuntime, apply_precision
+from factory.precision.backends import PRECISION_OFF, PrecisionBackend, require_te
 from factory.precision.policy import uses_low_precision
 from factory.proxy import derive_proxy
 from factory.schemas.blueprint import Blueprint
 
-__all__ = ["PRECISION_OFF", "Compiled", "compile", "compile_for_training"]
-
-PrecisionBackend = Literal["auto", "emulate", "te", "off"]
-
-PRECISION_OFF = (
-    "training.compile needs precision off: inductor cannot compile the quantized GEMMs' casts "
-    "(FP8/FP4 emulation or Transformer Engine)"
-)
-"""Why compiled blocks are refused with a precision policy installed (the loop and
-``factory train`` both say it)."""
+__all__ = ["Compiled", "compile", "compile_for_training"]
 
 
 @dataclass
@@ -68,7 +59,7 @@ def compile(
     ``"off"`` leaves every linear unquantized.
     """
     if precision == "te":
-        te_backend.require_te()  # fail before building anything
+        require_te()  # fail before building anything
     if proxy:
         blueprint = derive_proxy(blueprint)
     with torch.device("meta"):

@@ -25,11 +25,11 @@ def _die() -> None:
 
 
 def _arm(kill: dict[str, int]) -> None:
-    from factory.runtime import checkpoint, loop
+    from factory.runtime import checkpoint, trainer
 
     calls = {"n": 0}
     if "step" in kill:
-        original = loop.forward_backward
+        original = trainer.forward_backward
 
         def forward_backward(*args, **kwargs):  # type: ignore[no-untyped-def]
             calls["n"] += 1
@@ -38,7 +38,7 @@ def _arm(kill: dict[str, int]) -> None:
                 _die()
             return out
 
-        loop.forward_backward = forward_backward
+        trainer.forward_backward = forward_backward
     if "checkpoint" in kill:
         fsync = checkpoint._fsync_tree
 
@@ -56,7 +56,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the same reduction order in every process
     import factory
     from factory.runtime.loader import ShardLoader
-    from factory.runtime.loop import RunOptions, train
+    from factory.runtime.trainer import RunOptions, train
     from factory.schemas.blueprint import Blueprint
 
     bp = Blueprint.model_validate(spec["blueprint"])

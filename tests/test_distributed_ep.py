@@ -1,4 +1,4 @@
-"""Expert parallelism on 2 gloo ranks against one process (``factory.distributed.expert_parallel``).
+"""Expert parallelism on 2 gloo ranks against one process (``factory.distributed.parallelize``).
 
 Each rank builds the tiny Super proxy (seed 0), shards its experts with EP=2 and
 feeds its own slice of a batch; the same rank also runs the unsharded model as
@@ -22,9 +22,9 @@ from runtime_helpers import tiny_blueprint
 from torch.distributed.tensor import DTensor
 
 import factory
-from factory.distributed.expert_parallel import apply_expert_parallel
 from factory.distributed.local import run_ranks
 from factory.distributed.mesh import build_meshes
+from factory.distributed.parallelize import apply_expert_parallel
 from factory.layers.moe.expert_parallel import local_experts
 from factory.layers.moe.module import MoE
 from factory.planner.layout import resolve_layout

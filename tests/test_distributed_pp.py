@@ -1,4 +1,4 @@
-"""Pipeline parallelism on 2 gloo ranks against one process (``factory.distributed.pipeline``).
+"""Pipeline parallelism on 2 gloo ranks against one process (``factory.runtime.pipeline_schedule``).
 
 Each rank builds the tiny Super proxy (seed 0) twice: once whole, running
 :func:`factory.runtime.step.forward_backward` as the single-process reference,
@@ -19,10 +19,10 @@ from runtime_helpers import tiny_blueprint
 import factory
 from factory.distributed.local import run_ranks
 from factory.distributed.mesh import build_meshes
-from factory.distributed.pipeline import PipelineRunner, check_microbatch_count
 from factory.distributed.pipeline_stages import split_stages
 from factory.planner.layout import resolve_layout
 from factory.runtime.batches import MicroBatch
+from factory.runtime.pipeline_schedule import PipelineRunner, check_microbatch_count
 from factory.runtime.step import forward_backward
 from factory.schemas.blueprint import Blueprint
 

@@ -18,12 +18,12 @@ import torch
 from runtime_helpers import GLOBAL, tiny_blueprint
 
 import factory
-from factory.runtime import loop
+from factory.runtime import trainer
 from factory.runtime.batches import build_shards
 from factory.runtime.checkpoint import complete_checkpoints
 from factory.runtime.loader import ShardLoader
-from factory.runtime.loop import RunOptions, TrainResult, train
 from factory.runtime.schedule import learning_rate
+from factory.runtime.trainer import RunHistory, RunOptions, train
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +43,12 @@ def _run(
     after: Hook | None = None,
     steps: int = 8,
     every: int = 2,
-) -> tuple[TrainResult, list[dict[str, Any]]]:
+) -> tuple[RunHistory, list[dict[str, Any]]]:
     """Train with ``before``/``after`` called around the forward-backward of every attempt
     (with the 0-based attempt number and the model)."""
     bp = tiny_blueprint(training={"steps": steps, "stability": stability})
     compiled = factory.compile(bp, seed=0, precision="off")
-    original = loop.forward_backward
+    original = trainer.forward_backward
     attempts = {"n": 0}
 
     def forward_backward(model: torch.nn.Module, micro: list, scale: float, ranks: Any) -> Any:
@@ -61,7 +61,7 @@ def _run(
             after(n, model)
         return out
 
-    monkeypatch.setattr(loop, "forward_backward", forward_backward)
+    monkeypatch.setattr(trainer, "forward_backward", forward_backward)
     options = RunOptions(run_dir=run_dir, checkpoint_every=every)
     with ShardLoader(data, bp.parallelism.micro_batch_size, seed=1) as loader:
         result = train(compiled, loader, steps, options)
@@ -124,7 +124,7 @@ def test_a_router_collapse_stops_cleanly_with_a_resumable_checkpoint(
 def test_a_loss_spike_from_a_learning_rate_jump_rolls_back_before_it(
     tmp_path: Path, data: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    original_lr = loop._lr
+    original_lr = trainer.learning_rate_at
     jumped = {"done": False}
 
     def lr(position: Any, steps: int, compiled: Any) -> float:
@@ -134,7 +134,7 @@ def test_a_loss_spike_from_a_learning_rate_jump_rolls_back_before_it(
             return rate * 100  # finite, but far past what the model tolerates
         return rate
 
-    monkeypatch.setattr(loop, "_lr", lr)
+    monkeypatch.setattr(trainer, "learning_rate_at", lr)
     stability = {"loss_spike": {"window": 5, "threshold": 5.0, "patience": 1}}
     result, records = _run(tmp_path, data, monkeypatch, stability, steps=10, every=5)
     spikes = [e for e in _kind(records, "event") if e["monitor"] == "loss_spike"]

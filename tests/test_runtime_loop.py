@@ -16,8 +16,8 @@ import factory
 from factory.data.shards import read_shard
 from factory.runtime.batches import build_shards, read_samples
 from factory.runtime.loader import ShardLoader
-from factory.runtime.loop import train
 from factory.runtime.schedule import learning_rate
+from factory.runtime.trainer import train
 from factory.schemas.training import TrainingConfig
 from factory.spec.layer_type import layer_type
 

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from factory.runtime.monitors import Event, Monitors, StepStats, max_violation, verdict
+from factory.runtime.callbacks import Event, StepStats, verdict
+from factory.runtime.monitors import Monitors, max_violation
 from factory.schemas.stability import StabilityConfig
 
 

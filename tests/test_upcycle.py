@@ -67,7 +67,7 @@ def dense(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     """The dense model (eval mode) and its checkpoint as one .safetensors file."""
     model = factory.compile(blueprint(), seed=3).model.eval()
     path = tmp_path_factory.mktemp("dense") / "dense.safetensors"
-    save_file(to_checkpoint_state_dict(model), str(path))
+    save_file(to_checkpoint_state_dict(model, model.cfg), str(path))
     return model, path
 
 
@@ -129,7 +129,7 @@ def test_swiglu_upcycles_to_swiglu_experts(tmp_path: Path) -> None:
     swiglu = {"activation": "swiglu"}
     model = factory.compile(blueprint(mlp=swiglu), seed=1).model.eval()
     path = tmp_path / "dense.safetensors"
-    save_file(to_checkpoint_state_dict(model), str(path))
+    save_file(to_checkpoint_state_dict(model, model.cfg), str(path))
     moe_model = upcycled(path, mlp=swiglu, activation="swiglu").eval()
     experts = moe_model.backbone.layers[3].mixer.experts
     dense_gate = model.backbone.layers[3].mixer.gate_proj.weight
@@ -234,7 +234,7 @@ def test_missing_and_unexpected_tensors_raise(dense: tuple[Any, Path]) -> None:
     model, _ = dense
     bp = blueprint("M-*E", moe=moe())
     target = factory.compile(bp, device="meta").model.to_empty(device="cpu")
-    state = to_checkpoint_state_dict(model)
+    state = to_checkpoint_state_dict(model, model.cfg)
     generator = torch.Generator().manual_seed(0)
     broken = {k: v for k, v in state.items() if k != "backbone.layers.0.mixer.A_log"}
     with pytest.raises(UpcycleError, match=r"1 missing.*A_log"):

@@ -10,41 +10,35 @@ import os
 import sys
 import typing
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
+from rich.console import Console
 
+from factory.checks.validate import load
 from factory.cli.output import EXIT_INVALID, print_diagnostics
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
-from factory.jobs.distributed_train import RankLost
-from factory.jobs.launch import LaunchRefused, check_launch, launched_world_size, torchrun_args
-from factory.jobs.train import CheckpointPolicy, TrainRefused, trained_blueprint
-from factory.jobs.train import train as train_job
+from factory.jobs.launch import launched_world_size, torchrun_args
+from factory.jobs.train import (
+    CannotLaunch,
+    CheckpointPolicy,
+    RankLost,
+    TrainRefused,
+    TrainResult,
+    prepare_training,
+)
+from factory.precision.backends import PrecisionBackend
 from factory.progress import RichProgress
-from factory.proxy_layout import derive_proxy_layout
 
-if TYPE_CHECKING:
-    from rich.console import Console
-
-    from factory.checks.validate import LoadedBlueprint
-
-PRECISION_HELP = "Backend of the precision policy: auto, emulate, te or off (factory.compile's)."
-"""Names the backends for --help, which must not import torch; a test holds it to the Literal."""
+BACKENDS = typing.get_args(PrecisionBackend)
+PRECISION_HELP = f"Backend of the precision policy: {', '.join(BACKENDS)} (factory.compile's)."
 
 
 def parse_precision(value: str) -> str:
-    """``value`` if it is one of ``factory.compile``'s ``PrecisionBackend`` names.
-
-    Read from that ``Literal`` when the option is parsed, not when commands
-    register: the module defining it imports torch, and ``factory validate``
-    must not.
-    """
-    from factory.compilation import PrecisionBackend
-
-    backends = typing.get_args(PrecisionBackend)
-    if value not in backends:
-        raise typer.BadParameter(f"{value!r} is not one of {', '.join(backends)}")
+    """``value`` if it is one of ``factory.compile``'s ``PrecisionBackend`` names."""
+    if value not in BACKENDS:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(BACKENDS)}")
     return value
 
 
@@ -100,44 +94,43 @@ def train(
 ) -> None:
     """Train on the blueprint's data recipe with checkpoints and stability monitors; write
     data/, checkpoints/, metrics.jsonl, and at the end train.json, model/ and report/."""
-    from rich.console import Console
-
-    from factory.checks.validate import load
-
     console = Console(stderr=True)
     loaded = load(target, overrides or [])
     main_rank = os.environ.get("RANK", "0") == "0"
     if main_rank:  # one copy of each message, not one per process
         print_diagnostics(loaded.warnings)
-    if nproc is not None and launched_world_size() == 1:
-        _check_launch(loaded, proxy, nproc, main_rank)
-        raise typer.Exit(_torchrun(torchrun_args(nproc, _without_nproc(sys.argv[1:])), console))
-    if launched_world_size() > 1:
-        _check_launch(loaded, proxy, launched_world_size(), main_rank)
-    if proxy and launched_world_size() > 1 and main_rank:
-        _, changes = derive_proxy_layout(loaded.blueprint, launched_world_size())
-        if changes:
-            console.print("proxy layout: " + "; ".join(changes), highlight=False)
+    relaunch = nproc is not None and launched_world_size() == 1
+    world = nproc if relaunch else launched_world_size()
+    try:
+        request = prepare_training(
+            loaded.blueprint, proxy=proxy, precision=precision, world_size=world
+        )  # type: ignore[arg-type]  # parse_precision checked it
+    except CannotLaunch as exc:
+        if main_rank:
+            print_diagnostics([loaded.source_map.diagnostic(exc.path, str(exc))])
+        raise typer.Exit(EXIT_INVALID) from None
+    except (TrainRefused, ValueError) as exc:  # ValueError: a request that contradicts itself
+        console.print(f"factory train: {exc}", markup=False, soft_wrap=True)
+        raise typer.Exit(EXIT_INVALID) from None
+    if relaunch:
+        raise typer.Exit(_torchrun(torchrun_args(world, _without_nproc(sys.argv[1:])), console))
+    if request.layout_changes and main_rank:
+        console.print("proxy layout: " + "; ".join(request.layout_changes), highlight=False)
+    policy = CheckpointPolicy(checkpoint_every, keep, async_checkpoint, resume)
     try:
         with RichProgress(console) as progress:
-            result = train_job(
-                loaded.blueprint,
-                out=out,
-                proxy=proxy,
-                steps=steps,
-                data=data,
-                precision=precision,  # type: ignore[arg-type]  # parse_precision checked it
-                seed=seed,
-                progress=progress,
-                show_steps=sys.stderr.isatty(),
-                checkpoints=CheckpointPolicy(checkpoint_every, keep, async_checkpoint, resume),
-            )
+            result = request.run(out=out, steps=steps, data=data, seed=seed, progress=progress,
+                                 show_steps=sys.stderr.isatty(), checkpoints=policy)  # fmt: skip
     except TrainRefused as exc:
         console.print(f"factory train: {exc}", markup=False, soft_wrap=True)
         raise typer.Exit(EXIT_INVALID) from None
     except RankLost as exc:
         console.print(f"factory train: {exc}", markup=False, soft_wrap=True)
         raise typer.Exit(1) from None
+    _say_how_it_ended(result, console, main_rank)
+
+
+def _say_how_it_ended(result: TrainResult, console: Console, main_rank: bool) -> None:
     name, records, history = result.blueprint.meta.name, result.records, result.history
     if not main_rank:
         raise typer.Exit(0 if history.end == "completed" else 1)
@@ -151,7 +144,7 @@ def train(
     if records:
         console.print(
             f"[green]trained[/green] {name}: {len(records)} steps, "
-            f"loss {records[-1].lm_loss:.4f} -> {out or result.out}"
+            f"loss {records[-1].lm_loss:.4f} -> {result.out}"
         )
     report = result.out / "report" / "report.html"
     if report.is_file():
@@ -170,17 +163,6 @@ def _without_nproc(argv: list[str]) -> list[str]:
         elif not arg.startswith("--nproc="):
             kept.append(arg)
     return kept
-
-
-def _check_launch(loaded: LoadedBlueprint, proxy: bool, world: int, say: bool) -> None:
-    """Exit 2 before any process group when the layout cannot be launched on ``world``
-    processes, as ``file:line: parallelism.FIELD: message``."""
-    try:
-        check_launch(trained_blueprint(loaded.blueprint, proxy, world), world)
-    except LaunchRefused as exc:
-        if say:  # one copy of the message, not one per process
-            print_diagnostics([loaded.source_map.diagnostic(exc.path, str(exc))])
-        raise typer.Exit(EXIT_INVALID) from None
 
 
 def _torchrun(args: list[str], console: Console) -> int:

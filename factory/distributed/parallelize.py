@@ -1,32 +1,29 @@
-"""Apply a layout to a compiled model: tensor, expert, then data parallelism (torchtitan's order).
+"""Apply a layout to a model: tensor, expert, then data parallelism (torchtitan's order).
 
 Tensor parallelism first (DTensor plans from the model spec's sharding rules),
-then expert parallelism (routed experts split over the EP group, tokens
-exchanged all-to-all), then FSDP2 / DDP over the data-parallel groups, which
-wraps the already-distributed parameters. Every rank must hold the same
+then expert parallelism (every layer whose type routes tokens to experts shards
+them over the EP group, as its layer type says: ``LayerType.expert_parallel_problems``
+and ``apply_expert_parallel``), then FSDP2 / DDP over the data-parallel groups,
+which wraps the already-distributed parameters. Every rank must hold the same
 initialised full model before this (``factory.compile`` with the same seed).
 
-:func:`parallelize_compiled` is what a training job calls: with pipeline stages it
-first splits the model into this rank's stages, shards each, and puts them
-behind one :class:`~factory.distributed.pipelined_model.PipelinedModel`.
+Pipeline stages are cut before this (``factory.distributed.pipeline_stages``) and
+each stage is parallelized on its own; the training runtime puts them behind one
+model (``factory.runtime.placement``).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from factory.compilation import Compiled
 from factory.distributed.data_parallel import apply_data_parallel
-from factory.distributed.expert_parallel import apply_expert_parallel
 from factory.distributed.mesh import Meshes
-from factory.distributed.pipeline import PipelineRunner
-from factory.distributed.pipeline_stages import split_stages
-from factory.distributed.pipelined_model import PipelinedModel
 from factory.distributed.tensor_parallel import apply_tensor_parallel
-from factory.runtime.loop import mtp_loss_scale
+from factory.graph.model import held_submodule
+from factory.layers.model_spec import model_spec
 
-__all__ = ["parallelize", "parallelize_compiled"]
+__all__ = ["apply_expert_parallel", "parallelize"]
 
 
 def parallelize(model: nn.Module, meshes: Meshes, distributed_optimizer: bool = True) -> None:
@@ -45,19 +42,29 @@ def parallelize(model: nn.Module, meshes: Meshes, distributed_optimizer: bool = 
     )
 
 
-def parallelize_compiled(compiled: Compiled, meshes: Meshes, device: str) -> None:
-    """Shard ``compiled.model`` in place over ``meshes``; with pp > 1 it becomes this pipeline
-    rank's stages, each sharded, behind one model the training loop steps."""
-    sharded = compiled.blueprint.parallelism.distributed_optimizer
-    if meshes.layout.pp == 1:
-        parallelize(compiled.model, meshes, sharded)
-        return
-    stages = split_stages(compiled.model, meshes.layout, meshes.coordinate("pp"))
-    for stage in stages:
-        parallelize(stage, meshes, sharded)
-    runner = PipelineRunner(
-        stages, meshes.layout, meshes.dense["pp"], mtp_loss_scale(compiled), device,
-        # What the stages send each other: FSDP's param_dtype on CUDA.
-        activation_dtype=torch.bfloat16 if meshes.device_type == "cuda" else None,
-    )  # fmt: skip
-    compiled.model = PipelinedModel(compiled.blueprint.model, runner)  # type: ignore[assignment]
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Shard every routing layer's experts of ``model`` (main stack and MTP; a whole model or
+    a pipeline stage of one) over the 1-D ``ep_mesh`` (``meshes.expert["ep"]``).
+
+    Expects the initialised full model on every rank, identical across the EP group
+    (``factory.compile`` with one seed does that). Call before FSDP, which then shards the
+    local experts over the expert-data-parallel ranks. Raises ValueError, leaving the model
+    untouched, when any layer cannot be split (an expert count that is not a multiple of
+    the EP size, a layer already expert-parallel).
+    """
+    if ep_mesh.ndim != 1:
+        raise ValueError(f"ep_mesh must be 1-D (meshes.expert['ep']), got {ep_mesh.ndim} dims")
+    layers = [
+        (layer, block.mixer)
+        for layer in model_spec(model.cfg).layers
+        if (block := held_submodule(model, layer.prefix)) is not None
+    ]
+    problems = [
+        f"{layer.prefix}.mixer: {problem}"
+        for layer, mixer in layers
+        for problem in layer.type.expert_parallel_problems(mixer, ep_mesh.size())
+    ]
+    if problems:  # every layer is checked before any changes
+        raise ValueError("; ".join(problems))
+    for layer, mixer in layers:
+        layer.type.apply_expert_parallel(mixer, ep_mesh)

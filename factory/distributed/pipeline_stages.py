@@ -11,7 +11,7 @@ the optimizer's name-keyed state therefore move between layouts unchanged.
 The one tensor two ranks hold is the embedding matrix when the last stage also
 needs it (MTP embeds the shifted tokens; a tied head is the embedding): the
 last stage keeps a copy under the same name, the
-:class:`~factory.distributed.pipeline.PipelineRunner` sums the two copies'
+:class:`~factory.runtime.pipeline_schedule.PipelineRunner` sums the two copies'
 gradients after every step (Megatron's embedding group), so they stay equal.
 
 A stage's MoE aux loss cannot reach the loss function on the last rank, so

@@ -10,25 +10,35 @@ mapping is the identity except for splitting and merging the experts.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from factory.exports.hf_config import hf_config
-from factory.graph.model import HybridLM
 from factory.io import staged_directory
 from factory.layers.model_spec import model_spec
 from factory.schemas.blueprint import Blueprint
+from factory.schemas.model import ModelConfig
 
 __all__ = ["export_hf", "to_checkpoint_state_dict"]
 
 
-def to_checkpoint_state_dict(model: HybridLM) -> dict[str, torch.Tensor]:
-    """Our state dict under the checkpoint's names, read from the model spec: a tensor with an
+Weights = nn.Module | Mapping[str, torch.Tensor]
+"""A model, or its state dict under the model's own names (a run's gathered weights)."""
+
+
+def _state(weights: Weights) -> Mapping[str, torch.Tensor]:
+    return weights.state_dict() if isinstance(weights, nn.Module) else weights
+
+
+def to_checkpoint_state_dict(weights: Weights, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """``weights`` under the checkpoint's names, read from the model spec: a tensor with an
     expert dimension becomes one matrix per expert (``experts.{e}.up_proj.weight``), a tied
     head is dropped, and tensors NemotronH always has but this model lacks are zeros."""
-    spec = model_spec(model.cfg)
-    state = model.state_dict()
+    spec = model_spec(cfg)
+    state = _state(weights)
     out: dict[str, torch.Tensor] = {}
     for tensor in spec.tensors():
         value = state[tensor.name]
@@ -41,18 +51,22 @@ def to_checkpoint_state_dict(model: HybridLM) -> dict[str, torch.Tensor]:
         else:
             out[tensor.name] = value.contiguous()
     for layer in spec.layers:
-        for name, shape in layer.type.hf_zero_tensors(model.cfg, f"{layer.prefix}.mixer"):
+        for name, shape in layer.type.hf_zero_tensors(cfg, f"{layer.prefix}.mixer"):
             out[name] = torch.zeros(shape, dtype=torch.float32)  # the router's dtype
     return out
 
 
-def export_hf(model: HybridLM, bp: Blueprint, out: Path) -> Path:
-    """Write ``out/config.json`` and ``out/model.safetensors`` (atomically: all or nothing)."""
+def export_hf(weights: Weights, bp: Blueprint, out: Path) -> Path:
+    """Write ``out/config.json`` and ``out/model.safetensors`` (atomically: all or nothing)
+    from ``bp``'s model or its weights."""
     from safetensors.torch import save_file
 
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    config = hf_config(bp, dtype=dtype)
-    tensors = {k: v.detach().cpu() for k, v in to_checkpoint_state_dict(model).items()}
+    state = _state(weights)
+    # The model's dtype: its first tensor that the spec does not keep in fp32 (the router).
+    kept = {t.name for t in model_spec(bp.model).tensors() if t.fp32}
+    first = next(v for name, v in state.items() if name not in kept and v.is_floating_point())
+    config = hf_config(bp, dtype=str(first.dtype).removeprefix("torch."))
+    tensors = {k: v.detach().cpu() for k, v in to_checkpoint_state_dict(state, bp.model).items()}
     with staged_directory(out) as staging:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})

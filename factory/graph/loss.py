@@ -9,8 +9,14 @@ from torch.nn import functional as F
 
 from factory.nn.outputs import ModelOutput
 from factory.nn.packed_documents import same_document
+from factory.schemas.model import ModelConfig, MTPConfig
 
-__all__ = ["LossBreakdown", "language_model_loss"]
+__all__ = ["LossBreakdown", "language_model_loss", "mtp_loss_scale"]
+
+
+def mtp_loss_scale(cfg: ModelConfig) -> float:
+    """The weight of the MTP depths' mean loss in the total (0 without MTP)."""
+    return (cfg.mtp or MTPConfig()).loss_scale if cfg.mtp_depth else 0.0
 
 
 @dataclass

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -35,30 +33,12 @@ import torch
 from torch import nn
 
 from factory.precision.apply import PrecisionRuntime, apply_precision
+from factory.precision.backends import available
 from factory.precision.qlinear import QuantizedLinear, quantized_matmul
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.precision import PrecisionConfig
 
-__all__ = ["TELinear", "apply_te", "available", "require_te", "te_recipe", "usable"]
-
-
-def available() -> bool:
-    """Whether ``transformer_engine.pytorch`` can be imported (without importing it)."""
-    if "transformer_engine.pytorch" in sys.modules:
-        return True
-    try:
-        return importlib.util.find_spec("transformer_engine.pytorch") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def require_te() -> None:
-    """Raise a clear ImportError when TE is missing."""
-    if not available():
-        raise ImportError(
-            "precision='te' needs NVIDIA Transformer Engine, which is not installed: "
-            "pip install 'factory[gpu]' on a CUDA machine, or use precision='emulate'"
-        )
+__all__ = ["TELinear", "apply_te", "te_recipe", "usable"]
 
 
 def usable(device: torch.device) -> bool:

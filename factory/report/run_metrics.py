@@ -1,5 +1,5 @@
 """Reading a training run's ``RUN_DIR/metrics.jsonl`` (``factory.runtime.metrics`` writes it)
-into typed records, for the run's report page and the build's checks.
+into the records it was written from, for the run's report page and the build's checks.
 
 The run appends one JSON object per line as it goes (kinds ``run``, ``step``,
 ``event``, ``checkpoint``, ``rollback``, ``end``), so the file may be read while
@@ -13,19 +13,23 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from functools import cache
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from factory.runtime.monitors import Event
+from factory.runtime.callbacks import Event, Rollback
+from factory.runtime.metrics import (
+    JSON_KEYS,
+    KINDS,
+    METRICS,
+    CheckpointSaved,
+    RunEnd,
+    RunInfo,
+    StepMetrics,
+)
 
-__all__ = [
-    "METRICS", "Checkpoint", "ReportError", "Rollback", "RunEnd", "RunInfo",
-    "RunMetrics", "StepRecord", "read_metrics",
-]  # fmt: skip
-
-METRICS = "metrics.jsonl"
+__all__ = ["ReportError", "RunMetrics", "read_metrics"]
 
 
 class ReportError(ValueError):
@@ -33,64 +37,12 @@ class ReportError(ValueError):
 
 
 @dataclass(frozen=True)
-class RunInfo:
-    name: str
-    steps: int
-    seq_len: int
-    global_batch_size: int
-    layers: tuple[str, ...]
-    started: str
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    update: int
-    step: int
-    loss: float
-    lm_loss: float
-    lr: float
-    grad_norm: float
-    tokens_seen: int
-    tokens_per_s: float
-    seconds: float
-    finite: bool
-    max_vio: dict[str, float]
-    residual_rms: dict[str, float]
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    update: int
-    step: int
-    path: str
-    seconds: float
-    is_async: bool
-
-
-@dataclass(frozen=True)
-class Rollback:
-    update: int
-    from_step: int
-    to_step: int
-    skipped_samples: int
-    anneal_steps: int
-
-
-@dataclass(frozen=True)
-class RunEnd:
-    update: int
-    step: int
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True)
 class RunMetrics:
     path: Path
     run: RunInfo | None
-    steps: tuple[StepRecord, ...]
+    steps: tuple[StepMetrics, ...]
     events: tuple[Event, ...]
-    checkpoints: tuple[Checkpoint, ...]
+    checkpoints: tuple[CheckpointSaved, ...]
     rollbacks: tuple[Rollback, ...]
     end: RunEnd | None
     cut_short: bool
@@ -99,17 +51,6 @@ class RunMetrics:
     @property
     def name(self) -> str:
         return self.run.name if self.run else self.path.parent.name
-
-
-KINDS: dict[str, type] = {
-    "run": RunInfo,
-    "step": StepRecord,
-    "event": Event,
-    "checkpoint": Checkpoint,
-    "rollback": Rollback,
-    "end": RunEnd,
-}
-JSON_KEYS = {"is_async": "async"}  # `async` is a Python keyword
 
 
 _NUMBERS = {int, float, type(None)}
@@ -150,15 +91,21 @@ def _convert(value: Any, hint: Any) -> Any:
 
 
 @cache
-def _fields(cls: type) -> list[tuple[str, str, Any]]:
-    """(attribute, JSON key, type) of every field; cached, as resolving hints is slow."""
+def _fields(cls: type) -> list[tuple[str, str, Any, bool]]:
+    """(attribute, JSON key, type, required) of every field; cached, as resolving hints is
+    slow. A field with a default may be absent (a line written before it existed)."""
     hints = get_type_hints(cls)
-    return [(f.name, JSON_KEYS.get(f.name, f.name), hints[f.name]) for f in fields(cls)]
+    return [
+        (f.name, JSON_KEYS.get(f.name, f.name), hints[f.name], f.default is MISSING)
+        for f in fields(cls)
+    ]
 
 
 def _record(cls: type, obj: dict[str, Any], where: str) -> Any:
     values = {}
-    for name, key, hint in _fields(cls):
+    for name, key, hint, required in _fields(cls):
+        if key not in obj and not required:
+            continue
         if key not in obj:
             raise ReportError(f"{where}: {obj['kind']} line lacks {key!r}")
         try:

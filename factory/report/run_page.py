@@ -15,9 +15,10 @@ from pathlib import Path
 
 from factory.io import staged_directory
 from factory.report.html_parts import escape, figure_png, key_value_table, table
-from factory.report.run_metrics import METRICS, ReportError, RunMetrics, read_metrics
+from factory.report.run_metrics import ReportError, RunMetrics, read_metrics
 from factory.report.run_plots import ACTION_COLOURS, CAPTIONS, MARKS, plots
-from factory.runtime.monitors import Event
+from factory.runtime.callbacks import Event
+from factory.runtime.metrics import METRICS
 
 __all__ = ["write_report"]
 

@@ -1,23 +1,105 @@
-"""The run's metrics log and what the user sees while it trains.
+"""``metrics.jsonl``: the run's record, one JSON object per line, flushed as it is written.
 
-``metrics.jsonl`` holds one JSON object per line, flushed as it is written, so
-a killed run keeps everything up to its last step; ``factory report`` reads it
-(``factory.report.run_metrics``). Kinds: ``run`` (first), ``step``, ``event``,
-``checkpoint``, ``rollback`` and ``end``.
+A killed run keeps everything up to its last step; ``factory report`` reads the
+file (``factory.report.run_metrics``) into the same record types that are
+written here (:data:`KINDS`): ``run`` (first), ``step``, ``event``,
+``checkpoint``, ``rollback`` and ``end``. A resumed run appends to the same
+file. Rank 0 writes ``metrics.jsonl``; every other rank of a distributed run its
+own ``ranks/rank_NNNNN.jsonl``. This module does not import torch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from factory.layers.model_spec import model_spec
+from factory.runtime.callbacks import Callback, Event, Rollback
+
 if TYPE_CHECKING:
     from factory.runtime.ranks import Ranks
+    from factory.runtime.step import StepOutcome
+    from factory.runtime.trainer import RunHistory, StepRecord, Trainer
 
-__all__ = ["MetricsLog", "StepDisplay", "metrics_path"]
+__all__ = [
+    "JSON_KEYS",
+    "KINDS",
+    "METRICS",
+    "CheckpointSaved",
+    "MetricsLog",
+    "RunEnd",
+    "RunInfo",
+    "StepMetrics",
+    "metrics_path",
+]
+
+METRICS = "metrics.jsonl"
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """The first line of a run (and of each resumed part of it)."""
+
+    name: str
+    steps: int
+    seq_len: int
+    global_batch_size: int
+    layers: tuple[str, ...]
+    resumed_at: int = 0
+    """The step a resumed run started from (0: a fresh start)."""
+    started: str = ""
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One applied optimizer step."""
+
+    update: int
+    step: int
+    loss: float
+    lm_loss: float
+    lr: float
+    grad_norm: float
+    tokens_seen: int
+    tokens_per_s: float
+    seconds: float
+    finite: bool
+    max_vio: dict[str, float]
+    residual_rms: dict[str, float]
+    switched_to_bf16: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointSaved:
+    update: int
+    step: int
+    path: str
+    seconds: float
+    is_async: bool
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    update: int
+    step: int
+    reason: str
+    message: str
+
+
+KINDS: dict[str, type] = {
+    "run": RunInfo,
+    "step": StepMetrics,
+    "event": Event,
+    "checkpoint": CheckpointSaved,
+    "rollback": Rollback,
+    "end": RunEnd,
+}
+"""Every line's ``kind`` and the record it holds."""
+JSON_KEYS = {"is_async": "async"}  # `async` is a Python keyword
 
 
 def _finite(value: Any) -> Any:
@@ -29,90 +111,82 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def metrics_path(run_dir: Path | None, ranks: Ranks) -> Path | None:
+def metrics_path(run_dir: Path, ranks: Ranks) -> Path:
     """Rank 0's ``metrics.jsonl``; every other rank's ``ranks/rank_NNNNN.jsonl``."""
-    if run_dir is None:
-        return None
     if ranks.is_main:
-        return run_dir / "metrics.jsonl"
+        return run_dir / METRICS
     return run_dir / "ranks" / f"rank_{ranks.rank:05d}.jsonl"
 
 
-class MetricsLog:
-    """Appends records to ``metrics.jsonl`` (a resumed run continues the same file)."""
+_KIND_OF = {record: kind for kind, record in KINDS.items()}
 
-    def __init__(self, path: Path | None) -> None:
+
+class MetricsLog(Callback):
+    """Appends the run's records to ``path`` as the trainer reports them."""
+
+    def __init__(self, path: Path) -> None:
         self.path = path
         self._file: IO[str] | None = None
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = path.open("a", encoding="utf-8")
 
-    def write(self, kind: str, **fields: Any) -> None:
+    def write(self, record: Any) -> None:
+        """One line for ``record`` (one of :data:`KINDS`' types), flushed."""
         if self._file is None:
             return
-        record = {"kind": kind, **{k: _finite(v) for k, v in fields.items()}}
-        self._file.write(json.dumps(record, sort_keys=False) + "\n")
+        kind = _KIND_OF[type(record)]
+        fields = {JSON_KEYS.get(k, k): _finite(v) for k, v in asdict(record).items()}
+        self._file.write(json.dumps({"kind": kind, **fields}, sort_keys=False) + "\n")
         self._file.flush()
 
-    def close(self) -> None:
+    def pre_train(self, trainer: Trainer) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", encoding="utf-8")
+        bp = trainer.compiled.blueprint
+        self.write(
+            RunInfo(
+                name=bp.meta.name,
+                steps=trainer.steps,
+                seq_len=bp.data.seq_len,
+                global_batch_size=bp.parallelism.global_batch_size,
+                layers=tuple(layer.prefix for layer in model_spec(bp.model).layers),
+                resumed_at=trainer.position.step,
+                started=time.strftime("%Y-%m-%dT%H:%M:%S"),
+            )
+        )
+
+    def on_event(self, trainer: Trainer, event: Event) -> None:
+        self.write(event)
+
+    def on_rollback(self, trainer: Trainer, rollback: Rollback) -> None:
+        self.write(rollback)
+
+    def post_step(self, trainer: Trainer, record: StepRecord, outcome: StepOutcome) -> None:
+        self.write(StepMetrics(
+            update=record.update,
+            step=record.step,
+            loss=record.loss,
+            lm_loss=record.lm_loss,
+            lr=record.lr,
+            grad_norm=record.grad_norm,
+            tokens_seen=record.tokens_seen,
+            tokens_per_s=outcome.tokens / max(record.seconds, 1e-9),
+            seconds=record.seconds,
+            finite=True,
+            max_vio=outcome.max_vio(),
+            residual_rms=outcome.residual_rms,
+            switched_to_bf16=record.switched_to_bf16,
+        ))  # fmt: skip
+
+    def on_checkpoint(self, trainer: Trainer, path: Path, seconds: float) -> None:
+        p = trainer.position
+        self.write(
+            CheckpointSaved(p.update, p.step, str(path), seconds, trainer.options.async_checkpoint)
+        )
+
+    def post_train(self, trainer: Trainer, history: RunHistory) -> None:
+        p = trainer.position
+        self.write(RunEnd(p.update, p.step, history.end, history.message))
+
+    def close(self, trainer: Trainer) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-
-class StepDisplay(contextlib.AbstractContextManager["StepDisplay"]):
-    """A rich progress bar with the step, loss, tokens/s and ETA, and the monitor events
-    printed above it as they happen; silent (or plain lines every ``log_every`` steps)
-    when not enabled."""
-
-    def __init__(self, enabled: bool, total: int, start: int, description: str, log_every: int):
-        self.enabled, self.total, self.log_every = enabled, total, log_every
-        self.description = description
-        self.bar: Any = None
-        self.task: Any = None
-        self.start = start
-
-    def __enter__(self) -> StepDisplay:
-        if not self.enabled:
-            return self
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
-
-        self.bar = Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"),
-            TimeElapsedColumn(),
-            TimeRemainingColumn(),
-        )
-        self.bar.__enter__()
-        self.task = self.bar.add_task(
-            self.description, total=self.total, completed=self.start, status=""
-        )
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(*exc)
-
-    def step(self, step: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float):
-        status = f"loss {loss:.4f} lr {lr:.2e} |g| {grad_norm:.3f} {tokens_per_s:,.0f} tok/s"
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step, status=status)
-        elif self.log_every and step % self.log_every == 0:
-            self.say(f"{self.description} step {step}/{self.total}: {status}")
-
-    def say(self, line: str) -> None:
-        """Print above the bar when there is one, else plainly (nohup logs)."""
-        if self.bar is not None:
-            self.bar.console.print(line)
-        elif self.enabled or self.log_every:
-            print(line, flush=True)

@@ -1,12 +1,12 @@
 """Stability monitors: per step, what the run watches and what it does about it (torch-free).
 
-The training loop hands :class:`Monitors` one :class:`StepStats` per optimizer
-step, before that step is applied; the monitors answer with the events it
-raised, each carrying its configured action (``training.stability``). A
-trouble *episode* starts at the first event of any monitor and ends after
-``rollback.clean_steps`` steps without one: a rollback goes back to the last
-checkpoint taken before that first sign. ``docs/stability.md`` explains each
-statistic and its default threshold.
+:class:`Monitors` is the trainer's callback for ``training.stability``: it sees
+one :class:`~factory.runtime.callbacks.StepStats` per optimizer step, before
+that step is applied, and answers with the events it raised, each carrying its
+configured action. A trouble *episode* starts at the first event of any monitor
+and ends after ``rollback.clean_steps`` steps without one: a rollback goes back
+to the last checkpoint taken before that first sign. ``docs/stability.md``
+explains each statistic and its default threshold.
 """
 
 from __future__ import annotations
@@ -14,61 +14,26 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from factory.runtime.callbacks import Callback, Event, StepStats, Verdict
 from factory.schemas.stability import StabilityConfig
 
-__all__ = ["SEVERITY", "Event", "Monitors", "StepStats", "max_violation", "verdict"]
+if TYPE_CHECKING:
+    from factory.runtime.trainer import Trainer
 
-SEVERITY = {"warn": 0, "rollback": 1, "stop": 2}
-"""When events disagree, the most severe action wins: a stop the user asked for is never
-turned into a rollback."""
+__all__ = ["Monitors", "max_violation"]
+
 _MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 _RELATIVE_FLOOR = 0.01
 """A spread below 1% of the median never counts: a flat window (a loss at min_lr, a clipped
 gradient norm) would otherwise make any wobble a spike."""
 
 
-@dataclass(frozen=True)
-class StepStats:
-    update: int
-    """Monotone count of optimizer updates attempted (also across rollbacks)."""
-    step: int
-    """The schedule's step."""
-    loss: float
-    grad_norm: float
-    finite: bool
-    """Loss, gradients and parameters are all finite."""
-    max_vio: dict[str, float] = field(default_factory=dict)
-    residual_rms: dict[str, float] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Event:
-    update: int
-    step: int
-    monitor: str
-    action: str
-    message: str
-    value: float | None = None
-    threshold: float | None = None
-    layer: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"kind": "event", **asdict(self)}
-
-
 def max_violation(tokens_per_expert: list[float]) -> float:
     """MaxVio of one MoE layer: max over experts of load / mean load - 1 (0 when balanced)."""
     mean = sum(tokens_per_expert) / max(1, len(tokens_per_expert))
     return max(tokens_per_expert) / mean - 1 if mean > 0 else 0.0
-
-
-def verdict(events: list[Event]) -> str:
-    """'continue', or the most severe non-warn action among ``events``."""
-    worst = max((SEVERITY[e.action] for e in events), default=0)
-    return "continue" if worst == 0 else next(a for a, s in SEVERITY.items() if s == worst)
 
 
 class _Baseline:
@@ -87,8 +52,10 @@ class _Baseline:
         return (value - median) / scale
 
 
-class Monitors:
+class Monitors(Callback):
     """All monitors of one run, with their state (patience counters, baselines, episode)."""
+
+    state_key = "monitors"
 
     def __init__(self, config: StabilityConfig) -> None:
         self.config = config
@@ -109,6 +76,10 @@ class Monitors:
             ]
         self._track_episode(stats, events)
         return events
+
+    def check_step(self, trainer: Trainer, stats: StepStats) -> Verdict:
+        """The step's events; a rollback goes back to before the episode's first sign."""
+        return Verdict(tuple(self.observe(stats)), self.first_sign_step)
 
     def _track_episode(self, stats: StepStats, events: list[Event]) -> None:
         if events or self._any_streak():

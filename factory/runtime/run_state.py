@@ -4,7 +4,8 @@ Resuming from a checkpoint must continue exactly as the uninterrupted run
 would have: the model (expert biases included), the fp32 masters and Adam
 state, the learning-rate schedule's position and any annealing, the RNG
 states, the precision runtime (stochastic-rounding generators, FP8 amax
-histories, the BF16 switch), the monitors, and the data position.
+histories, the BF16 switch), the callbacks' state (the monitors'), and the
+data position.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import torch
 from factory.compilation import Compiled
 from factory.layers.model_spec import model_spec
 from factory.runtime import checkpoint
-from factory.runtime.monitors import Monitors
 from factory.runtime.optimizer import MasterOptimizer
 
 __all__ = ["Anneal", "Position", "fingerprint", "restore", "snapshot"]
@@ -79,11 +79,12 @@ def _shared_state(compiled: Compiled, optimizer: MasterOptimizer) -> dict[str, A
 def snapshot(
     compiled: Compiled,
     optimizer: MasterOptimizer,
-    monitors: Monitors,
+    callback_states: dict[str, Any],
     position: Position,
     data_state: dict[str, Any],
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(DCP state, process-local state, meta) of the run as it stands."""
+    """(DCP state, process-local state, meta) of the run as it stands; ``callback_states``
+    go into the meta under their callbacks' ``state_key``."""
     local = {
         "rng": _rng_state(),
         "precision": compiled.precision.state_dict() if compiled.precision else None,
@@ -93,20 +94,16 @@ def snapshot(
         "fingerprint": fingerprint(compiled),
         "position": asdict(position),
         "data": data_state,
-        "monitors": monitors.state_dict(),
+        **callback_states,
     }
     return _shared_state(compiled, optimizer), local, meta
 
 
 def restore(
-    path: Path,
-    compiled: Compiled,
-    optimizer: MasterOptimizer,
-    monitors: Monitors,
-    rank: int = 0,
-) -> tuple[Position, dict[str, Any]]:
-    """Load checkpoint ``path`` into the run (``rank``'s process-local state); return its
-    position and data state."""
+    path: Path, compiled: Compiled, optimizer: MasterOptimizer, rank: int = 0
+) -> tuple[Position, dict[str, Any], dict[str, Any]]:
+    """Load checkpoint ``path`` into the model and optimizer (``rank``'s process-local state);
+    return its position, data state and meta (which holds the callbacks' states)."""
     state = {"model": compiled.model.state_dict(), "optimizer": optimizer.empty_state_dict()}
     meta, local = checkpoint.load(path, state, fingerprint(compiled), rank)
     # DCP filled the state dict's tensors in place; a model whose state dict presents some
@@ -118,8 +115,7 @@ def restore(
     _set_rng_state(local["rng"])
     if compiled.precision is not None and local["precision"] is not None:
         compiled.precision.load_state_dict(local["precision"])
-    monitors.load_state_dict(meta["monitors"])
     raw = dict(meta["position"])
     anneal = raw.pop("anneal")
     position = Position(**raw, anneal=Anneal(**anneal) if anneal else None)
-    return position, meta["data"]
+    return position, meta["data"], meta

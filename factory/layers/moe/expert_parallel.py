@@ -1,7 +1,7 @@
 """Expert parallelism of one MoE layer: each EP rank holds E/EP experts; tokens travel to them.
 
 :func:`shard_experts` (called for every MoE layer by
-``factory.distributed.expert_parallel.apply_expert_parallel``) shards every routed-expert
+``factory.distributed.parallelize.apply_expert_parallel``) shards every routed-expert
 parameter along the expert dimension over the EP mesh (a ``Shard(0)`` DTensor: EP rank ``j`` holds
 experts ``j*L .. (j+1)*L - 1`` with ``L = E/EP``) and installs an
 :class:`AllToAllDispatcher` as the layer's ``MoE.dispatcher``. This is the

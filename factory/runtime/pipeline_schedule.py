@@ -18,11 +18,20 @@ first stage embeds the tokens, every stage masks documents, the last stage
 runs MTP and the loss. Stage shapes are static (known from the micro-batch
 shape), so ``torch.distributed.pipelining`` runs no extra forward pass to
 infer them; a new micro-batch shape builds a new schedule.
+
+The trainer, the optimizer and the checkpointer ask a model for its named
+parameters, its ``state_dict`` (DCP fills it in place), ``train()``, and the
+expert-bias step. :class:`PipelinedModel` answers for the stages this rank runs,
+under the full model's names, and runs a step through the schedule instead of
+a forward call. The stages are not registered as submodules: their parameter
+names would get a prefix, and checkpoints would no longer be those of the
+whole model.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,12 +45,11 @@ from factory.graph.loss import language_model_loss
 from factory.nn.outputs import ModelOutput
 from factory.planner.layout import Layout
 from factory.runtime.batches import MicroBatch
+from factory.runtime.ranks import Ranks
 from factory.runtime.step import StepOutcome
+from factory.schemas.model import ModelConfig
 
-if TYPE_CHECKING:
-    from factory.runtime.ranks import Ranks
-
-__all__ = ["PipelineRunner", "check_microbatch_count"]
+__all__ = ["PipelineRunner", "PipelinedModel", "check_microbatch_count"]
 
 
 def check_microbatch_count(layout: Layout, count: int) -> None:
@@ -331,3 +339,47 @@ def _layer_key(item: tuple[str, object]) -> tuple[bool, int]:
     """Main-stack layers in stack order, then the MTP layers (``mtp.layers.j``)."""
     prefix, _, index = item[0].rpartition(".")
     return prefix.startswith("mtp"), int(index)
+
+
+class PipelinedModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, runner: PipelineRunner) -> None:
+        super().__init__()
+        self.cfg = cfg
+        object.__setattr__(self, "runner", runner)  # not a submodule (see the module doc)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        yield from self.runner.named_parameters().items()
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        for _, param in self.named_parameters():
+            yield param
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        merged: dict[str, Any] = {}
+        for stage in self.runner.stages:
+            merged.update(stage.state_dict())
+        return merged
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
+        for stage in self.runner.stages:
+            own = stage.state_dict()
+            stage.load_state_dict({k: v for k, v in state.items() if k in own}, strict, assign)
+
+    def train(self, mode: bool = True) -> PipelinedModel:
+        for stage in self.runner.stages:
+            stage.train(mode)
+        return self
+
+    def excluded_from_norm(self) -> set[str]:
+        """Names whose gradient another rank already counts (the last stage's embedding)."""
+        kept = {id(p) for p in self.runner.parameters_for_norm()}
+        return {n for n, p in self.runner.named_parameters().items() if id(p) not in kept}
+
+    def forward_backward(
+        self, micro: list[MicroBatch], mtp_scale: float, ranks: Ranks
+    ) -> StepOutcome:
+        return self.runner.step(micro, ranks)
+
+    @torch.no_grad()
+    def update_expert_biases(self, tokens_per_expert: dict[str, torch.Tensor]) -> None:
+        self.runner.update_expert_biases(tokens_per_expert)

@@ -1,0 +1,188 @@
+"""One process's share of ``factory.train``: join the ranks, curate, compile, lay out, train, write.
+
+Every process of a launch runs :func:`run_rank` with the same
+:class:`~factory.jobs.train.TrainRequest`; on one process it is world size 1 of
+the same code (``factory.runtime.ranks``):
+
+1. rank 0 builds the data recipe's shards (the others wait at a barrier);
+2. every rank compiles the same model from the same seed and lays it out over
+   the layout's meshes (``factory.runtime.placement``);
+3. every rank trains on its data-parallel share (``factory.runtime.trainer``)
+   with the standard callbacks, the job's progress reports and the run report;
+4. the trained weights are gathered whole on rank 0, which writes ``train.json``
+   and ``model/``.
+
+This module imports torch; ``factory.jobs.train`` imports it when a run starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+import factory
+from factory.compilation import Compiled
+from factory.data.pipeline import build as build_data
+from factory.exports.hf import export_hf
+from factory.io import atomic_write_text
+from factory.jobs.train import (
+    BadData,
+    CannotResume,
+    CheckpointPolicy,
+    RankLost,
+    TrainRequest,
+    TrainResult,
+)
+from factory.planner.layout import resolve_layout
+from factory.progress import Progress
+from factory.report.run_metrics import ReportError
+from factory.report.run_page import write_report
+from factory.runtime.callbacks import Callback
+from factory.runtime.checkpoint import CheckpointError, complete_checkpoints
+from factory.runtime.display import StepProgress
+from factory.runtime.loader import DataError, ShardLoader
+from factory.runtime.placement import full_weights, lay_out
+from factory.runtime.ranks import Ranks, is_transport_failure, joined_ranks
+from factory.runtime.trainer import RunHistory, RunOptions, Trainer, train
+from factory.schemas.blueprint import Blueprint
+
+__all__ = ["run_rank"]
+
+
+def run_rank(
+    request: TrainRequest,
+    *,
+    out: Path,
+    steps: int | None,
+    data: Path | None,
+    seed: int,
+    workers: int,
+    progress: Progress,
+    show_steps: bool,
+    checkpoints: CheckpointPolicy,
+) -> TrainResult:
+    """Train this process's share of ``request`` into the run folder ``out`` (absolute)."""
+    bp = request.blueprint
+    try:
+        with joined_ranks(resolve_layout(bp)) as ranks:
+            shards = _curated(bp, out, data, workers, progress, ranks)
+            if ranks.is_main:
+                progress("compile", 0, 1)
+            compiled = factory.compile(
+                bp, device=ranks.device, seed=seed, precision=request.precision
+            )
+            if ranks.is_main:
+                progress("compile", 1, 1)
+            lay_out(compiled, ranks)
+            history = _fit(compiled, shards, out, steps, seed, checkpoints, ranks, progress,
+                           show_steps)  # fmt: skip
+            weights = full_weights(compiled.model, ranks)
+    except (dist.DistError, RuntimeError) as exc:
+        if not is_transport_failure(exc):
+            raise
+        first_line = str(exc).strip().splitlines()[0][:300]
+        raise RankLost(
+            f"rank {os.environ.get('RANK', '0')}: a collective failed, so another rank has died or stopped "
+            f"answering ({first_line}); the launcher names the rank that failed first, and "
+            "rerunning the same command resumes from the last checkpoint"
+        ) from exc
+    table = dict(compiled.precision.recipes()) if compiled.precision else {}
+    result = TrainResult(out, bp, ranks.device.type, table, seed, shards, history)
+    if weights is not None:  # rank 0
+        progress("export", 0, 1)
+        _write_summary(result, data)
+        export_hf(weights, bp, out / "model")
+        progress("export", 1, 1)
+    return result
+
+
+def _curated(
+    bp: Blueprint, out: Path, data: Path | None, workers: int, progress: Progress, ranks: Ranks
+) -> Path:
+    """The shards the run trains on: ``data``, or the recipe's, built whole by rank 0 into
+    ``out/data`` (a rerun finds them and keeps them) while the other ranks wait."""
+    out.mkdir(parents=True, exist_ok=True)
+    if data is not None:
+        return data
+    folder = out / "data"
+    if ranks.is_main and not (folder / "manifest.json").is_file():
+        build_data(
+            bp.data.recipe,
+            folder,
+            workers=workers,
+            seq_len=bp.data.seq_len,
+            progress=progress,
+            keep_work=False,  # intermediates only; the run folder holds what trained
+        )
+    ranks.barrier()
+    return folder
+
+
+class RunReport(Callback):
+    """``report/report.html`` (``factory report``) when the run ends, on rank 0."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    def post_train(self, trainer: Trainer, history: RunHistory) -> None:
+        if trainer.ranks.is_main:
+            with contextlib.suppress(ReportError):  # a run stopped before its first step
+                write_report(self.run_dir)
+
+
+def _fit(
+    compiled: Compiled,
+    shards: Path,
+    out: Path,
+    steps: int | None,
+    seed: int,
+    policy: CheckpointPolicy,
+    ranks: Ranks,
+    progress: Progress,
+    show_steps: bool,
+) -> RunHistory:
+    """Train ``compiled`` on this rank's data-parallel share of ``shards``."""
+    bp = compiled.blueprint
+    options = RunOptions(
+        run_dir=out,
+        checkpoint_every=policy.every,
+        keep_checkpoints=policy.keep,
+        async_checkpoint=policy.async_save,
+        resume=policy.resume or bool(complete_checkpoints(out / "checkpoints")),
+        seed=seed,
+        progress=show_steps,
+        ranks=ranks,
+    )
+    extra: list[Callback] = [] if show_steps else [StepProgress(progress)]
+    extra.append(RunReport(out))
+    share = {"rank": ranks.data_rank, "world_size": ranks.data_size}
+    micro = bp.parallelism.micro_batch_size
+    try:
+        with ShardLoader(shards, micro, seed=seed, verify=True, **share) as batches:
+            return train(compiled, batches, steps, options, extra)
+    except DataError as exc:
+        raise BadData(str(exc)) from exc
+    except CheckpointError as exc:
+        raise CannotResume(str(exc)) from exc
+
+
+def _write_summary(result: TrainResult, data: Path | None) -> None:
+    """``train.json``: what ran, and one record per step."""
+    history = result.history
+    summary = {
+        "blueprint": result.blueprint.meta.name,
+        "device": result.device,
+        "precision": result.precision,
+        "seed": result.seed,
+        "data": str(data if data is not None else "data/"),
+        "end": history.end,
+        "message": history.message,
+        "diverged": history.diverged,
+        "records": [dataclasses.asdict(r) for r in history.records],
+    }
+    atomic_write_text(result.out / "train.json", json.dumps(summary, indent=2) + "\n")

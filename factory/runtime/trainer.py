@@ -1,0 +1,428 @@
+"""The trainer: one loop for one process or many, checkpointed, watched and resumable.
+
+Why a trainer of our own rather than Megatron's: a blueprint's numerics (NVFP4
+against BF16, Hadamard, stochastic rounding) and its layout must be checked by
+real runs on a CPU, with the blueprint's optimizer and data. What the step
+needs (the optimizer, gradient accumulation from micro to global batch, the
+aux-loss-free expert-bias step, the precision runtime's late switch to BF16,
+checkpoints, rollbacks) fits in this module and a few small ones. Every setting
+comes from the blueprint:
+
+* AdamW over fp32 masters (``factory.runtime.optimizer``);
+* ``global_batch_size / micro_batch_size`` micro-batches per step, this rank's
+  data-parallel share of them, token-weighted (``factory.runtime.step``);
+* the global gradient norm clipped to ``grad_clip`` (recorded before clipping);
+* :func:`factory.runtime.schedule.learning_rate` over the run's own length, and
+  after a rollback the annealing ``training.stability.rollback`` names;
+* ``precision.on_tokens(tokens_seen)`` after every step (``switch_to_bf16``).
+
+A run on several ranks is the same code: :class:`~factory.runtime.ranks.Ranks`
+answers the collective questions (one process answers them itself), and a
+laid-out model (``factory.runtime.placement``) looks like the whole model to
+the trainer. Everything else happens in callbacks (``factory.runtime.callbacks``):
+the stability monitors (``warn`` logs, ``stop`` checkpoints and ends the run,
+``rollback`` returns to the last checkpoint before the trouble began, skips the
+data that led there and anneals the learning rate), ``metrics.jsonl``, the
+progress display and periodic checkpoints. :func:`train` runs the standard set.
+
+A non-finite loss or gradient norm never reaches the weights. Given the same
+compiled model, batches and seed, two runs are bit-identical, and a run resumed
+from a checkpoint continues exactly as the uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from factory.compilation import Compiled, compile_for_training
+from factory.graph.loss import mtp_loss_scale
+from factory.runtime.batches import MicroBatch
+from factory.runtime.callbacks import Callback, PeriodicCheckpoint, Rollback, StepStats, Verdict
+from factory.runtime.checkpoint import Checkpointer, CheckpointError
+from factory.runtime.display import StepDisplay
+from factory.runtime.gradients import clip_to_norm, norm_masters
+from factory.runtime.metrics import MetricsLog, metrics_path
+from factory.runtime.monitors import Monitors
+from factory.runtime.optimizer import MasterOptimizer
+from factory.runtime.ranks import Ranks, SingleProcess
+from factory.runtime.run_state import Anneal, Position, restore, snapshot
+from factory.runtime.schedule import annealed_rate, learning_rate
+from factory.runtime.step import StepOutcome, forward_backward
+
+__all__ = [
+    "BatchSource",
+    "RunHistory",
+    "RunOptions",
+    "StepRecord",
+    "Trainer",
+    "learning_rate_at",
+    "standard_callbacks",
+    "train",
+]
+
+
+class BatchSource(Protocol):
+    """Micro-batches in a deterministic order that can restart at any sample
+    (:class:`~factory.runtime.loader.ShardLoader`)."""
+
+    def __iter__(self) -> Iterator[MicroBatch]: ...
+
+    @property
+    def position(self) -> int:
+        """Samples of the stream consumed so far."""
+
+    def seek(self, consumed: int) -> None:
+        """Make the next micro-batch start after the first ``consumed`` samples."""
+
+    def state_dict(self) -> dict[str, int]: ...
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume a saved position; refuse one from another order."""
+
+
+@dataclass
+class RunOptions:
+    """How a run is driven (the blueprint says what is trained)."""
+
+    run_dir: Path | None = None
+    """Where ``checkpoints/`` and ``metrics.jsonl`` go; None writes neither."""
+    checkpoint_every: int | None = None
+    """Steps between checkpoints (default: ``training.checkpoint_interval``)."""
+    keep_checkpoints: int = 3
+    async_checkpoint: bool = False
+    resume: bool = False
+    """Continue from the latest complete checkpoint in ``run_dir`` (an error if none)."""
+    seed: int | None = None
+    """Seeds torch's global generator (default ``training.seed``)."""
+    progress: bool = False
+    """Draw a rich progress bar (rank 0)."""
+    log_every: int = 0
+    """Without the bar, print a plain line every this many steps (0: none)."""
+    description: str = "train"
+    ranks: Ranks = field(default_factory=SingleProcess)
+    """The other processes of a distributed run (``factory.runtime.ranks``); this rank's
+    batches are its data-parallel share. Rank 0 writes ``metrics.jsonl`` and shows progress;
+    every other rank writes ``ranks/rank_NNNNN.jsonl``."""
+
+
+@dataclass
+class StepRecord:
+    """What one optimizer step did (losses averaged over its micro-batches)."""
+
+    step: int
+    loss: float
+    """The optimised loss: LM + scaled MTP + MoE aux."""
+    lm_loss: float
+    """Next-token cross-entropy alone, the number runs are compared on."""
+    lr: float
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    seconds: float
+    tokens_seen: int
+    finite: bool
+    switched_to_bf16: bool = False
+    update: int = 0
+
+
+@dataclass
+class RunHistory:
+    """What a run did: one record per applied step, the monitor events, how it ended."""
+
+    records: list[StepRecord] = field(default_factory=list)
+    events: list[Any] = field(default_factory=list)
+    """The :class:`~factory.runtime.callbacks.Event` s the callbacks raised."""
+    end: str = "completed"
+    """'completed', 'stopped' (a monitor's stop, or a rollback that could not happen) or
+    'diverged' (stopped at a non-finite loss or gradient)."""
+    message: str = ""
+
+    @property
+    def diverged(self) -> bool:
+        return self.end == "diverged"
+
+    @property
+    def lm_losses(self) -> list[float]:
+        return [r.lm_loss for r in self.records]
+
+
+def learning_rate_at(position: Position, steps: int, compiled: Compiled) -> float:
+    """The schedule's rate at ``position``, capped by a rollback's annealing."""
+    training = compiled.blueprint.training
+    rate = learning_rate(position.step, steps, training)
+    a = position.anneal
+    if a is not None:
+        shape = training.stability.rollback.anneal_shape
+        floor = training.optimizer.min_lr
+        rate = min(rate, annealed_rate(position.step, a.start, a.rate, a.steps, shape, floor))
+    return rate
+
+
+def standard_callbacks(
+    compiled: Compiled, options: RunOptions, on_step: Sequence[Callback] = ()
+) -> list[Callback]:
+    """The callbacks every run has, in the order they run: ``metrics.jsonl`` (with a run
+    folder), the stability monitors, the display, ``on_step``, periodic checkpoints."""
+    training = compiled.blueprint.training
+    callbacks: list[Callback] = []
+    if options.run_dir is not None:
+        callbacks.append(MetricsLog(metrics_path(options.run_dir, options.ranks)))
+    callbacks.append(Monitors(training.stability))
+    callbacks.append(StepDisplay(options.progress, options.log_every, options.description))
+    callbacks.extend(on_step)
+    if options.run_dir is not None:
+        every = options.checkpoint_every or training.checkpoint_interval
+        callbacks.append(PeriodicCheckpoint(every))
+    return callbacks
+
+
+class Trainer:
+    """Trains ``compiled.model`` on ``batches`` until schedule step ``steps``.
+
+    Callbacks see the trainer: its ``compiled`` model, ``steps``, ``position``,
+    ``ranks``, ``options`` and ``history``, and may call :meth:`save`.
+    """
+
+    def __init__(
+        self,
+        compiled: Compiled,
+        batches: BatchSource,
+        steps: int,
+        options: RunOptions,
+        callbacks: Sequence[Callback],
+    ) -> None:
+        self.compiled, self.batches, self.steps, self.options = compiled, batches, steps, options
+        self.ranks = options.ranks
+        self.callbacks = list(callbacks)
+        self.position = Position()
+        self.history = RunHistory()
+        self.optimizer: MasterOptimizer | None = None
+        self.checkpointer: Checkpointer | None = None
+        self._stream: Iterator[MicroBatch] = iter(())
+
+    def fit(self) -> RunHistory:
+        """Run to ``steps`` (or until a callback stops it); the history of the run."""
+        bp = self.compiled.blueprint
+        self._check_batch_split()
+        torch.manual_seed(bp.training.seed if self.options.seed is None else self.options.seed)
+        self.compiled.model.train()
+        if bp.training.compile:
+            compile_for_training(self.compiled)
+        self.optimizer = MasterOptimizer(self.compiled.model, bp.training.optimizer)
+        o = self.options
+        if o.run_dir is not None:
+            root = o.run_dir / "checkpoints"
+            self.checkpointer = Checkpointer(root, o.keep_checkpoints, o.async_checkpoint, o.ranks)
+        if o.resume:
+            self._resume()
+        else:
+            self.batches.seek(0)
+        self._stream = iter(self.batches)
+        try:
+            for callback in self.callbacks:
+                callback.pre_train(self)
+            while self.position.step < self.steps and self._step():
+                pass
+            if self.checkpointer is not None:
+                if self.history.end == "completed":
+                    self.save()
+                self.checkpointer.wait()
+            for callback in self.callbacks:
+                callback.post_train(self, self.history)
+        finally:
+            for callback in self.callbacks:
+                callback.close(self)
+        return self.history
+
+    def _check_batch_split(self) -> None:
+        par = self.compiled.blueprint.parallelism
+        if par.global_batch_size % par.micro_batch_size:
+            raise ValueError(
+                f"global_batch_size {par.global_batch_size} is not a multiple of "
+                f"micro_batch_size {par.micro_batch_size}"
+            )
+        if (par.global_batch_size // par.micro_batch_size) % self.ranks.data_size:
+            raise ValueError(
+                f"global_batch_size {par.global_batch_size} is not a multiple of "
+                f"micro_batch_size {par.micro_batch_size} x {self.ranks.data_size} "
+                "data-parallel replicas"
+            )
+
+    # --- one step --------------------------------------------------------------------------
+
+    def _step(self) -> bool:
+        """Run, check and apply one optimizer step; False when the run ends here."""
+        assert self.optimizer is not None
+        bp, model, p = self.compiled.blueprint, self.compiled.model, self.position
+        start = time.perf_counter()
+        lr = learning_rate_at(p, self.steps, self.compiled)
+        self.optimizer.set_lr(lr)
+        self.optimizer.zero_grad()
+        consumed_before = p.consumed
+        micro_per_step = bp.parallelism.global_batch_size // bp.parallelism.micro_batch_size
+        micro = self._next_micro_batches(micro_per_step // self.ranks.data_size)
+        outcome = forward_backward(model, micro, mtp_loss_scale(bp.model), self.ranks)
+        self.optimizer.grads_to_masters()
+        grad_norm = float(self.ranks.grad_norm(norm_masters(model, self.optimizer)))
+        clip = bp.training.optimizer.grad_clip
+        if clip is not None:
+            clip_to_norm(self.optimizer.masters, clip, grad_norm)
+        verdict = self._verdict(self._stats(outcome, grad_norm))
+        action = self.ranks.agree(verdict.action)  # the same on every rank by construction
+        if action == "rollback" and self._rollback(verdict.rollback_before):
+            return True
+        if action != "continue":
+            self._stop(verdict, consumed_before)
+            return False
+        record = self._apply(outcome, lr, grad_norm, time.perf_counter() - start)
+        for callback in self.callbacks:
+            callback.post_step(self, record, outcome)
+        if self.checkpointer is not None:
+            self.checkpointer.poll()
+        return True
+
+    def _next_micro_batches(self, count: int) -> list[MicroBatch]:
+        micro = [next(self._stream) for _ in range(count)]
+        self.position.consumed = self.batches.position
+        return micro
+
+    def _stats(self, outcome: StepOutcome, grad_norm: float) -> StepStats:
+        return StepStats(
+            update=self.position.update,
+            step=self.position.step,
+            loss=outcome.loss,
+            grad_norm=grad_norm,
+            finite=math.isfinite(outcome.loss) and math.isfinite(grad_norm),
+            max_vio=outcome.max_vio(),
+            residual_rms=outcome.residual_rms,
+        )
+
+    def _verdict(self, stats: StepStats) -> Verdict:
+        """Every callback's verdict on the step, merged; its events recorded and announced."""
+        merged = Verdict()
+        for callback in self.callbacks:
+            merged = merged.merged(callback.check_step(self, stats))
+        for event in merged.events:
+            self.history.events.append(event)
+            for callback in self.callbacks:
+                callback.on_event(self, event)
+        return merged
+
+    def _apply(
+        self, outcome: StepOutcome, lr: float, grad_norm: float, seconds: float
+    ) -> StepRecord:
+        """Take the optimizer step, move the expert biases and the token count; its record."""
+        assert self.optimizer is not None
+        precision, p = self.compiled.precision, self.position
+        self.optimizer.step()
+        if precision is not None:
+            precision.weights_updated()
+        self.compiled.model.update_expert_biases(outcome.tokens_per_expert)
+        p.tokens_seen += outcome.tokens
+        switched = precision.on_tokens(p.tokens_seen) if precision is not None else False
+        record = StepRecord(
+            p.step, outcome.loss, outcome.lm_loss, lr, grad_norm, seconds, p.tokens_seen, True,
+            switched, p.update,
+        )  # fmt: skip
+        self.history.records.append(record)
+        p.step += 1
+        p.update += 1
+        return record
+
+    def _stop(self, verdict: Verdict, consumed_before: int) -> None:
+        """End the run at a refused step: checkpoint it so that a resume re-runs it."""
+        non_finite = any(e.monitor == "non_finite" for e in verdict.events)
+        self.history.end = "diverged" if non_finite else "stopped"
+        self.history.message = self.history.message or "; ".join(e.message for e in verdict.events)
+        self.position.consumed = consumed_before
+        self.save()
+        self.batches.seek(consumed_before)
+
+    # --- checkpoints -------------------------------------------------------------------------
+
+    def save(self) -> None:
+        """Checkpoint the run as it stands (nothing without a run folder)."""
+        if self.checkpointer is None:
+            return
+        assert self.optimizer is not None
+        self.checkpointer.poll()
+        data_state = {**self.batches.state_dict(), "consumed": self.position.consumed}
+        states = {c.state_key: c.state_dict() for c in self.callbacks if c.state_key}
+        state, local, meta = snapshot(
+            self.compiled, self.optimizer, states, self.position, data_state
+        )
+        started = time.perf_counter()
+        path = self.checkpointer.save(self.position.step, state, local, meta)
+        seconds = time.perf_counter() - started
+        for callback in self.callbacks:
+            callback.on_checkpoint(self, path, seconds)
+
+    def _restore(self, path: Path) -> tuple[Position, dict[str, Any]]:
+        """Load checkpoint ``path`` into the run and its callbacks; its position and data
+        state."""
+        assert self.optimizer is not None
+        position, data_state, meta = restore(path, self.compiled, self.optimizer, self.ranks.rank)
+        for callback in self.callbacks:
+            if callback.state_key and callback.state_key in meta:
+                callback.load_state_dict(meta[callback.state_key])
+        return position, data_state
+
+    def _resume(self) -> None:
+        latest = self.checkpointer.latest() if self.checkpointer is not None else None
+        if latest is None:
+            where = self.options.run_dir or "a run without a run folder"
+            raise CheckpointError(f"{where}: no complete checkpoint to resume from")
+        self.position, data_state = self._restore(latest)
+        try:
+            self.batches.load_state_dict(data_state)
+        except ValueError as exc:
+            message = f"{latest}: its data position does not fit this data: {exc}"
+            raise CheckpointError(message) from exc
+
+    def _rollback(self, trouble_began: int | None) -> bool:
+        """Go back to the last checkpoint before the trouble began; False when impossible."""
+        cfg = self.compiled.blueprint.training.stability.rollback
+        p = self.position
+        first = trouble_began if trouble_began is not None else p.step
+        ckpt = self.checkpointer
+        target = ckpt.latest(before_step=first + 1) if ckpt is not None else None
+        if ckpt is None or target is None or p.rollbacks >= cfg.max_rollbacks:
+            why = "no checkpoint from before it" if target is None else f"{p.rollbacks} rollbacks"
+            self.history.message = f"rollback needed at step {p.step} but impossible: {why}"
+            return False
+        ckpt.wait()
+        consumed, update, rollbacks, from_step = p.consumed, p.update, p.rollbacks, p.step
+        position, _ = self._restore(target)
+        skipped = consumed - position.consumed  # the window that led to the trouble
+        # The refused attempt keeps its update number: updates count attempts, monotonically.
+        position.consumed, position.update, position.rollbacks = consumed, update + 1, rollbacks + 1
+        anneal_steps = max(1, round(cfg.anneal_fraction * self.steps))
+        rate = learning_rate_at(position, self.steps, self.compiled)
+        position.anneal = Anneal(start=position.step, rate=rate, steps=anneal_steps)
+        self.position = position
+        self.batches.seek(consumed)  # the window that led to the trouble is skipped
+        rollback = Rollback(update, from_step, position.step, skipped, anneal_steps)
+        for callback in self.callbacks:
+            callback.on_rollback(self, rollback)
+        return True
+
+
+def train(
+    compiled: Compiled,
+    batches: BatchSource,
+    steps: int | None = None,
+    options: RunOptions | None = None,
+    on_step: Sequence[Callback] = (),
+) -> RunHistory:
+    """Train ``compiled.model`` until schedule step ``steps`` (default: the blueprint's) with
+    the :func:`standard_callbacks` (``on_step`` among them, after the display)."""
+    o = options or RunOptions()
+    total = steps if steps is not None else compiled.blueprint.training_steps
+    callbacks = standard_callbacks(compiled, o, on_step)
+    return Trainer(compiled, batches, total, o, callbacks).fit()
