@@ -18,7 +18,7 @@ from factory.checks.registry import Finding, layer_rule, rule
 from factory.dotted_paths import join_path
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.parallelism import GPU_SPECS
-from factory.spec.layer_type import LayerType
+from factory.spec.layer_type import LAYER_TYPES, LayerType
 
 __all__: list[str] = []
 
@@ -45,6 +45,14 @@ def _vpp(bp: Blueprint) -> int:
     if layout.has_pipes:
         return max(1, len(layout.segments) // par.pp)
     return 1
+
+
+def _configured(kind: LayerType, bp: Blueprint) -> bool:
+    """The pattern uses ``kind`` and the blueprint has its section (``model.layer_sections``
+    reports a missing one)."""
+    if kind.symbol not in used_symbols(bp.model):
+        return False
+    return kind.section is None or getattr(bp.model, kind.section) is not None
 
 
 @rule("parallelism.world_size")
@@ -85,45 +93,35 @@ def expert_grid(bp: Blueprint) -> Iterator[Finding]:
 )
 def tp_layer(kind: LayerType, bp: Blueprint) -> Iterator[Finding]:
     """``parallelism.tp_<name>``: the layer type's own TP rules, where the pattern uses it."""
-    if kind.symbol not in used_symbols(bp.model):
+    if not _configured(kind, bp):
         return
-    if kind.section is not None and getattr(bp.model, kind.section) is None:
-        return  # model.layer_sections reports the missing section
     for message in kind.tp_rules(bp.model, bp.parallelism.tp):
         yield Finding("parallelism.tp", message)
 
 
-@rule("parallelism.cp_mamba")
-def cp_mamba(bp: Blueprint) -> Iterator[Finding]:
-    """Mamba's context parallelism splits each rank's heads and groups over CP."""
-    mamba, tp, cp = bp.model.mamba, bp.parallelism.tp, bp.parallelism.cp
-    if mamba is None or cp == 1 or "M" not in used_symbols(bp.model):
+@layer_rule(
+    "parallelism.cp",
+    applies=lambda kind: type(kind).cp_rules is not LayerType.cp_rules,
+    summary=lambda kind: (type(kind).cp_rules.__doc__ or "").strip().splitlines()[0],
+)
+def cp_layer(kind: LayerType, bp: Blueprint) -> Iterator[Finding]:
+    """``parallelism.cp_<name>``: the layer type's own CP rules, where the pattern uses it."""
+    if bp.parallelism.cp == 1 or not _configured(kind, bp):
         return
-    if mamba.heads % tp == 0 and (mamba.heads // tp) % cp:
-        yield Finding(
-            "parallelism.cp",
-            f"mamba heads/tp = {mamba.heads}/{tp} = {mamba.heads // tp} must be divisible "
-            f"by cp={cp}",
-        )
-    if mamba.groups % tp == 0:
-        local = mamba.groups // tp
-        if (local < cp and cp % local) or (local >= cp and local % cp):
-            yield Finding(
-                "parallelism.cp",
-                f"mamba groups/tp = {mamba.groups}/{tp} = {local} and cp={cp} must divide "
-                "one another",
-            )
+    for message in kind.cp_rules(bp.model, bp.parallelism.tp, bp.parallelism.cp):
+        yield Finding("parallelism.cp", message)
 
 
 @rule("parallelism.ep_experts")
 def ep_experts(bp: Blueprint) -> Iterator[Finding]:
-    """EP places whole experts on ranks, so it must divide the expert count."""
-    moe, ep = bp.model.moe, bp.parallelism.ep
-    if moe is None:
-        if ep > 1:
-            yield Finding("parallelism.ep", f"ep={ep} needs MoE layers but model.moe is not set")
-    elif moe.num_experts % ep:
-        yield Finding("parallelism.ep", f"ep={ep} must divide num_experts ({moe.num_experts})")
+    """EP splits the routed experts of the layers that have them, each as its type says."""
+    ep = bp.parallelism.ep
+    rules = [kind.ep_rules(bp.model, ep) for kind in LAYER_TYPES.values() if _configured(kind, bp)]
+    problems = [r for r in rules if r is not None]
+    if not problems and ep > 1:
+        yield Finding("parallelism.ep", f"ep={ep} needs layers with routed experts (MoE)")
+    for message in dict.fromkeys(m for found in problems for m in found):
+        yield Finding("parallelism.ep", message)
 
 
 @rule("parallelism.pipeline")

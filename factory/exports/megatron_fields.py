@@ -27,7 +27,7 @@ from factory.exports.quant_recipe import (
     mtp_formats,
 )
 from factory.schemas.blueprint import Blueprint
-from factory.spec.layer_type import LAYER_TYPES, LayerType, MegatronField
+from factory.spec.layer_type import LAYER_TYPES, LayerType, MegatronField, Ref
 
 __all__ = [
     "SECTIONS",
@@ -36,18 +36,12 @@ __all__ = [
     "fields",
     "megatron_fields",
     "pipeline_stage_sizes",
+    "shared_field_conflicts",
 ]
 
 MEGATRON_CORE_VERSION = "0.16.1"
 BRIDGE_COMMIT = "067f987df03b8355b03192d88d70f1709fedf51a"  # 2026-08-22, package_info 0.7.0
 MEGATRON_LM_COMMIT = "2a75ac12c54ba6a42b34024756820bf819a2e25f"  # its 3rdparty/Megatron-LM
-
-
-@dataclass(frozen=True)
-class Ref:
-    """A Python object named by import path (a callable or a torch dtype), not a literal."""
-
-    path: str
 
 
 @dataclass(frozen=True)
@@ -92,10 +86,6 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "mixed_precision": ("megatron.bridge.training.mixed_precision", "MixedPrecisionConfig"),
 }
 
-_ACTIVATIONS = {
-    "relu2": (Ref("megatron.core.activations.squared_relu"), False),
-    "swiglu": (Ref("torch.nn.functional.silu"), True),
-}
 _WSD_SHAPES = {"linear": "linear", "cosine": "cosine", "minus_sqrt": "minus_sqrt"}
 # Bridge's named mixed-precision presets (training/mixed_precision.py) per factory recipe.
 _MIXED = {
@@ -112,27 +102,54 @@ def _has(bp: Blueprint, symbol: str) -> bool:
     return symbol in bp.model.layout.main or symbol in bp.model.mtp_pattern
 
 
+def _layer_value(kind: LayerType, field: MegatronField, bp: Blueprint) -> Any:
+    """What the layer type sets ``field`` to in ``bp`` (SKIP where its pattern lacks the layer
+    or the field does not apply)."""
+    if not _has(bp, kind.symbol):
+        return SKIP
+    source = bp.parallelism if field.reads == "parallelism" else kind.config(bp.model)
+    return field.get(source) if field.when is None or field.when(source) else SKIP
+
+
+def _setters(bp: Blueprint, name: str) -> list[tuple[LayerType, MegatronField, Any]]:
+    """Every layer type in ``bp``'s pattern that sets the Megatron field ``name``, with its
+    value; a fallback only where no other layer type sets the field."""
+    found = [
+        (kind, field, value)
+        for kind in sorted(LAYER_TYPES.values(), key=lambda kind: kind.name)
+        for field in kind.megatron_fields or ()
+        if field.name == name and (value := _layer_value(kind, field, bp)) is not SKIP
+    ]
+    firm = [entry for entry in found if entry[1].share != "fallback"]
+    return firm or found[:1]
+
+
 def _layer_field(kind: LayerType, field: MegatronField) -> Field:
-    """A layer type's own field, set where the pattern uses the layer and the field applies."""
+    """A layer type's field: its value where the pattern uses the layer, the field applies
+    and (for a fallback) no other layer type sets it."""
 
     def get(bp: Blueprint) -> Any:
-        if not _has(bp, kind.symbol):
-            return SKIP
-        section = kind.config(bp.model)
-        return field.get(section) if field.when is None or field.when(section) else SKIP
+        setters = _setters(bp, field.name)
+        return next((value for k, _, value in setters if k is kind), SKIP)
 
     return Field(field.blueprint, "model", field.name, "config", get)
 
 
-def _activation(bp: Blueprint) -> tuple[Ref, bool]:
-    m = bp.model
-    kind = m.mlp.activation if _has(bp, "-") else m.moe.activation if _has(bp, "E") else "relu2"
-    return _ACTIVATIONS[kind]
-
-
-def _bias(bp: Blueprint) -> bool:
-    m = bp.model
-    return bool((_has(bp, "*") and m.attention.bias) or (m.mlp is not None and m.mlp.bias))
+def shared_field_conflicts(bp: Blueprint) -> list[tuple[str, str]]:
+    """(blueprint path, reason) for every Megatron field that layer types in ``bp``'s pattern
+    set to different values: Megatron has one such field for all of them."""
+    names = {f.name for kind in LAYER_TYPES.values() for f in kind.megatron_fields or ()
+             if f.share == "agree"}  # fmt: skip
+    out: dict[str, str] = {}
+    for name in sorted(names):
+        setters = _setters(bp, name)
+        if len({repr(value) for _, _, value in setters}) < 2:
+            continue
+        values = ", ".join(f"{field.blueprint}={value!r}" for _, field, value in setters)
+        layers = " and ".join(kind.name for kind, _, _ in setters)
+        path = setters[0][1].blueprint
+        out.setdefault(path, f"Megatron has one {name} for {layers} layers; {values}")
+    return list(out.items())
 
 
 def pipeline_stage_sizes(bp: Blueprint) -> list[int]:
@@ -219,24 +236,17 @@ _MODEL_FIELDS: tuple[Field, ...] = (
     Field("model.norm_eps", M, "layernorm_epsilon", "config", lambda bp: bp.model.norm_eps),
     Field("model.norm_eps", M, "normalization", "config", lambda bp: "RMSNorm"),
     Field("model.init.std", M, "init_method_std", "config", lambda bp: bp.model.init.std),
-    Field("model.{attention,mlp}.bias", M, "add_bias_linear", "config", _bias),
-    Field("model.{mlp,moe}.activation", M, "activation_func", "config",
-          lambda bp: _activation(bp)[0]),
-    Field("model.{mlp,moe}.activation", M, "gated_linear_unit", "config",
-          lambda bp: _activation(bp)[1]),
-    Field("model.mlp.intermediate_size", M, "ffn_hidden_size", "config",
-          lambda bp: bp.model.mlp.intermediate_size if _has(bp, "-")
-          else bp.model.moe.expert_intermediate_size if _has(bp, "E") else SKIP),
     Field("(none)", M, "hidden_dropout", "config", lambda bp: 0.0),
     Field("(none)", M, "attention_dropout", "config", lambda bp: 0.0),
-    # Attention.
-    Field("model.attention.heads", M, "num_attention_heads", "config",
-          lambda bp: bp.model.attention.heads if _has(bp, "*") else 1),
+    # Megatron requires these; a layer type in the pattern that sets one overrides its default.
+    Field("(no attention layers)", M, "num_attention_heads", "config", lambda bp: 1),
+    Field("(no MLP or MoE layers)", M, "activation_func", "config",
+          lambda bp: Ref("megatron.core.activations.squared_relu")),
+    Field("(no MLP or MoE layers)", M, "gated_linear_unit", "config", lambda bp: False),
+    Field("(no biased layers)", M, "add_bias_linear", "config", lambda bp: False),
 )
 # Each layer type's own fields (factory/layers/<name>/spec.py) come here, by layer name.
 _RUN_FIELDS: tuple[Field, ...] = (
-    Field("parallelism.moe_dispatcher", M, "moe_token_dispatcher_type", "config",
-          lambda bp: bp.parallelism.moe_dispatcher if _has(bp, "E") else SKIP),
     # Multi-token prediction.
     Field("model.mtp.depth", M, "mtp_num_layers", "config", _mtp(lambda bp: bp.model.mtp_depth)),
     Field("model.mtp.pattern", M, "mtp_hybrid_override_pattern", "provider",
@@ -261,8 +271,6 @@ _RUN_FIELDS: tuple[Field, ...] = (
     Field("parallelism.cp", M, "context_parallel_size", "config", lambda bp: bp.parallelism.cp),
     Field("parallelism.ep", M, "expert_model_parallel_size", "config",
           lambda bp: bp.parallelism.ep),
-    Field("parallelism.etp", M, "expert_tensor_parallel_size", "config",
-          lambda bp: bp.parallelism.expert_tp if _has(bp, "E") else SKIP),
     Field("parallelism.sequence_parallel", M, "sequence_parallel", "config",
           lambda bp: bp.parallelism.sequence_parallel),
     Field("parallelism.recompute", M, "recompute_granularity", "config", _recompute),

@@ -10,7 +10,7 @@ listed in the README, never silently dropped. Checked against megatron-core
 
 from __future__ import annotations
 
-from factory.exports.megatron_fields import pipeline_stage_sizes
+from factory.exports.megatron_fields import pipeline_stage_sizes, shared_field_conflicts
 from factory.exports.quant_recipe import QuantRecipeError, megatron_quant_recipe, mtp_formats
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.precision import NVFP4Options
@@ -35,30 +35,7 @@ def _model(bp: Blueprint) -> list[tuple[str, str]]:
     used = m.layout.main + m.mtp_pattern
     if m.position_embedding == "rope" and m.rope_base != int(m.rope_base):
         out.append(("model.rope_base", f"Megatron's rotary_base is an int, got {m.rope_base}"))
-    if "*" in used and m.mlp is not None and "-" in used and m.attention.bias != m.mlp.bias:
-        out.append(
-            (
-                "model.attention.bias",
-                "Megatron has one add_bias_linear for attention "
-                f"and MLP; attention.bias={m.attention.bias}, mlp.bias={m.mlp.bias}",
-            )
-        )
-    if "E" in used and m.mlp is not None and m.mlp.bias:
-        out.append(
-            (
-                "model.mlp.bias",
-                "add_bias_linear would also put biases on the routed "
-                "experts, which factory builds without",
-            )
-        )
-    if "E" in used and "-" in used and m.moe.activation != m.mlp.activation:
-        out.append(
-            (
-                "model.moe.activation",
-                "Megatron has one activation_func for MLP and "
-                f"experts; mlp={m.mlp.activation}, moe={m.moe.activation}",
-            )
-        )
+    out += shared_field_conflicts(bp)
     for kind in LAYER_TYPES.values():
         if kind.symbol in used:
             out += kind.megatron_refusals(m)

@@ -15,9 +15,11 @@ which symbols exist without an import cycle.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 if TYPE_CHECKING:
     from torch import nn
@@ -32,6 +34,7 @@ __all__ = [
     "LayerType",
     "MegatronField",
     "ProxyScale",
+    "Ref",
     "layer_type",
     "layer_type_named",
     "register_layer_type",
@@ -67,6 +70,14 @@ class ProxyScale:
 
 
 @dataclass(frozen=True)
+class Ref:
+    """A Python object named by import path (a callable or a torch dtype), not a literal: what a
+    generated Megatron-Bridge recipe imports."""
+
+    path: str
+
+
+@dataclass(frozen=True)
 class MegatronField:
     """One field of Megatron-Core's ``TransformerConfig`` that a layer type's section sets."""
 
@@ -75,9 +86,19 @@ class MegatronField:
     blueprint: str
     """The blueprint value it comes from, as ``docs/megatron.md``'s mapping table shows it."""
     get: Callable[[Any], Any]
-    """The layer's config section -> the field's value."""
+    """The layer's config section (or the blueprint's ``parallelism``, see ``reads``) -> the
+    field's value."""
     when: Callable[[Any], bool] | None = None
     """Whether the field applies, given the section (None: whenever the layer is used)."""
+    share: Literal["own", "agree", "fallback"] = "own"
+    """``own``: no other layer type sets the field. ``agree``: Megatron has one field for
+    several layer types (``add_bias_linear`` for attention, MLP and experts): where the
+    pattern uses more than one, their values must be equal, or the export refuses.
+    ``fallback``: set only where no layer type in the pattern sets it otherwise (a model
+    without dense MLPs gives ``ffn_hidden_size`` its experts' width)."""
+    reads: Literal["section", "parallelism"] = "section"
+    """What ``get`` and ``when`` receive: the layer's section, or ``parallelism`` (a layout
+    field only this layer type needs, such as the MoE's token dispatcher)."""
 
 
 class LayerType:
@@ -142,6 +163,18 @@ class LayerType:
         refuses a layout with them; the spec's split widths are checked separately."""
         return []
 
+    def cp_rules(self, model: ModelConfig, tp: int, cp: int) -> list[str]:
+        """Why ``cp`` context-parallel ranks (with ``tp`` tensor-parallel ones) cannot split
+        this layer (empty when they can), in its ``context_parallel`` style. ``factory
+        validate`` reports them as ``parallelism.cp_<name>``."""
+        return []
+
+    def ep_rules(self, model: ModelConfig, ep: int) -> list[str] | None:
+        """Why ``ep`` expert-parallel ranks cannot split this layer's routed experts (empty
+        when they can); None for a layer without routed experts. ``factory validate``
+        reports them as ``parallelism.ep_experts``."""
+        return None
+
     def tp_whole_linears(self, model: ModelConfig, tp: int) -> tuple[str, ...]:
         """The mixer's column linears (names under the mixer) that every rank holds whole at
         ``tp``, each keeping its own columns (attention's KV heads when TP exceeds them)."""
@@ -160,9 +193,17 @@ class LayerType:
     def apply_expert_parallel(self, mixer: nn.Module, ep_mesh: DeviceMesh) -> None:
         """Keep this EP rank's experts of ``mixer`` and exchange tokens over ``ep_mesh``."""
 
+    def torch_side(self, module: str = "module") -> ModuleType:
+        """A module of this layer type's folder that needs torch (``module.py``: the
+        ``nn.Module`` and ``build(model)``), imported on first use. The one place a layer type
+        crosses into torch: its spec, and ``factory validate`` and ``plan`` with it, stay
+        torch-free."""
+        package = type(self).__module__.rpartition(".")[0]
+        return importlib.import_module(f"{package}.{module}")
+
     def build(self, model: ModelConfig) -> nn.Module:
-        """The mixer module (imports torch)."""
-        raise NotImplementedError
+        """The mixer module: ``build(model)`` of the folder's ``module.py``."""
+        return self.torch_side().build(model)
 
     def shrink(self, section: dict[str, Any], source: Any, proxy: ProxyScale) -> None:
         """Update this layer's section (a dict copy) in place for the CPU proxy."""

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from factory.schemas.model import AttentionConfig
+from factory.schemas.model import AttentionConfig, ModelConfig
 
-__all__ = ["Attention", "apply_rope"]
+__all__ = ["Attention", "apply_rope", "build"]
 
 
 def apply_rope(x: torch.Tensor, base: float, fraction: float) -> torch.Tensor:
@@ -60,3 +60,9 @@ class Attention(nn.Module):
             mask = (same & causal)[:, None]  # [b, 1, s, s]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+def build(model: ModelConfig) -> Attention:
+    """The ``*`` mixer of ``model`` (``LayerType.build``)."""
+    rope = (model.rope_base, model.rope_fraction) if model.position_embedding == "rope" else None
+    return Attention(model.hidden_size, model.attention, rope)

@@ -37,10 +37,11 @@ class SelfAttention(LayerType):
         "mixer.v_proj": "self_attention.linear_qkv",
         "mixer.o_proj": "self_attention.linear_proj",
     }
-    # num_attention_heads is set for every model (Megatron requires it), so it is not here.
     megatron_fields = (
+        MegatronField("num_attention_heads", "model.attention.heads", lambda a: a.heads),
         MegatronField("num_query_groups", "model.attention.kv_heads", lambda a: a.kv_heads),
         MegatronField("kv_channels", "model.attention.head_dim", lambda a: a.head_dim),
+        MegatronField("add_bias_linear", "model.attention.bias", lambda a: a.bias, share="agree"),
     )
 
     def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
@@ -103,14 +104,6 @@ class SelfAttention(LayerType):
             kept = dict.fromkeys(("k_proj", "v_proj"), (head * mixer.head_dim, mixer.head_dim))
         mixer.heads, mixer.kv_heads = mixer.heads // tp, max(mixer.kv_heads // tp, 1)
         return kept
-
-    def build(self, model: ModelConfig) -> nn.Module:
-        from factory.layers.attention.module import Attention
-
-        rope = (
-            (model.rope_base, model.rope_fraction) if model.position_embedding == "rope" else None
-        )
-        return Attention(model.hidden_size, self.config(model), rope)
 
     def shrink(self, section: dict[str, Any], source: AttentionConfig, proxy: ProxyScale) -> None:
         """Keep r = heads / kv_heads: kv_heads 1 if r >= 8 else min(kv_heads, 2); head_dim

@@ -14,9 +14,9 @@ from torch.nn import functional as F
 
 from factory.kernels.ssd import ssd_chunked_scan
 from factory.nn.norms import GatedGroupRMSNorm
-from factory.schemas.model import MambaConfig
+from factory.schemas.model import MambaConfig, ModelConfig
 
-__all__ = ["Mamba2Mixer"]
+__all__ = ["Mamba2Mixer", "build"]
 
 
 class _CausalDepthwiseConv(torch.autograd.Function):
@@ -158,3 +158,8 @@ class Mamba2Mixer(nn.Module):
         )
         y = self.norm(y.reshape(b, s, d_inner), z)
         return self.out_proj(y.to(x.dtype))
+
+
+def build(model: ModelConfig) -> Mamba2Mixer:
+    """The ``M`` mixer of ``model`` (``LayerType.build``)."""
+    return Mamba2Mixer(model.hidden_size, model.mamba, model.norm_eps)

@@ -138,6 +138,25 @@ class Mamba(LayerType):
             if count % tp
         ]
 
+    def cp_rules(self, model: ModelConfig, tp: int, cp: int) -> list[str]:
+        """Mamba's context parallelism splits each rank's heads and groups over CP
+        (Megatron-Core's ``MambaContextParallel``)."""
+        cfg: MambaConfig = self.config(model)
+        out = []
+        if cfg.heads % tp == 0 and (cfg.heads // tp) % cp:
+            out.append(
+                f"mamba heads/tp = {cfg.heads}/{tp} = {cfg.heads // tp} must be divisible "
+                f"by cp={cp}"
+            )
+        if cfg.groups % tp == 0:
+            local = cfg.groups // tp
+            if (local < cp and cp % local) or (local >= cp and local % cp):
+                out.append(
+                    f"mamba groups/tp = {cfg.groups}/{tp} = {local} and cp={cp} must divide "
+                    "one another"
+                )
+        return out
+
     def localize_for_tp(self, mixer: nn.Module, tp: int, rank: int) -> dict[str, tuple[int, int]]:
         mixer.heads, mixer.groups = mixer.heads // tp, mixer.groups // tp
         mixer.norm.groups //= tp
@@ -154,11 +173,6 @@ class Mamba(LayerType):
             for name, default in MEGATRON_MIXER_DEFAULTS.items()
             if getattr(cfg, name) != default
         ]
-
-    def build(self, model: ModelConfig) -> nn.Module:
-        from factory.layers.mamba.module import Mamba2Mixer
-
-        return Mamba2Mixer(model.hidden_size, self.config(model), model.norm_eps)
 
     def shrink(self, section: dict[str, Any], source: MambaConfig, proxy: ProxyScale) -> None:
         """head_dim, state and chunk 16, at most 2 groups; heads the multiple of groups

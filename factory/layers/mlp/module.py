@@ -7,8 +7,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from factory.kernels.moe_dispatch import relu_squared
+from factory.schemas.model import ModelConfig
 
-__all__ = ["MLP", "activate"]
+__all__ = ["MLP", "activate", "build"]
 
 
 def activate(h: torch.Tensor, activation: str, gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,3 +34,9 @@ class MLP(nn.Module):
         """Token-wise: ``document_ids`` changes nothing."""
         gate = self.gate_proj(x) if self.gate_proj is not None else None
         return self.down_proj(activate(self.up_proj(x), self.activation, gate))
+
+
+def build(model: ModelConfig) -> MLP:
+    """The ``-`` mixer of ``model`` (``LayerType.build``)."""
+    cfg = model.mlp
+    return MLP(model.hidden_size, cfg.intermediate_size, cfg.activation, cfg.bias)

@@ -8,16 +8,45 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from factory.spec.activations import TokenShards, ffn_bytes, prologue_bytes
-from factory.spec.layer_type import LayerType, ProxyScale, register_layer_type
+from factory.spec.layer_type import LayerType, MegatronField, ProxyScale, Ref, register_layer_type
 from factory.spec.rounding import nearest_multiple
 from factory.spec.tensors import Init, TensorSpec, linear
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from factory.schemas.model import MLPConfig, ModelConfig
 
-__all__ = ["DenseMLP", "mlp_tensors", "swiglu_factor"]
+__all__ = [
+    "MEGATRON_ACTIVATIONS",
+    "DenseMLP",
+    "megatron_activation_fields",
+    "mlp_tensors",
+    "swiglu_factor",
+]
+
+MEGATRON_ACTIVATIONS = {
+    "relu2": (Ref("megatron.core.activations.squared_relu"), False),
+    "swiglu": (Ref("torch.nn.functional.silu"), True),
+}
+"""Our activation -> Megatron's (``activation_func``, ``gated_linear_unit``)."""
+
+
+def megatron_activation_fields(blueprint: str) -> tuple[MegatronField, MegatronField]:
+    """``activation_func`` and ``gated_linear_unit`` from a section's ``activation``: one pair
+    of fields for the dense MLPs and the experts, which must agree."""
+    return (
+        MegatronField(
+            "activation_func",
+            blueprint,
+            lambda s: MEGATRON_ACTIVATIONS[s.activation][0],
+            share="agree",
+        ),
+        MegatronField(
+            "gated_linear_unit",
+            blueprint,
+            lambda s: MEGATRON_ACTIVATIONS[s.activation][1],
+            share="agree",
+        ),
+    )
 
 
 def mlp_tensors(
@@ -56,9 +85,16 @@ class DenseMLP(LayerType):
         "mixer.gate_proj": "mlp.linear_fc1",
         "mixer.down_proj": "mlp.linear_fc2",
     }
-    # Its width, activation and bias are Megatron fields the MoE's experts share
-    # (ffn_hidden_size, activation_func, add_bias_linear): the export sets them for both.
-    megatron_fields = ()
+    megatron_fields = (
+        MegatronField(
+            "ffn_hidden_size",
+            "model.mlp.intermediate_size",
+            lambda m: m.intermediate_size,
+            share="agree",
+        ),
+        *megatron_activation_fields("model.mlp.activation"),
+        MegatronField("add_bias_linear", "model.mlp.bias", lambda m: m.bias, share="agree"),
+    )
 
     def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
         cfg: MLPConfig = self.config(model)
@@ -76,12 +112,6 @@ class DenseMLP(LayerType):
         cfg: MLPConfig = self.config(model)
         ffn = ffn_bytes(tokens.sharded(cfg.intermediate_size), cfg.activation, True)
         return prologue_bytes(tokens, model.hidden_size) + ffn
-
-    def build(self, model: ModelConfig) -> nn.Module:
-        from factory.layers.mlp.module import MLP
-
-        cfg: MLPConfig = self.config(model)
-        return MLP(model.hidden_size, cfg.intermediate_size, cfg.activation, cfg.bias)
 
     def shrink(self, section: dict[str, Any], source: MLPConfig, proxy: ProxyScale) -> None:
         section["intermediate_size"] = nearest_multiple(source.intermediate_size * proxy.scale, 8)

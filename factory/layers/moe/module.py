@@ -16,10 +16,11 @@ from torch import nn
 from factory.kernels.moe_dispatch import Dispatch, ExpertLinear, grouped_mlp, route_tokens
 from factory.layers.mlp.module import MLP
 from factory.layers.moe.experts import ExpertPath, choose_path, combine, pair_outputs
+from factory.layers.moe.spec import mlp_bias
 from factory.nn.outputs import RoutedOutput
-from factory.schemas.model import MoEConfig, RouterConfig
+from factory.schemas.model import ModelConfig, MoEConfig, RouterConfig
 
-__all__ = ["ExpertDispatcher", "MoE", "RoutedExperts", "Router"]
+__all__ = ["ExpertDispatcher", "MoE", "RoutedExperts", "Router", "build"]
 
 
 class Router(nn.Module):
@@ -225,3 +226,8 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         return RoutedOutput(y.view(batch, seq, width), aux, dispatch.tokens_per_expert.detach())
+
+
+def build(model: ModelConfig) -> MoE:
+    """The ``E`` mixer of ``model`` (``LayerType.build``)."""
+    return MoE(model.hidden_size, model.moe, mlp_bias(model))

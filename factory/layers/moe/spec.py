@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from factory.layers.mlp.spec import mlp_tensors, swiglu_factor
+from factory.layers.mlp.spec import megatron_activation_fields, mlp_tensors, swiglu_factor
 from factory.spec.activations import BF16, FP32, TokenShards, ffn_bytes, prologue_bytes
 from factory.spec.layer_type import LayerType, MegatronField, ProxyScale, register_layer_type
 from factory.spec.rounding import half_up, nearest_multiple
@@ -24,13 +24,13 @@ if TYPE_CHECKING:
 
     from factory.schemas.model import ModelConfig, MoEConfig
 
-__all__ = ["PROXY_EXPERTS", "MixtureOfExperts"]
+__all__ = ["PROXY_EXPERTS", "MixtureOfExperts", "mlp_bias"]
 
 PROXY_EXPERTS = 32
 """With 64 experts of width 176 the Nano proxy has 40M parameters; 32 keep it near 23M."""
 
 
-def _mlp_bias(model: ModelConfig) -> bool:
+def mlp_bias(model: ModelConfig) -> bool:
     """The shared expert and latent projections take the dense MLP's bias setting."""
     return model.mlp.bias if model.mlp is not None else False
 
@@ -119,6 +119,27 @@ class MixtureOfExperts(LayerType):
         ),
         MegatronField("moe_router_dtype", "(router runs in fp32)", lambda e: "fp32"),
         MegatronField("moe_grouped_gemm", "(experts are grouped GEMMs)", lambda e: True),
+        # Fields Megatron shares with the dense MLP.
+        MegatronField(
+            "ffn_hidden_size",
+            "model.moe.expert_intermediate_size",
+            lambda e: e.expert_intermediate_size,
+            share="fallback",
+        ),
+        *megatron_activation_fields("model.moe.activation"),
+        # Layout fields only the experts read.
+        MegatronField(
+            "moe_token_dispatcher_type",
+            "parallelism.moe_dispatcher",
+            lambda par: par.moe_dispatcher,
+            reads="parallelism",
+        ),
+        MegatronField(
+            "expert_tensor_parallel_size",
+            "parallelism.etp",
+            lambda par: par.expert_tp,
+            reads="parallelism",
+        ),
     )
 
     def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
@@ -169,11 +190,11 @@ class MixtureOfExperts(LayerType):
                 d,
                 cfg.shared_expert_intermediate_size,
                 cfg.activation,
-                _mlp_bias(model),
+                mlp_bias(model),
             )
         latent = []
         if cfg.latent_size:
-            bias = _mlp_bias(model)
+            bias = mlp_bias(model)
             latent = [
                 *linear(
                     f"{prefix}.fc1_latent_proj", d, width, bias=bias, tp="none", init=Init("normal")
@@ -227,6 +248,11 @@ class MixtureOfExperts(LayerType):
             saved += ffn_bytes(shared, cfg.activation, keep_act_output=True)
         return saved
 
+    def ep_rules(self, model: ModelConfig, ep: int) -> list[str]:
+        """EP places whole experts on ranks, so it must divide the expert count."""
+        experts = self.config(model).num_experts
+        return [f"ep={ep} must divide num_experts ({experts})"] if experts % ep else []
+
     def expert_parallel_problems(self, mixer: nn.Module, ep: int) -> list[str]:
         experts, problems = mixer.cfg.num_experts, []
         if experts % ep:
@@ -240,14 +266,7 @@ class MixtureOfExperts(LayerType):
         return problems
 
     def apply_expert_parallel(self, mixer: nn.Module, ep_mesh: DeviceMesh) -> None:
-        from factory.layers.moe.expert_parallel import shard_experts  # torch.distributed
-
-        shard_experts(mixer, ep_mesh)
-
-    def build(self, model: ModelConfig) -> nn.Module:
-        from factory.layers.moe.module import MoE
-
-        return MoE(model.hidden_size, self.config(model), _mlp_bias(model))
+        self.torch_side("expert_parallel").shard_experts(mixer, ep_mesh)
 
     def shrink(self, section: dict[str, Any], source: MoEConfig, proxy: ProxyScale) -> None:
         """32 experts if there were >= 32 (else all); top_k scaled with them but at least 2
@@ -332,6 +351,12 @@ class MixtureOfExperts(LayerType):
             out.append(("model.moe.router.normalize_top_k", reason))
         if router.expert_bias and router.score_function != "sigmoid":
             out.append(("model.moe.router.expert_bias", "Megatron's expert bias needs sigmoid"))
+        if mlp_bias(model):
+            reason = (
+                "the shared expert takes mlp.bias, and add_bias_linear would also put biases "
+                "on the routed experts, which factory builds without"
+            )
+            out.append(("model.mlp.bias", reason))
         return out
 
     def hf_zero_tensors(self, model: ModelConfig, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
