@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from factory.graph.block_compile import compile_blocks
+from factory.graph.hybrid_lm import HybridLM
 from factory.graph.init import initialize
-from factory.graph.model import HybridLM
 from factory.graph.upcycle import upcycle
 from factory.graph.weights import load_weights, read_state_dict
 from factory.layers.model_spec import model_spec

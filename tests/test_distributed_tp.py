@@ -30,9 +30,9 @@ from factory.distributed.tensor_parallel import (
     check_tensor_parallel,
     reduce_partial_gradients,
 )
+from factory.graph.hybrid_lm import HybridLM
 from factory.graph.init import initialize
 from factory.graph.loss import language_model_loss
-from factory.graph.model import HybridLM
 from factory.layers.model_spec import model_spec
 from factory.spec.tensors import Split
 

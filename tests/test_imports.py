@@ -178,7 +178,7 @@ def test_imports_inside_functions_are_only_for_heavy_or_optional_dependencies() 
 def test_this_checker_sees_the_kinds_of_import_it_judges() -> None:
     """Guards the test itself: a sample of known edges and lazy imports must be found."""
     assert "factory.spec.layer_type" in _edges("factory.layers.mamba.spec")
-    assert "torch" in _loads("factory.graph.model")
+    assert "torch" in _loads("factory.graph.hybrid_lm")
     assert "torch" not in _loads("factory.planner.plan")
     lazy = dict((t, line) for line, t in _imports("factory.jobs.train")[1])
     assert "factory.jobs.train_rank" in lazy

@@ -26,9 +26,9 @@ from factory.distributed.local import run_ranks
 from factory.distributed.tensor_parallel import apply_tensor_parallel, reduce_partial_gradients
 from factory.exports.hf_config import ExportError, hf_config
 from factory.exports.megatron_refusals import refusals
+from factory.graph.hybrid_lm import HybridLM
 from factory.graph.init import initialize
 from factory.graph.loss import language_model_loss
-from factory.graph.model import HybridLM
 from factory.layers.model_spec import model_spec
 from factory.precision.policy import resolve_policy
 from factory.spec.activations import BF16, TokenShards, prologue_bytes

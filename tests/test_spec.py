@@ -18,7 +18,7 @@ from torch import nn
 
 import factory
 from factory.exports.hf_config import ExportError, hf_config
-from factory.graph.model import SpecMismatch
+from factory.graph.hybrid_lm import SpecMismatch
 from factory.layers.model_spec import model_spec
 from factory.precision.policy import resolve_policy
 from factory.spec import (

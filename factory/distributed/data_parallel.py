@@ -38,7 +38,7 @@ from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from factory.graph.model import held_submodule
+from factory.graph.hybrid_lm import held_submodule
 from factory.layers.model_spec import model_spec
 
 __all__ = [

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from factory.distributed.data_parallel import apply_data_parallel
 from factory.distributed.mesh import Meshes
 from factory.distributed.tensor_parallel import apply_tensor_parallel
-from factory.graph.model import held_submodule
+from factory.graph.hybrid_lm import held_submodule
 from factory.layers.model_spec import model_spec
 
 __all__ = ["apply_expert_parallel", "parallelize"]

@@ -1,4 +1,4 @@
-"""Cut a :class:`~factory.graph.model.HybridLM` into the pipeline stages of a layout.
+"""Cut a :class:`~factory.graph.hybrid_lm.HybridLM` into the pipeline stages of a layout.
 
 Segment ``v * pp + r`` of the stack (the blueprint's ``|`` cuts, see
 ``factory.planner.layout``) is virtual stage ``v`` of pipeline rank ``r``. A
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from factory.graph.blocks import Block
-from factory.graph.model import HybridLM
+from factory.graph.hybrid_lm import HybridLM
 from factory.nn.outputs import collect_routing
 from factory.planner.layout import Layout
 

@@ -61,7 +61,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import Placement
 
-from factory.graph.model import held_submodule
+from factory.graph.hybrid_lm import held_submodule
 from factory.layers.model_spec import model_spec
 from factory.nn.outputs import RoutedOutput
 from factory.spec.tensors import Role, TensorSpec

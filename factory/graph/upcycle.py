@@ -53,7 +53,7 @@ from __future__ import annotations
 import torch
 
 from factory.graph.blocks import Block
-from factory.graph.model import HybridLM
+from factory.graph.hybrid_lm import HybridLM
 from factory.layers.moe.module import MoE
 
 __all__ = ["UpcycleError", "upcycle"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from factory.graph.model import HybridLM
+from factory.graph.hybrid_lm import HybridLM
 
 __all__ = ["WeightsError", "load_hf_state_dict", "load_weights", "read_state_dict"]
 

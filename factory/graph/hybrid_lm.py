@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from factory.graph.blocks import Block
-from factory.graph.mtp import MultiTokenPrediction
+from factory.graph.mtp_head import MultiTokenPrediction
 from factory.layers.model_spec import ModelSpec, model_spec
 from factory.nn.norms import RMSNorm
 from factory.nn.outputs import ModelOutput, collect_routing
