@@ -11,12 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from rich.console import Console
-    from rich.progress import Progress as RichBar
-    from rich.progress import TaskID
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichBar
 
 __all__ = ["Progress", "RichProgress", "silent"]
 
@@ -60,10 +58,7 @@ class RichProgress:
             self.close()
 
     def _start(self, stage: str, total: int) -> tuple[RichBar, TaskID]:
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-        from rich.progress import Progress as Bar
-
-        bar = Bar(
+        bar = RichBar(
             TextColumn("{task.description:>8}"),
             BarColumn(),
             MofNCompleteColumn(),

@@ -23,6 +23,7 @@ from factory.schemas.base import (
 )
 
 __all__ = [
+    "LOW_PRECISION",
     "FP8Options",
     "HighPrecisionLayers",
     "MoROptions",
@@ -35,6 +36,9 @@ __all__ = [
 Recipe = Literal["bf16", "fp8", "nvfp4", "mxfp8", "mor"]
 """bf16: no quantisation. fp8: E4M3/E5M2 with the scaling below. nvfp4: E2M1 with E4M3
 block scales. mxfp8: E4M3 with E8M0 scales over 32 elements. mor: per-tensor FP8/BF16 choice."""
+
+LOW_PRECISION = frozenset({"fp8", "mxfp8", "nvfp4", "mor"})
+"""Recipes that quantize GEMMs (Transformer Engine's low-precision kernels, or their emulation)."""
 
 
 class FP8Options(Section):
@@ -102,6 +106,12 @@ class SwitchToBF16(Section):
 
 class PrecisionConfig(Section):
     """The precision policy."""
+
+    @property
+    def low_precision_recipes(self) -> list[str]:
+        """The quantizing recipes the policy uses, the default's and the overrides', sorted
+        (empty: every GEMM stays in BF16)."""
+        return sorted({self.recipe, *self.overrides.values()} & LOW_PRECISION)
 
     recipe: Recipe = "bf16"
     """Default format of every linear layer."""

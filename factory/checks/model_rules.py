@@ -2,17 +2,17 @@
 
 Single-field constraints (positive sizes, a parseable pattern) are pydantic
 validators in ``factory.schemas.model``; what lives here needs two or more
-values at once: the pattern against the sections it needs, heads against
-groups, the router against the expert count, and the Mamba in_proj width
-against the precision recipe.
+values at once: the pattern against the layer types and sections it needs, and
+the MTP blocks against the main stack. A layer type's own rules (heads against
+groups, the router against the expert count, ...) are written in its
+``spec.py`` with ``layer_check`` and run here, each under its own name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from factory.checks.registry import Finding, rule
-from factory.precision.policy import LOW_PRECISION, uses_low_precision
+from factory.checks.registry import Finding, layer_checks, rule
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.model import ModelConfig
 from factory.schemas.pattern import (
@@ -22,7 +22,7 @@ from factory.schemas.pattern import (
     HybridPattern,
     PatternError,
 )
-from factory.spec.layer_type import LAYER_TYPES
+from factory.spec.layer_type import LAYER_TYPES, LayerFinding, LayerType
 
 __all__ = ["unbuilt_symbol", "used_symbols"]
 
@@ -94,101 +94,6 @@ def unused_sections(bp: Blueprint) -> Iterator[Finding]:
                 f"model.{section}",
                 f"model.{section} is set but the pattern has no {symbol!r} layers; it is ignored",
                 "warning",
-            )
-
-
-@rule("model.attention_kv_heads")
-def attention_kv_heads(bp: Blueprint) -> Iterator[Finding]:
-    """Query heads split evenly into key/value groups (GQA)."""
-    att = bp.model.attention
-    if att is not None and att.heads % att.kv_heads:
-        yield Finding(
-            "model.attention.kv_heads",
-            f"kv_heads={att.kv_heads} must divide attention heads ({att.heads})",
-        )
-
-
-@rule("model.mamba_groups")
-def mamba_groups(bp: Blueprint) -> Iterator[Finding]:
-    """Mamba heads split evenly into B/C groups (Megatron asserts nheads % ngroups == 0)."""
-    mamba = bp.model.mamba
-    if mamba is not None and mamba.heads % mamba.groups:
-        yield Finding(
-            "model.mamba.groups",
-            f"mamba groups={mamba.groups} must divide mamba heads ({mamba.heads})",
-        )
-
-
-@rule("model.mamba_in_proj_alignment")
-def mamba_in_proj_alignment(bp: Blueprint) -> Iterator[Finding]:
-    """Quantised GEMMs need the Mamba in_proj width to be a multiple of 16.
-
-    Megatron asserts (2*d_inner + 2*groups*state + heads) % 16 == 0 only
-    under FP8/FP4, where Transformer Engine's kernels need 16-aligned
-    dimensions; in BF16 any width works, so nothing is reported.
-    """
-    mamba = bp.model.mamba
-    if mamba is None or "M" not in used_symbols(bp.model) or not uses_low_precision(bp):
-        return
-    width = mamba.in_proj_dim
-    if width % 16:
-        recipes = sorted({bp.precision.recipe, *bp.precision.overrides.values()} & LOW_PRECISION)
-        yield Finding(
-            "model.mamba.heads",
-            f"mamba in_proj width 2*d_inner + 2*groups*state + heads = 2*{mamba.d_inner} + "
-            f"2*{mamba.groups}*{mamba.state_size} + {mamba.heads} = {width} must be a multiple "
-            f"of 16 for {'/'.join(recipes)} GEMMs ({width} % 16 = {width % 16})",
-        )
-
-
-@rule("model.moe_top_k")
-def moe_top_k(bp: Blueprint) -> Iterator[Finding]:
-    """A token cannot be routed to more experts than exist."""
-    moe = bp.model.moe
-    if moe is not None and moe.top_k > moe.num_experts:
-        yield Finding(
-            "model.moe.top_k",
-            f"top_k={moe.top_k} must be at most num_experts ({moe.num_experts})",
-        )
-
-
-@rule("model.moe_latent_size")
-def moe_latent_size(bp: Blueprint) -> Iterator[Finding]:
-    """LatentMoE only saves anything when the latent is narrower than the model."""
-    moe = bp.model.moe
-    if moe is not None and moe.latent_size is not None and moe.latent_size >= bp.model.hidden_size:
-        yield Finding(
-            "model.moe.latent_size",
-            f"latent_size={moe.latent_size} must be smaller than hidden_size "
-            f"({bp.model.hidden_size})",
-        )
-
-
-@rule("model.moe_router_groups")
-def moe_router_groups(bp: Blueprint) -> Iterator[Finding]:
-    """Group-limited routing: groups tile the experts and keep enough experts for top_k."""
-    moe = bp.model.moe
-    if moe is None:
-        return
-    groups, group_top_k = moe.router.num_groups, moe.router.group_top_k
-    if moe.num_experts % groups:
-        yield Finding(
-            "model.moe.router.num_groups",
-            f"router num_groups={groups} must divide num_experts ({moe.num_experts})",
-        )
-    if group_top_k > groups:
-        yield Finding(
-            "model.moe.router.group_top_k",
-            f"router group_top_k={group_top_k} must be at most num_groups ({groups})",
-        )
-    elif moe.num_experts % groups == 0:
-        reachable = group_top_k * (moe.num_experts // groups)
-        if reachable < moe.top_k:
-            yield Finding(
-                "model.moe.router.group_top_k",
-                f"group_top_k*(num_experts/num_groups) = {group_top_k}*"
-                f"({moe.num_experts}/{groups}) = {reachable} experts are reachable, "
-                f"fewer than top_k ({moe.top_k})",
             )
 
 
@@ -266,3 +171,12 @@ def rope_unused(bp: Blueprint) -> Iterator[Finding]:
                 f"{field}={getattr(model, field)} is ignored because position_embedding is 'none'",
                 "warning",
             )
+
+
+@layer_checks
+def declared_by_layer_type(
+    kind: LayerType, bp: Blueprint, check: Callable[[Blueprint], Iterator[LayerFinding]]
+) -> Iterator[Finding]:
+    """A check a layer type declares with ``layer_check`` (in its ``spec.py``)."""
+    for found in check(bp):
+        yield Finding(*found)

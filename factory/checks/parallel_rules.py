@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import factory.layers  # noqa: F401  (registers the built-in layer types before the loop below)
-from factory.checks.model_rules import used_symbols
 from factory.checks.registry import Finding, layer_rule, rule
 from factory.dotted_paths import join_path
 from factory.schemas.blueprint import Blueprint
@@ -50,7 +49,7 @@ def _vpp(bp: Blueprint) -> int:
 def _configured(kind: LayerType, bp: Blueprint) -> bool:
     """The pattern uses ``kind`` and the blueprint has its section (``model.layer_sections``
     reports a missing one)."""
-    if kind.symbol not in used_symbols(bp.model):
+    if not kind.used_by(bp.model):
         return False
     return kind.section is None or getattr(bp.model, kind.section) is not None
 
@@ -246,35 +245,6 @@ def distributed_optimizer_instances(bp: Blueprint) -> Iterator[Finding]:
         )
     if edp is not None and edp % k:
         yield Finding(path, f"expert data parallel size ({edp}) is not divisible by {k}")
-
-
-@rule("parallelism.flex_dispatcher")
-def flex_dispatcher(bp: Blueprint) -> Iterator[Finding]:
-    """The flex (DeepEP) dispatcher needs a token exchange: etp*ep > 1."""
-    par = bp.parallelism
-    if par.moe_dispatcher == "flex" and par.expert_tp * par.ep <= 1:
-        yield Finding(
-            "parallelism.moe_dispatcher",
-            f"the flex dispatcher requires etp*ep > 1, got etp*ep = {par.expert_tp}*{par.ep}",
-        )
-
-
-@rule("parallelism.moe_bias_etp")
-def moe_bias_etp(bp: Blueprint) -> Iterator[Finding]:
-    """Linear biases with MoE layers need etp=1 (Megatron's one add_bias_linear covers experts)."""
-    m, par = bp.model, bp.parallelism
-    biased = [
-        name
-        for name, section in (("attention", m.attention), ("mlp", m.mlp))
-        if section is not None and section.bias
-    ]
-    if "E" in used_symbols(m) and biased and par.expert_tp > 1:
-        yield Finding(
-            "parallelism.etp",
-            f"biases on linear layers (model.{', model.'.join(f'{b}.bias' for b in biased)}) "
-            f"with MoE layers need etp=1, got etp={par.expert_tp}; Megatron-Core refuses "
-            "'Bias in Moe is only supported when ETP==1'",
-        )
 
 
 @rule("parallelism.nvlink_domain")

@@ -12,12 +12,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Literal
 
 from factory.schemas.blueprint import Blueprint
 from factory.spec.layer_type import LAYER_TYPES, LayerType, registry_revision
 
-__all__ = ["RULES", "Finding", "Rule", "layer_rule", "rule", "run_rules", "sync_layer_rules"]
+__all__ = [
+    "RULES",
+    "Finding",
+    "Rule",
+    "layer_checks",
+    "layer_rule",
+    "rule",
+    "run_rules",
+    "sync_layer_rules",
+]
 
 
 @dataclass(frozen=True)
@@ -31,6 +41,8 @@ class Finding:
 
 RuleFn = Callable[[Blueprint], Iterator[Finding]]
 LayerRuleFn = Callable[[LayerType, Blueprint], Iterator[Finding]]
+LayerCheckFn = Callable[..., Iterator[Finding]]
+"""``fn(kind, bp=..., check=...)``: runs one of a layer type's declared checks."""
 
 
 @dataclass(frozen=True)
@@ -56,16 +68,10 @@ def rule(name: str) -> Callable[[RuleFn], RuleFn]:
     return register
 
 
-@dataclass(frozen=True)
-class _LayerRule:
-    prefix: str
-    applies: Callable[[LayerType], bool]
-    summary: Callable[[LayerType], str]
-    check: LayerRuleFn
-
-
-_LAYER_RULES: list[_LayerRule] = []
-_synced: tuple[int, int] | None = None  # (layer registry revision, layer rules) at the last sync
+_LayerRules = Callable[[LayerType], list[Rule]]
+"""A family of layer rules: the rules it makes for one registered layer type."""
+_LAYER_RULES: list[_LayerRules] = []
+_synced: tuple[int, int] | None = None  # (layer registry revision, families) at the last sync
 _FROM_LAYERS: set[str] = set()
 
 
@@ -77,26 +83,46 @@ def layer_rule(
     test's) gets its rule without touching this package."""
 
     def register(fn: LayerRuleFn) -> LayerRuleFn:
-        _LAYER_RULES.append(_LayerRule(prefix, applies, summary, fn))
+        def rules(kind: LayerType) -> list[Rule]:
+            if not applies(kind):
+                return []
+            return [Rule(f"{prefix}_{kind.name}", summary(kind), _bind(fn, kind, kind.name))]
+
+        _LAYER_RULES.append(rules)
         sync_layer_rules()
         return fn
 
     return register
 
 
+def layer_checks(fn: LayerCheckFn) -> LayerCheckFn:
+    """Register ``fn(kind, check, bp)`` as the runner of every check a layer type declares
+    (``factory.spec.layer_type.layer_check``), each as a rule of the check's own name."""
+
+    def rules(kind: LayerType) -> list[Rule]:
+        out = []
+        for name, check in kind.checks():
+            summary = (check.__doc__ or name).strip().splitlines()[0]
+            bound = _bind(partial(fn, check=check), kind, name)
+            out.append(Rule(name, summary, bound))
+        return out
+
+    _LAYER_RULES.append(rules)
+    sync_layer_rules()
+    return fn
+
+
 def sync_layer_rules() -> None:
-    """Give :data:`RULES` one rule per (layer rule, registered layer type it applies to),
-    and none for layer types no longer registered."""
+    """Give :data:`RULES` the rules every family makes for every registered layer type, and
+    none for layer types no longer registered."""
     global _synced
     if _synced == (registry_revision(), len(_LAYER_RULES)):
         return
     wanted: dict[str, Rule] = {}
     for family in _LAYER_RULES:
         for kind in sorted(LAYER_TYPES.values(), key=lambda kind: kind.name):
-            if family.applies(kind):
-                name = f"{family.prefix}_{kind.name}"
-                check = _bind(family.check, kind)
-                wanted[name] = RULES.get(name) or Rule(name, family.summary(kind), check)
+            for made in family(kind):
+                wanted[made.name] = RULES.get(made.name) or made
     for name in _FROM_LAYERS - set(wanted):
         del RULES[name]
     RULES.update((name, r) for name, r in wanted.items() if name not in RULES)
@@ -105,12 +131,13 @@ def sync_layer_rules() -> None:
     _synced = (registry_revision(), len(_LAYER_RULES))
 
 
-def _bind(check: LayerRuleFn, kind: LayerType) -> RuleFn:
+def _bind(check: Callable[..., Iterator[Finding]], kind: LayerType, label: str) -> RuleFn:
     def bound(bp: Blueprint) -> Iterator[Finding]:
-        return check(kind, bp)
+        return check(kind, bp=bp)
 
-    bound.__module__ = check.__module__  # where the rule is written, as for plain rules
-    bound.__qualname__ = f"{check.__qualname__}[{kind.name}]"
+    runner = check.func if isinstance(check, partial) else check
+    bound.__module__ = runner.__module__  # where the rule is run, as for plain rules
+    bound.__qualname__ = f"{runner.__qualname__}[{label}]"
     return bound
 
 

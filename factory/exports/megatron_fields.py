@@ -98,14 +98,10 @@ _MIXED = {
 }
 
 
-def _has(bp: Blueprint, symbol: str) -> bool:
-    return symbol in bp.model.layout.main or symbol in bp.model.mtp_pattern
-
-
 def _layer_value(kind: LayerType, field: MegatronField, bp: Blueprint) -> Any:
     """What the layer type sets ``field`` to in ``bp`` (SKIP where its pattern lacks the layer
     or the field does not apply)."""
-    if not _has(bp, kind.symbol):
+    if not kind.used_by(bp.model):
         return SKIP
     source = bp.parallelism if field.reads == "parallelism" else kind.config(bp.model)
     return field.get(source) if field.when is None or field.when(source) else SKIP

@@ -31,7 +31,6 @@ from factory.schemas.model import ModelConfig
 from factory.spec.tensors import Role
 
 __all__ = [
-    "LOW_PRECISION",
     "ModulePrecision",
     "excluded_gemm_names",
     "flops_share",
@@ -41,8 +40,6 @@ __all__ = [
     "uses_low_precision",
 ]
 
-LOW_PRECISION = frozenset({"fp8", "mxfp8", "nvfp4", "mor"})
-"""Recipes that quantize GEMMs (Transformer Engine's low-precision kernels, or their emulation)."""
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
 
@@ -64,8 +61,7 @@ class ModulePrecision:
 
 def uses_low_precision(bp: Blueprint) -> bool:
     """True when the recipe or any override quantizes some GEMM."""
-    recipes = {bp.precision.recipe, *bp.precision.overrides.values()}
-    return bool(recipes & LOW_PRECISION)
+    return bool(bp.precision.low_precision_recipes)
 
 
 def quantizable_gemm_names(model: ModelConfig) -> list[str]:

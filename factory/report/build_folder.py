@@ -11,6 +11,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from factory.report.html_parts import note
 
 __all__ = ["BUILD_RECORD", "OUTPUTS", "STAGES", "BuildFolder", "StageInfo", "missing"]
@@ -116,8 +118,6 @@ class BuildFolder:
     @cached_property
     def resolved(self) -> dict[str, Any] | None:
         """``resolved.yaml`` as plain data (its header comment is YAML's too)."""
-        import yaml
-
         try:
             data = yaml.safe_load(self.path("resolved.yaml").read_text(encoding="utf-8"))
         except (FileNotFoundError, yaml.YAMLError):

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from rich.table import Table
+
 from factory.report.units import human_bytes, human_count, human_duration, human_flops
 
 __all__ = ["cost_summary", "flatten", "markdown_report", "plan_tables", "rich_tables"]
@@ -185,9 +187,7 @@ def cost_summary(plan: dict[str, Any]) -> str:
     )
 
 
-def rich_tables(plan: dict[str, Any]) -> list[Any]:
-    from rich.table import Table
-
+def rich_tables(plan: dict[str, Any]) -> list[Table]:
     tables = []
     for title, rows in plan_tables(plan):
         table = Table(title=title, title_justify="left", show_header=False)

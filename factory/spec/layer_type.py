@@ -16,25 +16,28 @@ which symbols exist without an import cycle.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
+    from factory.schemas.blueprint import Blueprint
     from factory.schemas.model import ModelConfig
     from factory.spec.activations import TokenShards
     from factory.spec.tensors import TensorSpec
 
 __all__ = [
     "LAYER_TYPES",
+    "LayerFinding",
     "LayerType",
     "MegatronField",
     "ProxyScale",
     "Ref",
+    "layer_check",
     "layer_type",
     "layer_type_named",
     "register_layer_type",
@@ -67,6 +70,25 @@ class ProxyScale:
     """width / the source's hidden size."""
     quantized: bool
     """The precision policy quantizes some GEMM (widths must then stay 16-aligned)."""
+
+
+LayerFinding = tuple[str, str] | tuple[str, str, str]
+"""What a layer type's check yields: (blueprint path, message), or with a third item
+``"warning"`` for a finding that does not fail validation."""
+
+CheckFn = TypeVar("CheckFn", bound=Callable[..., Iterator[LayerFinding]])
+
+
+def layer_check(name: str) -> Callable[[CheckFn], CheckFn]:
+    """Mark a method ``(self, bp: Blueprint) -> Iterator[LayerFinding]`` of a layer type as the
+    ``factory validate`` rule ``name`` (``factory.checks`` registers it, for every registered
+    layer type); its docstring's first line is the rule's summary."""
+
+    def mark(fn: CheckFn) -> CheckFn:
+        fn.check_name = name  # type: ignore[attr-defined]
+        return fn
+
+    return mark
 
 
 @dataclass(frozen=True)
@@ -129,6 +151,19 @@ class LayerType:
     the keys and values of the whole sequence), ``"heads_all_to_all"`` (Mamba: an
     all-to-all turns sequence shards into head shards for the conv and the scan, as
     Megatron-Core's ``MambaContextParallel`` does). None: the layer has no CP style."""
+
+    def checks(self) -> list[tuple[str, Callable[[Blueprint], Iterator[LayerFinding]]]]:
+        """(rule name, bound method) of each method marked with :func:`layer_check`."""
+        found: dict[str, Callable[..., Iterator[LayerFinding]]] = {}
+        for klass in reversed(type(self).__mro__):
+            for attr in vars(klass).values():
+                if name := getattr(attr, "check_name", None):
+                    found[name] = attr
+        return [(name, fn.__get__(self)) for name, fn in sorted(found.items())]
+
+    def used_by(self, model: ModelConfig) -> bool:
+        """The model builds this layer type: in its main stack or its MTP blocks."""
+        return self.symbol in model.layout.main or self.symbol in model.mtp_pattern
 
     def config(self, model: ModelConfig) -> Any:
         """This layer's config section (raises when the blueprint lacks it)."""

@@ -7,16 +7,25 @@ position. Tensor parallelism splits q, k and v by columns (heads) and o by rows.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from factory.spec.activations import BF16, FP32, TokenShards, prologue_bytes
-from factory.spec.layer_type import LayerType, MegatronField, ProxyScale, register_layer_type
+from factory.spec.layer_type import (
+    LayerFinding,
+    LayerType,
+    MegatronField,
+    ProxyScale,
+    layer_check,
+    register_layer_type,
+)
 from factory.spec.rounding import nearest_multiple
 from factory.spec.tensors import Init, TensorSpec, linear
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from factory.schemas.blueprint import Blueprint
     from factory.schemas.model import AttentionConfig, ModelConfig
 
 __all__ = ["SelfAttention"]
@@ -43,6 +52,16 @@ class SelfAttention(LayerType):
         MegatronField("kv_channels", "model.attention.head_dim", lambda a: a.head_dim),
         MegatronField("add_bias_linear", "model.attention.bias", lambda a: a.bias, share="agree"),
     )
+
+    @layer_check("model.attention_kv_heads")
+    def kv_heads_divide_heads(self, bp: Blueprint) -> Iterator[LayerFinding]:
+        """Query heads split evenly into key/value groups (GQA)."""
+        att = bp.model.attention
+        if att is not None and att.heads % att.kv_heads:
+            yield (
+                "model.attention.kv_heads",
+                f"kv_heads={att.kv_heads} must divide attention heads ({att.heads})",
+            )
 
     def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
         cfg: AttentionConfig = self.config(model)

@@ -9,16 +9,25 @@ Tensor parallelism splits everything by heads and groups (Megatron's
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from factory.spec.activations import BF16, FP32, TokenShards, prologue_bytes
-from factory.spec.layer_type import LayerType, MegatronField, ProxyScale, register_layer_type
+from factory.spec.layer_type import (
+    LayerFinding,
+    LayerType,
+    MegatronField,
+    ProxyScale,
+    layer_check,
+    register_layer_type,
+)
 from factory.spec.rounding import nearest_multiple
 from factory.spec.tensors import Init, Role, Split, TensorSpec, conv, linear, norm, vector
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from factory.schemas.blueprint import Blueprint
     from factory.schemas.model import MambaConfig, ModelConfig
 
 __all__ = ["MEGATRON_MIXER_DEFAULTS", "Mamba"]
@@ -56,6 +65,36 @@ class Mamba(LayerType):
         MegatronField("mamba_state_dim", "model.mamba.state_size", lambda s: s.state_size),
         MegatronField("mamba_num_groups", "model.mamba.groups", lambda s: s.groups),
     )
+
+    @layer_check("model.mamba_groups")
+    def groups_divide_heads(self, bp: Blueprint) -> Iterator[LayerFinding]:
+        """Mamba heads split evenly into B/C groups (Megatron asserts nheads % ngroups == 0)."""
+        mamba = bp.model.mamba
+        if mamba is not None and mamba.heads % mamba.groups:
+            yield (
+                "model.mamba.groups",
+                f"mamba groups={mamba.groups} must divide mamba heads ({mamba.heads})",
+            )
+
+    @layer_check("model.mamba_in_proj_alignment")
+    def in_proj_alignment(self, bp: Blueprint) -> Iterator[LayerFinding]:
+        """Quantised GEMMs need the Mamba in_proj width to be a multiple of 16.
+
+        Megatron asserts (2*d_inner + 2*groups*state + heads) % 16 == 0 only
+        under FP8/FP4, where Transformer Engine's kernels need 16-aligned
+        dimensions; in BF16 any width works, so nothing is reported.
+        """
+        mamba, recipes = bp.model.mamba, bp.precision.low_precision_recipes
+        if mamba is None or not self.used_by(bp.model) or not recipes:
+            return
+        width = mamba.in_proj_dim
+        if width % 16:
+            yield (
+                "model.mamba.heads",
+                f"mamba in_proj width 2*d_inner + 2*groups*state + heads = 2*{mamba.d_inner} + "
+                f"2*{mamba.groups}*{mamba.state_size} + {mamba.heads} = {width} must be a "
+                f"multiple of 16 for {'/'.join(recipes)} GEMMs ({width} % 16 = {width % 16})",
+            )
 
     def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
         cfg: MambaConfig = self.config(model)

@@ -10,11 +10,19 @@ parallelism splits the routed experts' first dimension.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from factory.layers.mlp.spec import megatron_activation_fields, mlp_tensors, swiglu_factor
 from factory.spec.activations import BF16, FP32, TokenShards, ffn_bytes, prologue_bytes
-from factory.spec.layer_type import LayerType, MegatronField, ProxyScale, register_layer_type
+from factory.spec.layer_type import (
+    LayerFinding,
+    LayerType,
+    MegatronField,
+    ProxyScale,
+    layer_check,
+    register_layer_type,
+)
 from factory.spec.rounding import half_up, nearest_multiple
 from factory.spec.tensors import Gemm, Init, Role, TensorSpec, expert_linear, linear
 
@@ -22,6 +30,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
+    from factory.schemas.blueprint import Blueprint
     from factory.schemas.model import ModelConfig, MoEConfig
 
 __all__ = ["PROXY_EXPERTS", "MixtureOfExperts", "mlp_bias"]
@@ -141,6 +150,81 @@ class MixtureOfExperts(LayerType):
             reads="parallelism",
         ),
     )
+
+    @layer_check("model.moe_top_k")
+    def top_k_fits(self, bp: Blueprint) -> Iterator[LayerFinding]:
+        """A token cannot be routed to more experts than exist."""
+        moe = bp.model.moe
+        if moe is not None and moe.top_k > moe.num_experts:
+            yield (
+                "model.moe.top_k",
+                f"top_k={moe.top_k} must be at most num_experts ({moe.num_experts})",
+            )
+
+    @layer_check("model.moe_latent_size")
+    def latent_is_narrower(self, bp: Blueprint) -> Iterator[LayerFinding]:
+        """LatentMoE only saves anything when the latent is narrower than the model."""
+        moe, d = bp.model.moe, bp.model.hidden_size
+        if moe is not None and moe.latent_size is not None and moe.latent_size >= d:
+            yield (
+                "model.moe.latent_size",
+                f"latent_size={moe.latent_size} must be smaller than hidden_size ({d})",
+            )
+
+    @layer_check("model.moe_router_groups")
+    def router_groups(self, bp: Blueprint) -> Iterator[LayerFinding]:
+        """Group-limited routing: groups tile the experts and keep enough experts for top_k."""
+        moe = bp.model.moe
+        if moe is None:
+            return
+        groups, group_top_k = moe.router.num_groups, moe.router.group_top_k
+        if moe.num_experts % groups:
+            yield (
+                "model.moe.router.num_groups",
+                f"router num_groups={groups} must divide num_experts ({moe.num_experts})",
+            )
+        if group_top_k > groups:
+            yield (
+                "model.moe.router.group_top_k",
+                f"router group_top_k={group_top_k} must be at most num_groups ({groups})",
+            )
+        elif moe.num_experts % groups == 0:
+            reachable = group_top_k * (moe.num_experts // groups)
+            if reachable < moe.top_k:
+                yield (
+                    "model.moe.router.group_top_k",
+                    f"group_top_k*(num_experts/num_groups) = {group_top_k}*"
+                    f"({moe.num_experts}/{groups}) = {reachable} experts are reachable, "
+                    f"fewer than top_k ({moe.top_k})",
+                )
+
+    @layer_check("parallelism.flex_dispatcher")
+    def flex_dispatcher(self, bp: Blueprint) -> Iterator[LayerFinding]:
+        """The flex (DeepEP) dispatcher needs a token exchange: etp*ep > 1."""
+        par = bp.parallelism
+        if par.moe_dispatcher == "flex" and par.expert_tp * par.ep <= 1:
+            yield (
+                "parallelism.moe_dispatcher",
+                f"the flex dispatcher requires etp*ep > 1, got etp*ep = {par.expert_tp}*{par.ep}",
+            )
+
+    @layer_check("parallelism.moe_bias_etp")
+    def biases_need_etp_1(self, bp: Blueprint) -> Iterator[LayerFinding]:
+        """Linear biases with MoE layers need etp=1 (Megatron's one add_bias_linear covers
+        experts)."""
+        m, par = bp.model, bp.parallelism
+        biased = [
+            name
+            for name, section in (("attention", m.attention), ("mlp", m.mlp))
+            if section is not None and section.bias
+        ]
+        if self.used_by(m) and biased and par.expert_tp > 1:
+            yield (
+                "parallelism.etp",
+                f"biases on linear layers (model.{', model.'.join(f'{b}.bias' for b in biased)}) "
+                f"with MoE layers need etp=1, got etp={par.expert_tp}; Megatron-Core refuses "
+                "'Bias in Moe is only supported when ETP==1'",
+            )
 
     def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
         cfg: MoEConfig = self.config(model)
