@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.console import Console
 
 from factory.cli.output import EXIT_INVALID, print_diagnostics
 from factory.cli.root import app
@@ -44,7 +45,6 @@ def build(
     """Run the whole factory: validate, plan, the model on the meta device, the precision
     table, the HF and Megatron exports, the curated data, a smoke run of the proxy, a
     2-process layout check and one report page. A rerun reuses what is done."""
-    from rich.console import Console
 
     from factory.checks.validate import load
     from factory.jobs.build import BuildFailed

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
 from factory.cli.root import app
 from factory.data.energon_index import META_DIR, check_energon_index
@@ -59,7 +61,6 @@ def build_cmd(
     """Curate a recipe's sources into webdataset shards (resumable: rerun after a crash).
 
     Both executors write the same bytes."""
-    from rich.console import Console
 
     from factory.data.pipeline import build
 
@@ -110,8 +111,6 @@ def inspect_cmd(
     png: Annotated[Path | None, typer.Option("--png", help="Where to draw token shares.")] = None,
 ) -> None:
     """Token shares per category and per source: a table, and a PNG (default DIR/shares.png)."""
-    from rich.console import Console
-    from rich.table import Table
 
     table = Table(title=f"{directory}: token shares")
     for column, justify in (

@@ -6,6 +6,8 @@ import json
 from typing import Annotated
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
 from factory.cli.output import print_diagnostics
 from factory.cli.root import app
@@ -44,7 +46,6 @@ def plan(
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return
-    from rich.console import Console
 
     console = Console()
     console.print(f"[bold]{blueprint.meta.name}[/bold]: {blueprint.meta.description}")
@@ -70,8 +71,6 @@ def _print_precision(blueprint, as_json: bool) -> None:
         ]
         typer.echo(json.dumps({"modules": rows, "flops_share": shares}, indent=2))
         return
-    from rich.console import Console
-    from rich.table import Table
 
     grid = Table(title=f"{blueprint.meta.name}: precision per linear module")
     for column in ("module", "format", "why", "fwd FLOPs/token"):
