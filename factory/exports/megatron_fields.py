@@ -232,14 +232,14 @@ _MODEL_FIELDS: tuple[Field, ...] = (
     Field("model.norm_eps", M, "layernorm_epsilon", "config", lambda bp: bp.model.norm_eps),
     Field("model.norm_eps", M, "normalization", "config", lambda bp: "RMSNorm"),
     Field("model.init.std", M, "init_method_std", "config", lambda bp: bp.model.init.std),
-    Field("(none)", M, "hidden_dropout", "config", lambda bp: 0.0),
-    Field("(none)", M, "attention_dropout", "config", lambda bp: 0.0),
     # Megatron requires these; a layer type in the pattern that sets one overrides its default.
-    Field("(no attention layers)", M, "num_attention_heads", "config", lambda bp: 1),
+    Field("(no biased layers)", M, "add_bias_linear", "config", lambda bp: False),
     Field("(no MLP or MoE layers)", M, "activation_func", "config",
           lambda bp: Ref("megatron.core.activations.squared_relu")),
     Field("(no MLP or MoE layers)", M, "gated_linear_unit", "config", lambda bp: False),
-    Field("(no biased layers)", M, "add_bias_linear", "config", lambda bp: False),
+    Field("(none)", M, "hidden_dropout", "config", lambda bp: 0.0),
+    Field("(none)", M, "attention_dropout", "config", lambda bp: 0.0),
+    Field("(no attention layers)", M, "num_attention_heads", "config", lambda bp: 1),
 )
 # Each layer type's own fields (factory/layers/<name>/spec.py) come here, by layer name.
 _RUN_FIELDS: tuple[Field, ...] = (
