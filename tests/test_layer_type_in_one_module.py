@@ -1,8 +1,8 @@
 """A new layer type is one module: this one.
 
 It declares a gated linear unit mixer ``U`` (tensors, FLOPs, activation memory, its
-module, its tensor-parallel split and rule, no Hugging Face or Megatron equivalent) and,
-editing nothing else in factory, gets: a plan, a validate rule of its own, a graph that
+module, its tensor-parallel split and rule, a check of its own, no Hugging Face or Megatron
+equivalent) and, editing nothing else in factory, gets: a plan, validate rules of its own, a graph that
 trains, a TP=2 run equal to one process (2 gloo ranks), a precision-table row, and clear
 refusals from both exports. ``CONTRIBUTING.md`` ("Adding a layer type") points here.
 """
@@ -32,10 +32,17 @@ from factory.graph.loss import language_model_loss
 from factory.layers.model_spec import model_spec
 from factory.precision.policy import resolve_policy
 from factory.spec.activations import BF16, TokenShards, prologue_bytes
-from factory.spec.layer_type import LayerType, register_layer_type, unregister_layer_type
+from factory.spec.layer_type import (
+    LayerFinding,
+    LayerType,
+    layer_check,
+    register_layer_type,
+    unregister_layer_type,
+)
 from factory.spec.tensors import Init, TensorSpec, linear
 
 MAX_TP = 4
+MAX_UNITS = 4
 
 
 class GatedUnit(nn.Module):
@@ -73,6 +80,13 @@ class GatedUnitType(LayerType):
         """Gated units split at most MAX_TP ways (a rule of this layer type alone)."""
         return [f"tp={tp}: gated units split at most {MAX_TP} ways"] if tp > MAX_TP else []
 
+    @layer_check("model.gated_unit_count")
+    def few_units(self, bp: Any) -> Iterator[LayerFinding]:
+        """At most MAX_UNITS gated units per stack (a check of this layer type alone)."""
+        count = bp.model.layout.main.count(self.symbol)
+        if count > MAX_UNITS:
+            yield "model.pattern", f"{count} gated units, more than {MAX_UNITS}", "warning"
+
     def build(self, model: Any) -> nn.Module:
         return GatedUnit(model.hidden_size)
 
@@ -95,6 +109,11 @@ def test_it_is_planned_validated_and_refused_by_both_exports(gated_unit) -> None
     said = {r.name: f.message for r, f in run_rules(make(**{"model.pattern": "MU*EU-",
                                                             "parallelism.tp": 8}))}  # fmt: skip
     assert said["parallelism.tp_gated_unit"] == f"tp=8: gated units split at most {MAX_TP} ways"
+    assert "model.gated_unit_count" not in said
+    many = run_rules(make(**{"model.pattern": "MUUUUU*E"}))
+    (warning,) = [f for r, f in many if r.name == "model.gated_unit_count"]
+    assert (warning.path, warning.severity) == ("model.pattern", "warning")
+    assert warning.message == f"5 gated units, more than {MAX_UNITS}"
 
     table = {row.name: row.recipe for row in resolve_policy(bp)}
     assert table["backbone.layers.1.mixer.down"] == "nvfp4"
