@@ -160,17 +160,17 @@ def prepare_training(
 
     Raises :class:`CannotLaunch`, :class:`ModelTooBig` or :class:`BackendUnavailable`, and
     ``ValueError`` for a precision backend that does not exist or one training.compile
-    cannot take.
+    cannot take. On several processes the launch is checked first (the layout must fit
+    them); on one, the model's size (a model too big for one process says to train its
+    proxy).
     """
     world = launched_world_size() if world_size is None else world_size
     backends = typing.get_args(PrecisionBackend)
     if precision not in backends:
         raise ValueError(f"precision must be one of {', '.join(backends)}, not {precision!r}")
     bp, changes = derive_proxy_layout(blueprint, world) if proxy else (blueprint, [])
-    try:
-        check_launch(bp, world)
-    except LaunchRefused as exc:
-        raise CannotLaunch(str(exc), exc.path) from exc
+    if world > 1:  # several processes were asked for: the layout must fit them first
+        _check_launch(bp, world)
     if bp.training.compile and precision != "off" and uses_low_precision(bp):
         raise ValueError(f"{PRECISION_OFF}; run with --precision off or training.compile: false")
     if precision == "te":
@@ -181,7 +181,15 @@ def prepare_training(
     params, have = count_params(bp.model).total, _memory_bytes()
     if have and params * BYTES_PER_PARAM > have:
         raise ModelTooBig(bp.meta.name, params, have, proxy)
+    _check_launch(bp, world)
     return TrainRequest(bp, precision, tuple(changes))
+
+
+def _check_launch(bp: Blueprint, world: int) -> None:
+    try:
+        check_launch(bp, world)
+    except LaunchRefused as exc:
+        raise CannotLaunch(str(exc), exc.path) from exc
 
 
 def _memory_bytes() -> int:
