@@ -1,6 +1,6 @@
 """A data recipe (``data_recipes/*.yaml``): sources, their curation chains, and the shared stages.
 
-Consumed by ``factory.data.pipeline``, which takes these types as they are: a
+Consumed by ``factory.data.build_job``, which takes these types as they are: a
 step's section is the parameter object its filter or formatter runs with, so
 every threshold is declared once, here, and a key the runtime does not know is
 a validation error. Each source reads one path and runs its own ``steps`` in a
@@ -57,7 +57,7 @@ Category = Literal[
 CATEGORIES: tuple[str, ...] = Category.__args__  # type: ignore[attr-defined]
 
 MAX_NGRAM = 256
-"""Longest n-gram any step takes: the n-gram hashing in ``factory.data.dedup`` precomputes
+"""Longest n-gram any step takes: the n-gram hashing in ``factory.data.steps.dedup_hashing`` precomputes
 one constant per word position up to this length."""
 MAX_WORDS = 10**9
 """Most words a heuristic bound can name (a 1e9-word document is some gigabytes of text)."""
@@ -233,7 +233,7 @@ Step = Annotated[
 """One step of a source's chain, told apart by its ``kind``."""
 _FORMATS = ("text", "chat")
 FILTER_STEPS: tuple[type[Section], ...] = (HeuristicFilter, TrajectoryFilter, CudaKernelFilter)
-"""The filter sections; ``factory.data.filters.FILTERS`` gives each its check."""
+"""The filter sections; ``factory.data.steps.filters.FILTERS`` gives each its check."""
 
 
 class SourceConfig(Section):

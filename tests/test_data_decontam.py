@@ -1,4 +1,4 @@
-"""Benchmark n-gram decontamination (factory.data.decontam)."""
+"""Benchmark n-gram decontamination (factory.data.steps.decontamination)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from factory.data.decontam import NgramIndex, read_benchmark_items
-from factory.data.dedup import prepare
+from factory.data.steps.decontamination import NgramIndex, read_benchmark_items
+from factory.data.steps.dedup_hashing import prepare
 
 _rng = np.random.default_rng(7)
 VOCAB = ["".join(_rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 4 + i % 5)) for i in range(4000)]

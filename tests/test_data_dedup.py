@@ -1,4 +1,4 @@
-"""Exact dedup keys, MinHash signatures and the keep-first LSH index (factory.data.dedup)."""
+"""Exact dedup keys, MinHash signatures and the keep-first LSH index (factory.data.steps.dedup_hashing)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from factory.data.dedup import (
+from factory.data.steps.dedup_hashing import (
     WORD_HASH,
     ExactIndex,
     LSHIndex,
@@ -153,7 +153,7 @@ def test_short_and_empty_documents_are_one_shingle() -> None:
 
 _SUBPROCESS = """
 import sys
-from factory.data.dedup import MinHasher
+from factory.data.steps.dedup_hashing import MinHasher
 hasher = MinHasher(num_perm=128, shingle_size=5, seed=11)
 for text in sys.stdin.read().split("\\n---\\n"):
     print(hasher.signature(text).astype("<u4").tobytes().hex())

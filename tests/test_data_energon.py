@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import yaml
 
-from factory.data.energon import energon_task_encoder, write_energon_dataset
-from factory.data.energon_index import check_energon_index
-from factory.data.pipeline import build
+from factory.data.build_job import build
 from factory.data.samples import generate
+from factory.data.shards.energon_index import check_energon_index
+from factory.data.shards.energon_metadata import energon_task_encoder, write_energon_dataset
 from factory.runtime.batches import read_samples
 
 energon = pytest.importorskip("megatron.energon", reason="megatron-energon is not installed")

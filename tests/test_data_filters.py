@@ -12,8 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from factory.data.document import Document, RawRecord
-from factory.data.filters import (
+from factory.data.steps.filters import (
     FILTERS,
     _ngram_reason,
     cuda_kernel_reason,
@@ -21,7 +20,8 @@ from factory.data.filters import (
     text_quality_reason,
     trajectory_reason,
 )
-from factory.data.ngrams import ngram_repetition
+from factory.data.steps.ngram_repetition import ngram_repetition
+from factory.data.steps.records import Document, RawRecord
 from factory.schemas.data_recipe import (
     FILTER_STEPS,
     CudaKernelFilter,

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from factory.data.inspect import inspect_table, write_share_plot
-from factory.data.manifest import write_manifest
+from factory.data.shards.manifest import write_manifest
+from factory.data.token_shares import inspect_table, write_share_plot
 
 MANIFEST = {
     "sources": {

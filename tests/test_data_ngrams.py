@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from factory.data import ngram_jit as jit
-from factory.data import ngrams
-from factory.data.ngrams import jit_available, ngram_repetition, repetition_of
+from factory.data.steps import ngram_jit as jit
+from factory.data.steps import ngram_repetition as ngrams
+from factory.data.steps.ngram_repetition import jit_available, ngram_repetition, repetition_of
 
 SIZES = range(1, 11)
 # Words and separators chosen to hit every branch of the UTF-8 splitter: 1-4 byte code

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from factory.data.pipeline import build
+from factory.data.build_job import build
 from factory.data.samples import generate
-from factory.data.stage_curate import UnitTask, curate_unit
+from factory.data.stages.curate import UnitTask, curate_unit
 
 ray = pytest.importorskip("ray")
 
@@ -106,10 +106,10 @@ def test_many_files_byte_identical_and_the_driver_reads_no_document(
     def forbidden(*_: object, **__: object) -> None:
         raise AssertionError("the driver read documents")
 
-    import factory.data.dedup_shuffle as shuffle
-    import factory.data.shard_plan as plan
-    import factory.data.stage_write as stage_write
-    import factory.data.unit_io as unit_io
+    import factory.data.stages.dedup_shuffle as shuffle
+    import factory.data.stages.mixed_stream as stage_write
+    import factory.data.stages.shard_plan as plan
+    import factory.data.stages.unit_files as unit_io
 
     for module, name in [
         (unit_io, "read_unit"),
@@ -135,7 +135,7 @@ def test_a_worker_killed_mid_curate_is_replaced_and_the_bytes_are_the_same(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import factory.data.ray_build as ray_build
+    import factory.data.executors.ray_tasks as ray_build
 
     deaths = tmp_path / "deaths"
     deaths.mkdir()
@@ -166,7 +166,7 @@ def test_a_driver_killed_mid_write_then_rerun_ends_identical(
     script = textwrap.dedent(f"""
         import os, signal
         from pathlib import Path
-        from factory.data.pipeline import build
+        from factory.data.build_job import build
 
         def progress(stage, done, total):
             if stage == "shards" and 2 <= done < total:
@@ -202,7 +202,7 @@ def test_the_cli_takes_executor_ray_and_the_local_build_never_imports_ray(
     refused = subprocess.run(bucket, capture_output=True, timeout=60)
     assert refused.returncode == 2 and b"object-store" in refused.stderr
     probe = (
-        "import sys; from pathlib import Path; from factory.data.pipeline import build; "
+        "import sys; from pathlib import Path; from factory.data.build_job import build; "
         f"build(Path({str(many_files / 'recipe.yaml')!r}), Path({str(tmp_path / 'l')!r})); "
         "assert 'ray' not in sys.modules, 'ray imported'"
     )

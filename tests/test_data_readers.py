@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from factory.data.document import RawRecord
-from factory.data.readers import Quarantined, expand_source_paths, iter_records
+from factory.data.steps.records import RawRecord
+from factory.data.steps.source_files import Quarantined, expand_source_paths, iter_records
 
 GOOD = [{"text": "alpha", "n": 1}, {"text": "beta", "n": 2}, {"text": "gamma", "n": 3}]
 # Line 1 good, 2 blank, 3 bad UTF-8, 4 good, 5 malformed, 6 a list, 7 a string, 8 good.

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from factory.data.recipe_loading import load_recipe, recipe_names, with_seq_len
+from factory.data.loaded_recipe import load_recipe, recipe_names, with_seq_len
 from factory.errors import BlueprintError
 from factory.schemas.data_recipe import DataRecipe, DedupConfig
 

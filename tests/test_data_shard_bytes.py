@@ -13,8 +13,15 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from factory.data.packing import PackedSample
-from factory.data.shards import _FIELDS, _header, _json_bytes, _member, sample_key, write_shard
+from factory.data.shards.tar_writer import (
+    _FIELDS,
+    _header,
+    _json_bytes,
+    _member,
+    sample_key,
+    write_shard,
+)
+from factory.data.stages.packing import PackedSample
 
 
 def _reference(samples: list[PackedSample], shard_index: int) -> bytes:

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from factory.data.energon_index import _tarfile_members, scan_shard
-from factory.data.packing import PackedSample
-from factory.data.shards import write_shard
-from factory.data.tar_headers import ustar_members
+from factory.data.shards.energon_index import _tarfile_members, scan_shard
+from factory.data.shards.tar_reader import ustar_members
+from factory.data.shards.tar_writer import write_shard
+from factory.data.stages.packing import PackedSample
 
 FORMATS = {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT, "pax": tarfile.PAX_FORMAT}
 names = st.text(st.characters(blacklist_characters="\0/", codec="utf-8"), min_size=1, max_size=120)

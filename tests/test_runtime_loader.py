@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from factory.data.manifest import shard_entry, write_manifest
-from factory.data.packing import PackedSample
-from factory.data.pipeline import build
-from factory.data.recipe_loading import load_recipe, with_seq_len
-from factory.data.shards import read_shard, write_shard
+from factory.data.build_job import build
+from factory.data.loaded_recipe import load_recipe, with_seq_len
+from factory.data.shards.manifest import shard_entry, write_manifest
+from factory.data.shards.tar_writer import read_shard, write_shard
+from factory.data.stages.packing import PackedSample
 from factory.runtime.batches import MicroBatch, read_samples
 from factory.runtime.loader import DataError, ShardLoader
 
@@ -168,7 +168,7 @@ def test_document_ids_come_from_cu_seqlens(data: Path) -> None:
 
 
 def _shard(root: Path, shard: int) -> list[PackedSample]:
-    """The tarfile-based reader of ``factory.data.shards``: an independent check of ours."""
+    """The tarfile-based reader of ``factory.data.shards.tar_writer``: an independent check of ours."""
     return read_shard(root / f"shards/shard-{shard:06d}.tar")
 
 

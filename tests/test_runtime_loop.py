@@ -13,7 +13,7 @@ import torch
 from runtime_helpers import GLOBAL, MICRO, SEQ, STEPS, tiny_blueprint
 
 import factory
-from factory.data.shards import read_shard
+from factory.data.shards.tar_writer import read_shard
 from factory.runtime.batches import build_shards, read_samples
 from factory.runtime.loader import ShardLoader
 from factory.runtime.loop import train

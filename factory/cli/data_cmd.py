@@ -10,14 +10,14 @@ from typing import Annotated
 import typer
 
 from factory.cli.root import app
-from factory.data.energon_index import META_DIR, check_energon_index
-from factory.data.inspect import inspect_table, write_share_plot
-from factory.data.manifest import verify
+from factory.data.shards.energon_index import META_DIR, check_energon_index
+from factory.data.shards.manifest import verify
+from factory.data.token_shares import inspect_table, write_share_plot
 from factory.progress import RichProgress
 
 
 class Executor(StrEnum):
-    """Where ``factory data build`` runs its stages (``factory.data.pipeline.EXECUTORS``)."""
+    """Where ``factory data build`` runs its stages (``factory.data.build_job.EXECUTORS``)."""
 
     local = "local"
     ray = "ray"
@@ -61,7 +61,7 @@ def build_cmd(
     Both executors write the same bytes."""
     from rich.console import Console
 
-    from factory.data.pipeline import build
+    from factory.data.build_job import build
 
     if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", str(out)):
         raise typer.BadParameter(

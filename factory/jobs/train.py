@@ -266,7 +266,7 @@ class _Job:
 
     def _build_data(self, folder: Path) -> Path:
         """The recipe's shards, built whole (a rerun finds them and keeps them)."""
-        from factory.data.pipeline import build as build_data
+        from factory.data.build_job import build as build_data
 
         if (folder / "manifest.json").is_file():
             return folder

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from factory.data import manifest as manifest_io
+from factory.data.shards import manifest as manifest_io
 from factory.nn.packed_documents import document_ids_from_cu_seqlens
 from factory.schemas.blueprint import Blueprint
 
@@ -170,7 +170,7 @@ def list_shards(directory: Path, verify: bool = False) -> list[ShardInfo]:
     """The manifest's shards in order, each checked to exist as a plausible, whole tar.
 
     ``verify`` also re-hashes every shard against the manifest's sha256
-    (:func:`factory.data.manifest.verify`): a full read of the dataset.
+    (:func:`factory.data.shards.manifest.verify`): a full read of the dataset.
     Raises :class:`DataError` naming the folder or shard and what is wrong.
     """
     directory = Path(directory)
@@ -280,7 +280,7 @@ def build_shards(blueprint: Blueprint, out: Path, workers: int = 1) -> Path:
     Returns ``out``. The pipeline is resumable and deterministic, so calling
     this again on the same folder reuses the curated intermediates.
     """
-    from factory.data.pipeline import build
+    from factory.data.build_job import build
 
     build(blueprint.data.recipe, out, workers=workers, seq_len=blueprint.data.seq_len)
     return out

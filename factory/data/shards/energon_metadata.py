@@ -17,7 +17,7 @@ are written only when given, so a metadataset blend can tell sources apart.
 
 The random-access index that ``energon prepare`` adds (``shards/*.tar.idx``,
 ``index.sqlite``, ``index.uuid``) is written by
-:mod:`factory.data.energon_index`; :func:`write_energon_dataset` writes both
+:mod:`factory.data.shards.energon_index`; :func:`write_energon_dataset` writes both
 halves. None of this imports megatron-energon: our writers produce its format
 and the tests load the result with the real library. For training,
 :func:`energon_task_encoder` (megatron-energon installed) cooks the crude
@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from factory.data.energon_index import META_DIR, write_energon_index
+from factory.data.shards.energon_index import META_DIR, write_energon_index
 from factory.io import atomic_write_text
 
 __all__ = [
@@ -120,8 +120,8 @@ def energon_task_encoder() -> Any:
 
     It cooks each crude sample into a ``PackedTokensSample`` (int64 tokens,
     bool loss mask, int32 ``cu_seqlens``) and batches them as
-    ``PackedTokensBatch``; see :mod:`factory.data.energon_sample`.
+    ``PackedTokensBatch``; see :mod:`factory.data.shards.energon_task_encoder`.
     """
-    from factory.data.energon_sample import PackedTaskEncoder
+    from factory.data.shards.energon_task_encoder import PackedTaskEncoder
 
     return PackedTaskEncoder()

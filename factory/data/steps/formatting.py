@@ -49,7 +49,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from factory.data.document import Document, RawRecord
+from factory.data.steps.records import Document, RawRecord
 from factory.schemas.data_recipe import ReasoningConfig
 
 __all__ = [

@@ -11,7 +11,7 @@ went", not as overlapping flags.
 Text heuristics use NeMo Curator's and Gopher's published thresholds
 (docs/data.md, Heuristic filters); the definitions are ours and are stated per field of
 ``HeuristicFilter``. The checks run cheapest first, and the n-gram statistics,
-the only super-linear work, come from :mod:`factory.data.ngrams` (compiled with
+the only super-linear work, come from :mod:`factory.data.steps.ngram_repetition` (compiled with
 numba where it is installed): this stage runs over every pretraining byte.
 """
 
@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from factory.data.document import Document, RawRecord
-from factory.data.formatting import call_parts, declared_tools
-from factory.data.ngrams import Repetition, repetition_of
+from factory.data.steps.formatting import call_parts, declared_tools
+from factory.data.steps.ngram_repetition import Repetition, repetition_of
+from factory.data.steps.records import Document, RawRecord
 from factory.schemas.data_recipe import (
     FILTER_STEPS,
     CudaKernelFilter,

@@ -3,7 +3,7 @@
 Units are visited in canonical order (sources as the recipe lists them, files
 in sorted order, records in file order), so "first occurrence wins" means the
 same document on every run. Only the units' sidecars are read (hashes,
-signatures, token counts; ``unit_io.read_sidecar``), never their tokens; the
+signatures, token counts; ``unit_files.read_sidecar``), never their tokens; the
 result is a keep-mask per unit, written atomically, so a killed run resumes here.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from factory.data.unit_io import read_sidecar
+from factory.data.stages.unit_files import read_sidecar
 from factory.schemas.data_recipe import DedupConfig
 
 __all__ = ["dedup_units", "read_keep_mask", "write_keep_mask"]
@@ -41,7 +41,7 @@ def dedup_units(units: Sequence[Path], config: DedupConfig, done_marker: Path) -
     """Write a keep-mask beside every unit; return per-unit counts {unit: {exact, near, kept}}."""
     if done_marker.is_file():
         return json.loads(done_marker.read_text(encoding="utf-8"))
-    from factory.data.dedup import ExactIndex, LSHIndex
+    from factory.data.steps.dedup_hashing import ExactIndex, LSHIndex
 
     exact = ExactIndex() if config.exact else None
     lsh = LSHIndex(config.bands, config.rows) if config.minhash else None

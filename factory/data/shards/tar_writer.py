@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from factory.data.packing import PackedSample
+from factory.data.stages.packing import PackedSample
 
 __all__ = ["MAX_SAMPLES_PER_SHARD", "read_shard", "sample_key", "write_shard"]
 

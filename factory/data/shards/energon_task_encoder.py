@@ -1,10 +1,10 @@
 """Energon sample, batch, cooker and task encoder for our packed shards.
 
 This module imports megatron-energon and torch at the top: it is for Energon
-users only. Reach it through :func:`factory.data.energon.energon_task_encoder`
+users only. Reach it through :func:`factory.data.shards.energon_metadata.energon_task_encoder`
 or import it directly where megatron-energon is installed.
 
-Our ``dataset.yaml`` is Energon's crude form (see :mod:`factory.data.energon`),
+Our ``dataset.yaml`` is Energon's crude form (see :mod:`factory.data.shards.energon_metadata`),
 so a sample reaches the task encoder as a dict of decoded parts:
 ``tokens.npy`` (int32 [S]), ``loss_mask.npy`` (uint8 [S]), ``cu_seqlens.npy``
 (int32 [n_docs + 1], document boundaries inside the packed row) and ``json``

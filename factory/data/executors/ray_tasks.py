@@ -6,7 +6,7 @@ holds nothing per document, so its memory does not grow with the corpus.
 Stages, with what runs where (docs/data.md, "On a Ray cluster"):
 
 ======================  =====================================================
-curate                  one task per input file (``stage_curate.curate_unit``)
+curate                  one task per input file (``stages.curate.curate_unit``)
 dedup map               one task per unit: its sidecar's keys, by partition
 dedup reduce            one task per partition: exact duplicates, LSH groups
 dedup resolve           one task: keep-first over the groups
@@ -30,14 +30,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from factory.data.dedup_shuffle import map_unit, mask_unit, reduce_partition, resolve_groups
-from factory.data.mixing import plan_mixture
-from factory.data.recipe_loading import LoadedRecipe
-from factory.data.shard_plan import plan_and_write
-from factory.data.stage_curate import UnitTask, curate_unit
-from factory.data.stage_write import StagesResult, tokens_per_source
-from factory.data.tokenize import DocumentTokenizer
-from factory.data.unit_io import unit_done
+from factory.data.loaded_recipe import LoadedRecipe
+from factory.data.stages.curate import UnitTask, curate_unit
+from factory.data.stages.dedup_shuffle import map_unit, mask_unit, reduce_partition, resolve_groups
+from factory.data.stages.mixed_stream import StagesResult, tokens_per_source
+from factory.data.stages.mixing import plan_mixture
+from factory.data.stages.shard_plan import plan_and_write
+from factory.data.stages.unit_files import unit_done
+from factory.data.steps.tokenize import DocumentTokenizer
 from factory.io import atomic_write_text
 from factory.progress import Progress
 
@@ -125,7 +125,7 @@ def run_ray_stages(
 def _dedup(
     order: list[Path], config: Any, work: Path, partitions: int, progress: Progress
 ) -> dict[str, dict]:
-    """The shuffle dedup of ``factory.data.dedup_shuffle``; per-unit counts, as locally."""
+    """The shuffle dedup of ``factory.data.stages.dedup_shuffle``; per-unit counts, as locally."""
     marker = work / "dedup.json"
     if marker.is_file():
         progress("dedup", 1, 1)

@@ -14,7 +14,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from factory.data.manifest import read_manifest
+from factory.data.shards.manifest import read_manifest
 from factory.io import atomic_write_bytes
 
 __all__ = ["ShareRow", "inspect_table", "write_share_plot"]

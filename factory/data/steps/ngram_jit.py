@@ -1,6 +1,6 @@
 """Word n-gram repetition compiled with Numba, straight from a document's UTF-8 bytes.
 
-The same statistics as :func:`factory.data.ngrams.ngram_repetition` (the numpy
+The same statistics as :func:`factory.data.steps.ngram_repetition.ngram_repetition` (the numpy
 reference, which takes ``str.split()`` words), but without building a Python
 list of words, a word -> id dict and numpy arrays from them: on web documents of
 a few hundred words those per-document Python and numpy calls, not arithmetic,
@@ -15,7 +15,7 @@ polynomial hash of their words' hashes, as the reference does over ids: a
 collision would merge two different words or n-grams, at odds of about
 (number of n-grams)^2 / 2^64 per document.
 
-Importing this module imports numba; :mod:`factory.data.ngrams` imports it
+Importing this module imports numba; :mod:`factory.data.steps.ngram_repetition` imports it
 lazily and falls back to the reference where numba is not installed.
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from factory.data.minhash_jit import fmix64
+from factory.data.steps.minhash_jit import fmix64
 
 __all__ = ["repetition_from_hashes", "split_hashed_words"]
 

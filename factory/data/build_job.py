@@ -31,17 +31,17 @@ from multiprocessing.pool import Pool
 from pathlib import Path
 from typing import Any
 
-from factory.data.manifest import sha256_file, write_manifest
-from factory.data.mixing import plan_mixture
-from factory.data.ray_build import connect, run_ray_stages
-from factory.data.readers import expand_source_paths
-from factory.data.recipe_loading import LoadedRecipe, load_recipe, with_seq_len
-from factory.data.shard_plan import Runner, plan_and_write
-from factory.data.stage_curate import UnitTask, curate_unit
-from factory.data.stage_dedup import dedup_units
-from factory.data.stage_write import StagesResult, tokens_per_source
-from factory.data.tokenize import DocumentTokenizer
-from factory.data.unit_io import read_unit_stats, unit_done
+from factory.data.executors.ray_tasks import connect, run_ray_stages
+from factory.data.loaded_recipe import LoadedRecipe, load_recipe, with_seq_len
+from factory.data.shards.manifest import sha256_file, write_manifest
+from factory.data.stages.curate import UnitTask, curate_unit
+from factory.data.stages.dedup import dedup_units
+from factory.data.stages.mixed_stream import StagesResult, tokens_per_source
+from factory.data.stages.mixing import plan_mixture
+from factory.data.stages.shard_plan import Runner, plan_and_write
+from factory.data.stages.unit_files import read_unit_stats, unit_done
+from factory.data.steps.source_files import expand_source_paths
+from factory.data.steps.tokenize import DocumentTokenizer
 from factory.io import atomic_write_text
 from factory.progress import Progress, silent
 
@@ -135,7 +135,7 @@ def _run_calls(
 
 @contextmanager
 def _local_runner(workers: int) -> Iterator[Runner]:
-    """A :class:`~factory.data.shard_plan.Runner` over ``workers`` forked processes (this
+    """A :class:`~factory.data.stages.shard_plan.Runner` over ``workers`` forked processes (this
     process alone when ``workers`` <= 1), kept for every stage of the build."""
     if workers <= 1:
         yield functools.partial(_run_calls, None)
@@ -162,7 +162,7 @@ def build(
     """Build (or finish building) the shards of ``recipe`` in ``out``; return the manifest.
 
     ``recipe`` is a shipped recipe's name, a recipe YAML path or a loaded
-    recipe (:func:`~factory.data.recipe_loading.load_recipe` raises
+    recipe (:func:`~factory.data.loaded_recipe.load_recipe` raises
     ``BlueprintError`` with every problem before any work starts).
     ``seq_len`` packs to that length instead of the recipe's (a blueprint's
     ``data.seq_len`` decides it). ``workers`` processes curate input files in
@@ -170,7 +170,7 @@ def build(
     ``curate``, ``dedup`` and ``shards`` reports. ``keep_work=False`` deletes
     the ``.work`` intermediates afterwards, which gives up resuming.
 
-    ``executor="ray"`` runs the stages as Ray tasks (``factory.data.ray_build``)
+    ``executor="ray"`` runs the stages as Ray tasks (``factory.data.executors.ray_tasks``)
     on the cluster at ``address`` (or ``RAY_ADDRESS``), or on a Ray instance
     started here with ``workers`` CPUs (all when 1); ``out`` must then be a path
     every node sees. The output is byte-identical to the local executor's.

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from factory.data.readers import expand_source_paths
+from factory.data.steps.source_files import expand_source_paths
 from factory.dotted_paths import join_path
 from factory.errors import BlueprintError, Diagnostic, SourceMap, did_you_mean
 from factory.loading.shipped import resolve_named_yaml, shipped_names

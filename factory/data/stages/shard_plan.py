@@ -1,6 +1,6 @@
 """Stage 3 in parallel: plan every shard from lengths, then write shards side by side.
 
-One process mixes, packs and writes in one streaming pass (``stage_write``).
+One process mixes, packs and writes in one streaming pass (``mixed_stream``).
 Spread over worker processes or Ray tasks, the same bytes come from two steps:
 
 1. **plan** (one task): run the very same mixed stream and packer over
@@ -23,15 +23,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from factory.data.dedup_shuffle import read_sidecar
-from factory.data.energon import write_energon_dataset
-from factory.data.megatron_index import IndexedDatasetWriter
-from factory.data.mixing import SourcePlan
-from factory.data.packing import PIECE_SEPARATOR, PackingStats, TokenizedDoc, materialize, pack_bins
-from factory.data.shards import write_shard
-from factory.data.stage_write import MixedStream, StagesResult
-from factory.data.tokenize import DocumentTokenizer
-from factory.data.unit_io import read_records
+from factory.data.shards.energon_metadata import write_energon_dataset
+from factory.data.shards.megatron_index import IndexedDatasetWriter
+from factory.data.shards.tar_writer import write_shard
+from factory.data.stages.dedup_shuffle import read_sidecar
+from factory.data.stages.mixed_stream import MixedStream, StagesResult
+from factory.data.stages.mixing import SourcePlan
+from factory.data.stages.packing import (
+    PIECE_SEPARATOR,
+    PackingStats,
+    TokenizedDoc,
+    materialize,
+    pack_bins,
+)
+from factory.data.stages.unit_files import read_records
+from factory.data.steps.tokenize import DocumentTokenizer
 from factory.io import atomic_write_bytes
 from factory.progress import Progress
 from factory.schemas.data_recipe import DataRecipe

@@ -1,11 +1,11 @@
 """MinHash signatures compiled with Numba: shingle hashes and the permutation minima in
-one pass, bit-identical to ``dedup.MinHasher``'s numpy path (the tests compare them).
+one pass, bit-identical to ``dedup_hashing.MinHasher``'s numpy path (the tests compare them).
 
 The numpy path makes a ``[shingles, num_perm]`` product and takes its column minima
 (several passes over ~150 KB for a 300-word document, plus a dozen numpy calls);
 here each shingle's hash is formed once and folded into the running minima of the
 ``num_perm`` permutations, which the compiler vectorizes. Importing this module
-imports numba; ``dedup`` imports it lazily and keeps numpy where numba is missing.
+imports numba; ``dedup_hashing`` imports it lazily and keeps numpy where numba is missing.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from factory.data.tar_headers import Member, ustar_members
+from factory.data.shards.tar_reader import Member, ustar_members
 from factory.io import atomic_write_bytes, atomic_write_text
 
 __all__ = [

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from factory.data.document import Document, RawRecord
-from factory.data.readers import Quarantined, iter_records
-from factory.data.steps import Chain, build_chain
-from factory.data.tokenize import DocumentTokenizer
-from factory.data.unit_io import CuratedDoc, UnitWriter
+from factory.data.stages.unit_files import CuratedDoc, UnitWriter
+from factory.data.steps.chain import Chain, build_chain
+from factory.data.steps.records import Document, RawRecord
+from factory.data.steps.source_files import Quarantined, iter_records
+from factory.data.steps.tokenize import DocumentTokenizer
 from factory.schemas.data_recipe import DataRecipe
 
 __all__ = ["UnitTask", "curate_unit"]
@@ -73,8 +73,8 @@ class _Counts:
 
 
 def curate_unit(task: UnitTask) -> dict[str, Any]:
-    from factory.data.decontam import NgramIndex
-    from factory.data.dedup import MinHasher, Prepared, content_hash, prepare
+    from factory.data.steps.decontamination import NgramIndex
+    from factory.data.steps.dedup_hashing import MinHasher, Prepared, content_hash, prepare
 
     recipe = task.recipe
     source = recipe.sources[task.source_index]

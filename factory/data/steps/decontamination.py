@@ -7,9 +7,9 @@ letters, numbers, one-word labels) are skipped: they occur in ordinary text, so 
 match says nothing about contamination. DataTrove uses 12-grams; 13 is the
 stricter-to-trigger, GPT-3-era choice.
 
-Text is normalized exactly as for dedup (``dedup.normalize_for_dedup``: lowercase,
+Text is normalized exactly as for dedup (``dedup_hashing.normalize_for_dedup``: lowercase,
 punctuation and whitespace runs become one separator), so case and punctuation
-never hide a match. Every n-gram is a 64-bit hash (``dedup.ngram_hashes_multi``);
+never hide a match. Every n-gram is a 64-bit hash (``dedup_hashing.ngram_hashes_multi``);
 the index is a sorted ``uint64`` array probed with ``searchsorted`` behind a bitmap
 prefilter, so a document costs a few numpy passes, not a Python loop per n-gram.
 """
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from factory.data.dedup import Prepared, ngram_hashes_multi, prepare
+from factory.data.steps.dedup_hashing import Prepared, ngram_hashes_multi, prepare
 
 __all__ = ["DEFAULT_MIN_WORDS", "DEFAULT_N", "NgramIndex", "read_benchmark_items"]
 

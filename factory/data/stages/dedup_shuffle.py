@@ -1,12 +1,12 @@
 """Stage 2 across machines: exact and MinHash-LSH dedup as a shuffle of keys.
 
-The local stage (``stage_dedup``) walks every document in canonical order
+The local stage (``stages.dedup``) walks every document in canonical order
 through two in-memory indexes. Here the same decisions come from four kinds
 of task, none of which holds the corpus, and the driver holds only task
 handles:
 
 1. **map**, one per unit: read the unit's sidecar (written by curate,
-   ``unit_io.read_sidecar``: keys, lengths, offsets, exact hashes and
+   ``unit_files.read_sidecar``: keys, lengths, offsets, exact hashes and
    signatures, no tokens) and send its exact keys and LSH band keys, each to
    partition ``key % P``.
 2. **reduce**, one per partition: sort the partition's keys; an exact key
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
-from factory.data.stage_dedup import write_keep_mask
-from factory.data.unit_io import read_sidecar
+from factory.data.stages.dedup import write_keep_mask
+from factory.data.stages.unit_files import read_sidecar
 from factory.schemas.data_recipe import DedupConfig
 
 __all__ = [
@@ -78,7 +78,7 @@ def map_unit(unit: Path, unit_index: int, config: DedupConfig, work: Path, parti
     done = work / "map" / "done" / f"u{unit_index:07d}"
     if done.is_file():
         return
-    from factory.data.dedup import LSHIndex
+    from factory.data.steps.dedup_hashing import LSHIndex
 
     sidecar = read_sidecar(unit)
     n = len(sidecar["keys"])
@@ -213,7 +213,7 @@ def _in_unit(sorted_ids: np.ndarray, unit_index: int) -> np.ndarray:
 
 
 def mask_unit(unit: Path, unit_index: int, work: Path) -> dict[str, int]:
-    """Write ``unit``'s keep mask; return its counts, as ``stage_dedup.dedup_units`` does."""
+    """Write ``unit``'s keep mask; return its counts, as ``stages.dedup.dedup_units`` does."""
     lengths = read_sidecar(unit)["lengths"]
     exact = _in_unit(np.load(work / "reduce" / "exact.npy", mmap_mode="r"), unit_index)
     near = _in_unit(np.load(work / "reduce" / "near.npy", mmap_mode="r"), unit_index)

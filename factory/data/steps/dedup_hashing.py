@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from factory.data.jit import compiled_kernels
+from factory.data.steps.numba_kernels import compiled_kernels
 from factory.schemas.data_recipe import MAX_NGRAM
 
 # Signatures only compare equal between runs that hash words the same way, so
@@ -272,7 +272,7 @@ class LSHIndex:
     def band_keys(self, signature: np.ndarray) -> list[int]:
         """One 64-bit key per band: two documents collide in band ``b`` when their keys match.
 
-        The distributed dedup (``factory.data.dedup_shuffle``) shuffles these keys;
+        The distributed dedup (``factory.data.stages.dedup_shuffle``) shuffles these keys;
         ``add`` looks them up in its tables; both use this one function.
         """
         if signature.shape != (self.num_perm,):

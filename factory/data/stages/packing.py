@@ -168,7 +168,7 @@ class Packable(Protocol):
     """What the packer needs of a document: a key, a length, and a way to cut a piece.
 
     :class:`TokenizedDoc` carries its tokens; a planner that packs references
-    (``factory.data.shard_plan``) passes lengths only, and both get the same bins.
+    (``factory.data.stages.shard_plan``) passes lengths only, and both get the same bins.
     """
 
     key: str

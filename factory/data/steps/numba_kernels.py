@@ -23,6 +23,6 @@ def compiled_kernels(name: str) -> ModuleType | None:
     if name not in KERNELS:
         raise ValueError(f"unknown kernel module {name!r}; known: {KERNELS}")
     try:
-        return importlib.import_module(f"factory.data.{name}")
+        return importlib.import_module(f"factory.data.steps.{name}")
     except ImportError:
         return None

@@ -1,6 +1,6 @@
 """``manifest.json``: what a build produced, with a sha256 per shard so it can be verified.
 
-Why hashes: shards are byte-deterministic (see ``shards``), so a hash both
+Why hashes: shards are byte-deterministic (see ``tar_writer``), so a hash both
 proves a rebuild reproduced a shard and catches any later corruption, down to
 one flipped byte. A resumed build trusts a shard only if its hash matches.
 

@@ -4,7 +4,7 @@ Two implementations of the same definitions (``HeuristicFilter`` states them per
 
 * :func:`ngram_repetition`, numpy over ``str.split()`` words mapped to integer ids
   (one sort for all sizes). It is the reference, and what runs without numba.
-* :mod:`factory.data.ngram_jit`, compiled with numba from the text's UTF-8 bytes.
+* :mod:`factory.data.steps.ngram_jit`, compiled with numba from the text's UTF-8 bytes.
   Curation uses it when numba imports (``pip install factory[data]`` brings it):
   about 10x less time a document, because the per-document Python and numpy calls
   of the reference, not its arithmetic, were the cost.
@@ -21,7 +21,7 @@ from types import ModuleType
 
 import numpy as np
 
-from factory.data.jit import compiled_kernels
+from factory.data.steps.numba_kernels import compiled_kernels
 
 __all__ = ["Repetition", "jit_available", "ngram_repetition", "repetition_of"]
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 
 import factory.data_recipes
-from factory.data.document import Document
-from factory.data.packing import TokenizedDoc
+from factory.data.stages.packing import TokenizedDoc
+from factory.data.steps.records import Document
 
 __all__ = ["DEFAULT_TOKENIZER", "DocumentTokenizer"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from factory.data.document import Document, RawRecord
-from factory.data.filters import FILTERS
-from factory.data.formatting import Drop, format_chat, format_text
+from factory.data.steps.filters import FILTERS
+from factory.data.steps.formatting import Drop, format_chat, format_text
+from factory.data.steps.records import Document, RawRecord
 from factory.schemas.data_recipe import ChatFormat, SourceConfig, TextFormat
 
 __all__ = ["Chain", "build_chain"]

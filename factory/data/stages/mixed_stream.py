@@ -15,14 +15,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Generic
 
-from factory.data.mixing import SourcePlan, repeats
-from factory.data.packing import (
+from factory.data.stages.dedup import read_keep_mask
+from factory.data.stages.mixing import SourcePlan, repeats
+from factory.data.stages.packing import (
     P,
     PackingStats,
     TokenizedDoc,
 )
-from factory.data.stage_dedup import read_keep_mask
-from factory.data.unit_io import read_unit
+from factory.data.stages.unit_files import read_unit
 
 __all__ = ["MixedStream", "StagesResult", "read_tokenized", "tokens_per_source"]
 

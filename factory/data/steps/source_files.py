@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from factory.data.document import RawRecord
+from factory.data.steps.records import RawRecord
 
 __all__ = [
     "JSONL_SUFFIXES",
