@@ -14,7 +14,7 @@ typo such as ``10**400`` fails validation instead of a worker process later.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, Field, model_validator
 
@@ -23,6 +23,7 @@ from factory.schemas.base import Section, Seed, SeqLen, TokenCount
 __all__ = [
     "CATEGORIES",
     "FILTER_STEPS",
+    "FORMAT_STEPS",
     "MAX_NGRAM",
     "MAX_WORDS",
     "ChatFormat",
@@ -226,14 +227,14 @@ class CudaKernelFilter(Section):
     the need for a benchmark, off."""
 
 
-Step = Annotated[
-    TextFormat | ChatFormat | HeuristicFilter | TrajectoryFilter | CudaKernelFilter,
-    Field(discriminator="kind"),
-]
-"""One step of a source's chain, told apart by its ``kind``."""
-_FORMATS = ("text", "chat")
+FORMAT_STEPS: tuple[type[Section], ...] = (TextFormat, ChatFormat)
+"""The format sections; ``factory.data.steps.formatting`` gives each its formatter."""
 FILTER_STEPS: tuple[type[Section], ...] = (HeuristicFilter, TrajectoryFilter, CudaKernelFilter)
-"""The filter sections; ``factory.data.steps.filters.FILTERS`` gives each its check."""
+"""The filter sections: a new filter is its section above and its entry here, and a module
+in ``factory/data/steps/filters/`` registers its check (``factory.data.steps.filters``)."""
+Step = Annotated[Union[(*FORMAT_STEPS, *FILTER_STEPS)], Field(discriminator="kind")]
+"""One step of a source's chain, told apart by its ``kind``."""
+_FORMATS = tuple(step.model_fields["kind"].default for step in FORMAT_STEPS)
 
 
 class SourceConfig(Section):

@@ -12,14 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from factory.data.steps.filters import (
-    FILTERS,
+from factory.data.steps.filters import FILTERS
+from factory.data.steps.filters.cuda_kernel import cuda_kernel_reason
+from factory.data.steps.filters.heuristics import (
     _ngram_reason,
-    cuda_kernel_reason,
     heuristic_reason,
     text_quality_reason,
-    trajectory_reason,
 )
+from factory.data.steps.filters.trajectory import trajectory_reason
 from factory.data.steps.ngram_repetition import ngram_repetition
 from factory.data.steps.records import Document, RawRecord
 from factory.schemas.data_recipe import (

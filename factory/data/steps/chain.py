@@ -2,42 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from factory.data.steps.filter_registry import Check
 from factory.data.steps.filters import FILTERS
-from factory.data.steps.formatting import Drop, format_chat, format_text
-from factory.data.steps.records import Document, RawRecord
-from factory.schemas.data_recipe import ChatFormat, SourceConfig, TextFormat
+from factory.data.steps.formatting import Formatter, formatter
+from factory.schemas.data_recipe import SourceConfig
 
 __all__ = ["Chain", "build_chain"]
-
-FilterFn = Callable[[RawRecord, Document], str | None]
 
 
 @dataclass(frozen=True)
 class Chain:
+    """A source's format step and its filters, in recipe order, each with its ``kind``."""
+
     format_name: str
-    format: Callable[[RawRecord], list[Document] | Drop]
-    filters: tuple[tuple[str, FilterFn], ...]
+    format: Formatter
+    filters: tuple[tuple[str, Check], ...]
 
 
 def build_chain(source: SourceConfig, seed: int) -> Chain:
     first, *rest = source.steps
-    if isinstance(first, TextFormat):
-        field = first.field
-
-        def fmt(record: RawRecord) -> list[Document] | Drop:
-            doc = format_text(record, field)
-            return doc if isinstance(doc, Drop) else [doc]
-
-    else:
-        assert isinstance(first, ChatFormat)
-        policy = first.reasoning
-
-        def fmt(record: RawRecord) -> list[Document] | Drop:
-            return format_chat(record, policy, record.key, seed)
-
     # The steps are the filters' parameters as validated: nothing is copied or dropped.
     filters = tuple((step.kind, FILTERS[step.kind].bind(step)) for step in rest)
-    return Chain(first.kind, fmt, filters)
+    return Chain(first.kind, formatter(first, seed), filters)  # type: ignore[arg-type]

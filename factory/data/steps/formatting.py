@@ -46,21 +46,24 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from factory.data.steps.records import Document, RawRecord
-from factory.schemas.data_recipe import ReasoningConfig
+from factory.schemas.data_recipe import ChatFormat, ReasoningConfig, TextFormat
 
 __all__ = [
     "IM_END",
     "IM_START",
     "TOOLS_PREAMBLE",
     "Drop",
+    "Formatter",
     "call_parts",
     "declared_tools",
     "format_chat",
     "format_text",
+    "formatter",
 ]
 
 IM_START = "<|im_start|>"
@@ -90,6 +93,41 @@ class _Turn:
     content: str
     reasoning: str = ""
     calls: tuple[str, ...] = ()  # each already rendered as <tool_call>…</tool_call>
+
+
+Formatter = Callable[[RawRecord], "list[Document] | Drop"]
+"""A source's format step bound to its parameters: a record's documents, or why it has none."""
+
+
+def _text_formatter(step: TextFormat, seed: int) -> Formatter:
+    field = step.field
+
+    def fmt(record: RawRecord) -> list[Document] | Drop:
+        doc = format_text(record, field)
+        return doc if isinstance(doc, Drop) else [doc]
+
+    return fmt
+
+
+def _chat_formatter(step: ChatFormat, seed: int) -> Formatter:
+    policy = step.reasoning
+
+    def fmt(record: RawRecord) -> list[Document] | Drop:
+        return format_chat(record, policy, record.key, seed)
+
+    return fmt
+
+
+_FORMATTERS: dict[str, Callable[[Any, int], Formatter]] = {
+    "text": _text_formatter,
+    "chat": _chat_formatter,
+}
+
+
+def formatter(step: TextFormat | ChatFormat, seed: int) -> Formatter:
+    """What formats a record as ``step`` (a source's first step) says; ``seed`` is the
+    recipe's, for the reasoning draws."""
+    return _FORMATTERS[step.kind](step, seed)
 
 
 def format_text(record: RawRecord, field: str = "text") -> Document | Drop:
