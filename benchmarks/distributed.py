@@ -85,7 +85,8 @@ def _measure(rank: int, world: int, bp: Any, steps: int, warmup: int) -> dict[st
     import numpy as np
     from torch.profiler import ProfilerActivity, profile
 
-    from factory.runtime.batches import Sample, collate
+    from factory.data.shards.shard_reader import Sample
+    from factory.runtime.batches import collate
     from factory.runtime.loop import mtp_loss_scale
     from factory.runtime.optimizer import MasterOptimizer
 

@@ -84,15 +84,14 @@ from typing import Any
 
 import numpy as np
 
-from factory.runtime.batches import (
+from factory.data.shards.shard_reader import (
     DataError,
-    MicroBatch,
     Sample,
     ShardInfo,
-    collate,
     list_shards,
     read_shard_samples,
 )
+from factory.runtime.batches import MicroBatch, collate
 
 __all__ = ["DataError", "ShardLoader", "sample_order", "shard_order"]
 

@@ -41,7 +41,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from factory.data.shards.tar_reader import Member, ustar_members
+from factory.data.shards.tar_reader import file_listing
 from factory.io import atomic_write_bytes, atomic_write_text
 
 __all__ = [
@@ -111,12 +111,10 @@ class ShardIndex:
 
 
 def scan_shard(path: Path, name: str) -> ShardIndex:
-    """Read the tar headers of ``path`` (not the data) as ``energon prepare`` does: straight
-    from the headers for our plain USTAR shards, through ``tarfile`` for anything else."""
-    found = ustar_members(path)
-    if found is None:
-        found = _tarfile_members(path)
-    members, end = found
+    """Read the tar headers of ``path`` (not the data) as ``energon prepare`` does, through the
+    one tar reader (``tar_reader.file_listing``: straight from the headers for our plain USTAR
+    shards, through ``tarfile`` for anything else)."""
+    members, end = file_listing(path)
     index = ShardIndex(name)
     last_key: str | None = None
     for member in members:
@@ -137,14 +135,6 @@ def scan_shard(path: Path, name: str) -> ShardIndex:
         for (key, start, _), end in zip(index.samples, index.offsets[1:], strict=True)
     ]
     return index
-
-
-def _tarfile_members(path: Path) -> tuple[list[Member], int]:
-    """Regular members and the end-of-archive offset, by ``tarfile`` (any tar format)."""
-    with tarfile.open(path, mode="r:") as tar:
-        members = [Member(m.name, m.offset, m.offset_data, m.size) for m in tar if m.isreg()]
-        # tarfile stops at the zero blocks without moving past them.
-        return members, tar.offset
 
 
 def _content_uuid(indexes: list[ShardIndex]) -> str:

@@ -20,8 +20,9 @@ The random-access index that ``energon prepare`` adds (``shards/*.tar.idx``,
 :mod:`factory.data.shards.energon_index`; :func:`write_energon_dataset` writes both
 halves. None of this imports megatron-energon: our writers produce its format
 and the tests load the result with the real library. For training,
-:func:`energon_task_encoder` (megatron-energon installed) cooks the crude
-samples into tokens, loss mask and ``cu_seqlens``.
+:func:`factory.data.shards.energon_task_encoder.energon_task_encoder`
+(megatron-energon installed) cooks the crude samples into tokens, loss mask and
+``cu_seqlens``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from factory.io import atomic_write_text
 __all__ = [
     "ENERGON_FORMAT_VERSION",
     "META_DIR",
-    "energon_task_encoder",
     "write_energon_dataset",
     "write_energon_metadata",
 ]
@@ -113,15 +113,3 @@ def write_energon_dataset(out: Path, shard_names: list[str], sample_counts: list
     _check_names(shard_names, sample_counts)
     write_energon_index(Path(out), shard_names, sample_counts)
     write_energon_metadata(out, shard_names, sample_counts)
-
-
-def energon_task_encoder() -> Any:
-    """A megatron-energon task encoder for our shards (needs megatron-energon installed).
-
-    It cooks each crude sample into a ``PackedTokensSample`` (int64 tokens,
-    bool loss mask, int32 ``cu_seqlens``) and batches them as
-    ``PackedTokensBatch``; see :mod:`factory.data.shards.energon_task_encoder`.
-    """
-    from factory.data.shards.energon_task_encoder import PackedTaskEncoder
-
-    return PackedTaskEncoder()

@@ -1,14 +1,15 @@
 """Energon sample, batch, cooker and task encoder for our packed shards.
 
 This module imports megatron-energon and torch at the top: it is for Energon
-users only. Reach it through :func:`factory.data.shards.energon_metadata.energon_task_encoder`
-or import it directly where megatron-energon is installed.
+users only; import it where megatron-energon is installed and pass
+:func:`energon_task_encoder` to Energon's loaders.
 
 Our ``dataset.yaml`` is Energon's crude form (see :mod:`factory.data.shards.energon_metadata`),
 so a sample reaches the task encoder as a dict of decoded parts:
 ``tokens.npy`` (int32 [S]), ``loss_mask.npy`` (uint8 [S]), ``cu_seqlens.npy``
 (int32 [n_docs + 1], document boundaries inside the packed row) and ``json``
-(``{"doc_keys": [...]}``). The cooker turns that into :class:`PackedTokensSample`.
+(``{"doc_keys": [...]}``), named as ``sample_format``'s field table names them. The
+cooker turns that into :class:`PackedTokensSample`.
 """
 
 from __future__ import annotations
@@ -26,18 +27,21 @@ from megatron.energon import (
     stateless,
 )
 
+from factory.data.shards.sample_format import CU_SEQLENS, DOC_KEYS, LOSS_MASK, TOKENS
+
 __all__ = [
     "PACKED_COOKER",
     "PackedTaskEncoder",
     "PackedTokensBatch",
     "PackedTokensSample",
     "cook_packed_sample",
+    "energon_task_encoder",
 ]
 
 
 @dataclass
 class PackedTokensSample(Sample):
-    """One packed row: the same tokens and mask as ``factory.runtime.batches.read_samples``."""
+    """One packed row: the same tokens and mask as ``factory.data.shards.shard_reader.read_samples``."""
 
     tokens: torch.Tensor
     """int64 [S]."""
@@ -73,10 +77,10 @@ def cook_packed_sample(crude: dict) -> PackedTokensSample:
     """Turn one crude sample of our shards into a :class:`PackedTokensSample`."""
     return PackedTokensSample(
         **basic_sample_keys(crude),
-        tokens=torch.from_numpy(np.asarray(crude["tokens.npy"], dtype=np.int64)),
-        loss_mask=torch.from_numpy(np.asarray(crude["loss_mask.npy"]).astype(bool)),
-        cu_seqlens=torch.from_numpy(np.asarray(crude["cu_seqlens.npy"], dtype=np.int32)),
-        doc_keys=list(crude["json"]["doc_keys"]),
+        tokens=torch.from_numpy(np.asarray(crude[TOKENS.suffix], dtype=np.int64)),
+        loss_mask=torch.from_numpy(np.asarray(crude[LOSS_MASK.suffix]).astype(bool)),
+        cu_seqlens=torch.from_numpy(np.asarray(crude[CU_SEQLENS.suffix], dtype=np.int32)),
+        doc_keys=list(crude[DOC_KEYS.suffix][DOC_KEYS.attr]),
     )
 
 
@@ -110,3 +114,10 @@ class PackedTaskEncoder(DefaultTaskEncoder):
             cu_seqlens=_flat_cu_seqlens(samples),
             doc_keys=[s.doc_keys for s in samples],
         )
+
+
+def energon_task_encoder() -> PackedTaskEncoder:
+    """A megatron-energon task encoder for our shards: it cooks each crude sample into a
+    :class:`PackedTokensSample` (int64 tokens, bool loss mask, int32 ``cu_seqlens``) and
+    batches them as :class:`PackedTokensBatch`."""
+    return PackedTaskEncoder()

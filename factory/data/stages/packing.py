@@ -21,10 +21,11 @@ from typing import Protocol, Self, TypeVar
 
 import numpy as np
 
+from factory.data.shards.sample_format import PackedSample
+
 __all__ = [
     "PIECE_SEPARATOR",
     "Packable",
-    "PackedSample",
     "PackingStats",
     "TokenizedDoc",
     "materialize",
@@ -74,38 +75,6 @@ class TokenizedDoc:
         return TokenizedDoc(
             f"{self.key}{PIECE_SEPARATOR}{index}", self.ids[start:end], self.mask[start:end]
         )
-
-
-@dataclass(frozen=True, eq=False)
-class PackedSample:
-    """One packed training sequence.
-
-    ``tokens`` [seq_len] int32, padded at the end with ``pad_id``;
-    ``loss_mask`` [seq_len] uint8, the documents' masks side by side and 0 on
-    padding; ``cu_seqlens`` [n_docs + 1] int32, cumulative document lengths
-    starting at 0, so document ``d`` spans ``cu_seqlens[d]:cu_seqlens[d + 1]``
-    and ``cu_seqlens[-1]`` is the number of real tokens (padding lies beyond
-    it). Varlen attention uses these boundaries so packed documents never
-    attend to each other. ``doc_keys`` name the documents in the same order.
-    """
-
-    tokens: np.ndarray
-    loss_mask: np.ndarray
-    cu_seqlens: np.ndarray
-    doc_keys: list[str]
-
-    @property
-    def seq_len(self) -> int:
-        return int(self.tokens.shape[0])
-
-    @property
-    def n_docs(self) -> int:
-        return len(self.doc_keys)
-
-    @property
-    def n_tokens(self) -> int:
-        """Real (non-pad) tokens."""
-        return int(self.cu_seqlens[-1])
 
 
 @dataclass
