@@ -17,8 +17,9 @@ from factory.data.stages.dedup_shuffle import map_unit, mask_unit, reduce_partit
 from factory.data.stages.mixed_stream import MixedStream
 from factory.data.stages.mixing import SourcePlan
 from factory.data.stages.packing import PackingStats, pack_best_fit_decreasing
-from factory.data.stages.shard_plan import plan_shards, write_planned_shard
+from factory.data.stages.shard_plan import plan_shards
 from factory.data.stages.unit_files import CuratedDoc, UnitWriter
+from factory.data.stages.write_shards import write_planned_shard
 from factory.schemas.data_recipe import DedupConfig
 
 BANDS, ROWS = 4, 2

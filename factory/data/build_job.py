@@ -1,7 +1,9 @@
 """``factory.data.build``: run the three stages with resume, workers and progress.
 
 The one data-build job: ``factory data build``, ``factory build`` and
-``factory train`` all call :func:`build`.
+``factory train`` all call :func:`build`. It prepares ``.work``, has an
+executor (``executors``) run the stages (``stages.run_stages``), then writes the
+quarantine file and the manifest (``build_manifest``).
 
 Layout of the output folder::
 
@@ -18,43 +20,28 @@ build with any worker count, or one killed and rerun, ends byte-identical.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import multiprocessing
-import os
 import shutil
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from multiprocessing.pool import Pool
 from pathlib import Path
 from typing import Any
 
-from factory.data.executors.ray_tasks import connect, run_ray_stages
-from factory.data.loaded_recipe import LoadedRecipe, load_recipe, with_seq_len
-from factory.data.shards.manifest import sha256_file, write_manifest
-from factory.data.stages.curate import UnitTask, curate_unit
-from factory.data.stages.dedup import dedup_units
-from factory.data.stages.mixed_stream import StagesResult, tokens_per_source
-from factory.data.stages.mixing import plan_mixture
-from factory.data.stages.shard_plan import Runner, plan_and_write
-from factory.data.stages.unit_files import read_unit_stats, unit_done
+from factory.data.build_manifest import build_manifest
+from factory.data.executors.local_pool import run_local
+from factory.data.executors.ray_tasks import connect, run_ray
+from factory.data.loaded_recipe import LoadedRecipe, load_recipe, recipe_hash, with_seq_len
+from factory.data.shards.manifest import write_manifest
+from factory.data.stages.curate import UnitTask
+from factory.data.stages.unit_files import read_unit_stats
 from factory.data.steps.source_files import expand_source_paths
 from factory.data.steps.tokenize import DocumentTokenizer
 from factory.io import atomic_write_text
 from factory.progress import Progress, silent
 
-__all__ = ["EXECUTORS", "build", "recipe_hash"]
+__all__ = ["EXECUTORS", "build"]
 
 EXECUTORS = ("local", "ray")
 """Where the stages run: worker processes on this machine, or Ray tasks."""
-
-
-def recipe_hash(loaded: LoadedRecipe) -> str:
-    """sha256 of the validated recipe: what the manifest records, the same on every machine."""
-    canonical = json.dumps(loaded.recipe.model_dump(mode="json"), sort_keys=True)
-    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def _tasks(loaded: LoadedRecipe, work: Path) -> list[UnitTask]:
@@ -100,52 +87,6 @@ def _prepare_work(out: Path, digest: str) -> Path:
                 if leftover.is_file() and ".tmp" in leftover.name:
                     leftover.unlink()
     return work
-
-
-def _one_thread() -> None:
-    """Pool initializer: ``tokenizers`` reads this before every parallel batch call."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-
-
-def _apply(job: tuple[int, Callable[..., Any], tuple]) -> tuple[int, Any]:
-    index, fn, args = job
-    return index, fn(*args)
-
-
-def _run_calls(
-    pool: Pool | None,
-    fn: Callable[..., Any],
-    calls: Sequence[tuple],
-    stage: str,
-    progress: Progress,
-    done: int = 0,
-) -> list[Any]:
-    """``fn(*args)`` for every call, in ``pool`` (else here); results in call order."""
-    results: list[Any] = [None] * len(calls)
-    total = done + len(calls)
-    progress(stage, done, total)
-    jobs = [(i, fn, args) for i, args in enumerate(calls)]
-    finished = map(_apply, jobs) if pool is None else pool.imap_unordered(_apply, jobs)
-    for index, result in finished:
-        results[index] = result
-        done += 1
-        progress(stage, done, total)
-    return results
-
-
-@contextmanager
-def _local_runner(workers: int) -> Iterator[Runner]:
-    """A :class:`~factory.data.stages.shard_plan.Runner` over ``workers`` forked processes (this
-    process alone when ``workers`` <= 1), kept for every stage of the build."""
-    if workers <= 1:
-        yield functools.partial(_run_calls, None)
-        return
-    # fork: workers inherit the imported modules; the tokenizer's Rust thread pool starts
-    # only at its first parallel call, which the main process never makes.
-    # Each worker tokenizes on one thread: the workers already fill the cores, and
-    # a Rust thread pool per worker only makes them contend (measured: 5% slower).
-    with multiprocessing.get_context("fork").Pool(workers, initializer=_one_thread) as pool:
-        yield functools.partial(_run_calls, pool)
 
 
 def build(
@@ -207,35 +148,13 @@ def _build(
     tokenizer = DocumentTokenizer(tokenizer_path, eos=recipe.tokenizer.eos)
     if executor == "ray":
         with connect(address, workers if workers > 1 else None):
-            stages = run_ray_stages(loaded, out, tasks, units, tokenizer, progress)
+            stages = run_ray(recipe, out, tasks, units, tokenizer, progress)
     else:
-        stages = _local_stages(loaded, out, tasks, units, tokenizer, workers, progress)
-    manifest = _manifest(loaded, digest, tasks, units, stages, tokenizer)
+        stages = run_local(recipe, out, tasks, units, tokenizer, workers, progress)
+    manifest = build_manifest(loaded, digest, tasks, stages, tokenizer)
     _write_quarantine(out, tasks)
     write_manifest(out, manifest)
     return manifest
-
-
-def _local_stages(
-    loaded: LoadedRecipe,
-    out: Path,
-    tasks: list[UnitTask],
-    units: dict[str, list[Path]],
-    tokenizer: DocumentTokenizer,
-    workers: int,
-    progress: Progress,
-) -> StagesResult:
-    """Curate in worker processes, dedup in this one, then plan and write the shards in the
-    workers again (one pool for the whole build)."""
-    recipe = loaded.recipe
-    order = [t.output_path for t in tasks]
-    pending = [(t,) for t in tasks if not unit_done(t.output_path)]
-    with _local_runner(workers) as run:
-        run(curate_unit, pending, "curate", progress, done=len(tasks) - len(pending))
-        dedup = dedup_units(order, recipe.dedup, out / ".work" / "dedup.json")
-        progress("dedup", 1, 1)
-        plans = plan_mixture(recipe, tokens_per_source(units, dedup))
-        return plan_and_write(run, recipe, out, order, units, dedup, plans, tokenizer, progress)
 
 
 def _write_quarantine(out: Path, tasks: list[UnitTask]) -> None:
@@ -245,81 +164,3 @@ def _write_quarantine(out: Path, tasks: list[UnitTask]) -> None:
         for q in read_unit_stats(t.output_path)["quarantine"]
     ]
     atomic_write_text(out / "quarantine.jsonl", "".join(line + "\n" for line in lines))
-
-
-_ROW = ("documents_in", "tokens_in", "documents_out", "tokens_out")
-TOKEN_COUNTS = (
-    "tokens are counted from the tokenize step on: the filters and decontamination run "
-    "before tokenizing, so their rows count documents only (tokens_in and tokens_out null)"
-)
-
-
-def _manifest(
-    loaded: LoadedRecipe,
-    digest: str,
-    tasks: list[UnitTask],
-    units: dict[str, list[Path]],
-    stages: StagesResult,
-    tokenizer: DocumentTokenizer,
-) -> dict[str, Any]:
-    recipe, dedup, plans = loaded.recipe, stages.dedup, stages.plans
-    sources: dict[str, Any] = {}
-    for source in recipe.sources:
-        steps: dict[str, dict[str, int]] = {}
-        dropped: Counter[str] = Counter()
-        quarantined: Counter[str] = Counter()
-        for task in tasks:
-            if recipe.sources[task.source_index].name != source.name:
-                continue
-            stats = read_unit_stats(task.output_path)
-            for name, row in stats["steps"].items():
-                agg = steps.setdefault(name, dict.fromkeys(_ROW, None))
-                for k, v in row.items():
-                    agg[k] = v + (agg[k] or 0)
-            dropped.update(stats["dropped"])
-            quarantined.update(stats["quarantined"])
-            d = dedup[str(task.output_path)]
-            agg = steps.setdefault(
-                "dedup", {"documents_in": 0, "tokens_in": 0, "documents_out": 0, "tokens_out": 0}
-            )
-            for k in agg:
-                agg[k] += d[k]
-            dropped["dedup:exact"] += d["exact_duplicates"]
-            dropped["dedup:near"] += d["near_duplicates"]
-        plan = plans[source.name]
-        emitted = stages.emitted.get(source.name, {"documents": 0, "tokens": 0})
-        steps["mix"] = {
-            "documents_in": steps["dedup"]["documents_out"],
-            "tokens_in": plan.available_tokens,
-            "documents_out": emitted["documents"],
-            "tokens_out": emitted["tokens"],
-        }
-        sources[source.name] = {
-            "category": source.category,
-            "path": source.path,
-            "files": len(units[source.name]),
-            "steps": steps,
-            "dropped": {k: v for k, v in sorted(dropped.items()) if v},
-            "quarantined": dict(sorted(quarantined.items())),
-            "mix": {
-                "available_tokens": plan.available_tokens,
-                "target_tokens": plan.target_tokens,
-                "ratio": round(plan.ratio, 6),
-                "sampling": "up" if plan.ratio > 1 else ("down" if plan.ratio < 1 else "none"),
-            },
-            "after": {"documents": emitted["documents"], "tokens": emitted["tokens"]},
-        }
-    categories: dict[str, dict[str, int]] = {}
-    for entry in sources.values():
-        agg = categories.setdefault(entry["category"], {"documents": 0, "tokens": 0})
-        agg["documents"] += entry["after"]["documents"]
-        agg["tokens"] += entry["after"]["tokens"]
-    return {
-        "recipe": {"name": recipe.name, "sha256": digest, "seed": recipe.seed},
-        "token_counts": TOKEN_COUNTS,
-        "tokenizer": {"sha256": sha256_file(tokenizer.path), "vocab_size": tokenizer.vocab_size},
-        "sources": sources,
-        "categories": categories,
-        "packing": stages.packing.as_dict(),
-        "shards": stages.shards,
-    }

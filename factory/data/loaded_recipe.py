@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,7 +20,14 @@ from factory.loading.validation_errors import diagnostics_from_validation_error
 from factory.loading.yaml_source import read_yaml
 from factory.schemas.data_recipe import DataRecipe, PackingConfig, Step
 
-__all__ = ["LoadedRecipe", "load_recipe", "recipe_names", "resolve_recipe", "with_seq_len"]
+__all__ = [
+    "LoadedRecipe",
+    "load_recipe",
+    "recipe_hash",
+    "recipe_names",
+    "resolve_recipe",
+    "with_seq_len",
+]
 
 
 def recipe_names() -> list[str]:
@@ -70,6 +79,12 @@ def load_recipe(name_or_path: str | Path) -> LoadedRecipe:
     if problems:
         raise BlueprintError(problems)
     return loaded
+
+
+def recipe_hash(loaded: LoadedRecipe) -> str:
+    """sha256 of the validated recipe: what the manifest records, the same on every machine."""
+    canonical = json.dumps(loaded.recipe.model_dump(mode="json"), sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 def with_seq_len(loaded: LoadedRecipe, seq_len: int) -> LoadedRecipe:

@@ -20,6 +20,8 @@ from typing import Any
 
 from factory.data.stages.unit_files import CuratedDoc, UnitWriter
 from factory.data.steps.chain import Chain, build_chain
+from factory.data.steps.decontamination import NgramIndex
+from factory.data.steps.dedup_hashing import MinHasher, Prepared, content_hash, prepare
 from factory.data.steps.records import Document, RawRecord
 from factory.data.steps.source_files import Quarantined, iter_records
 from factory.data.steps.tokenize import DocumentTokenizer
@@ -73,9 +75,7 @@ class _Counts:
 
 
 def curate_unit(task: UnitTask) -> dict[str, Any]:
-    from factory.data.steps.decontamination import NgramIndex
-    from factory.data.steps.dedup_hashing import MinHasher, Prepared, content_hash, prepare
-
+    """Curate one input file into its unit (records, sidecar, then stats); return the stats."""
     recipe = task.recipe
     source = recipe.sources[task.source_index]
     chain: Chain = build_chain(source, recipe.seed)

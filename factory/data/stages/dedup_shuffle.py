@@ -24,28 +24,42 @@ handles:
    duplicate ids (binary search, memory-mapped).
 
 A document's id is ``unit_index << 32 | record``: canonical order without
-knowing any unit's length in advance.
+knowing any unit's length in advance. :func:`shuffle_dedup` runs the four
+through a runner (the Ray executor's), each task writing its output atomically
+and skipping work already on disk.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
-from factory.data.stages.dedup import write_keep_mask
-from factory.data.stages.unit_files import read_sidecar
+from factory.data.stages.dedup import (
+    DedupCounts,
+    publish_keep_mask,
+    read_dedup_counts,
+    write_dedup_counts,
+)
+from factory.data.stages.runner import Runner
+from factory.data.stages.unit_files import read_sidecar, save_npy, save_npz
+from factory.data.steps.dedup_hashing import LSHIndex
+from factory.progress import Progress, silent
 from factory.schemas.data_recipe import DedupConfig
 
 __all__ = [
+    "DEFAULT_PARTITIONS",
     "doc_id",
     "map_unit",
     "mask_unit",
-    "read_sidecar",
     "reduce_partition",
     "resolve_groups",
+    "shuffle_dedup",
 ]
+
+DEFAULT_PARTITIONS = 16
+"""Dedup shuffle partitions: reduce tasks that run side by side (any count gives the same
+result; more spreads the reduce over more nodes)."""
 
 _RECORD_BITS = 32
 
@@ -53,20 +67,6 @@ _RECORD_BITS = 32
 def doc_id(unit_index: int, record: int) -> int:
     """The global, order-preserving id of record ``record`` of unit ``unit_index``."""
     return (unit_index << _RECORD_BITS) | record
-
-
-def _save_npz(path: Path, **arrays: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
-
-
-def _save_npy(path: Path, array: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.npy")
-    np.save(tmp, array)
-    os.replace(tmp, path)
 
 
 def _partition_file(work: Path, partition: int, unit_index: int) -> Path:
@@ -78,8 +78,6 @@ def map_unit(unit: Path, unit_index: int, config: DedupConfig, work: Path, parti
     done = work / "map" / "done" / f"u{unit_index:07d}"
     if done.is_file():
         return
-    from factory.data.steps.dedup_hashing import LSHIndex
-
     sidecar = read_sidecar(unit)
     n = len(sidecar["keys"])
     ids = doc_id(unit_index, 0) + np.arange(n, dtype=np.int64)
@@ -104,7 +102,7 @@ def map_unit(unit: Path, unit_index: int, config: DedupConfig, work: Path, parti
     band_part = band_key % np.uint64(partitions)
     for p in range(partitions):
         e, b = exact_part == p, band_part == p
-        _save_npz(
+        save_npz(
             _partition_file(work, p, unit_index),
             exact=exact[e],
             exact_doc=exact_doc[e],
@@ -164,7 +162,7 @@ def reduce_partition(work: Path, partition: int) -> None:
     renumber[kept_groups] = np.arange(len(kept_groups))
     pair_doc, pair_group = doc[shared], renumber[group[shared]]
     order = np.lexsort((pair_group, pair_doc))
-    _save_npz(
+    save_npz(
         out,
         exact_duplicates=duplicates,
         pair_doc=pair_doc[order],
@@ -186,7 +184,7 @@ def resolve_groups(work: Path, partitions: int) -> None:
         groups.append(data["pair_group"] + offset)  # partitions number groups from 0
         offset += int(data["groups"][0])
     exact_all = np.concatenate(exact)
-    _save_npy(work / "reduce" / "exact.npy", np.sort(exact_all))
+    save_npy(work / "reduce" / "exact.npy", np.sort(exact_all))
     doc, group = np.concatenate(docs), np.concatenate(groups)
     order = np.lexsort((group, doc))
     doc, group = doc[order], group[order]
@@ -203,7 +201,7 @@ def resolve_groups(work: Path, partitions: int) -> None:
             near.append(doc[lo])
         else:
             has_kept[members] = True
-    _save_npy(out, np.asarray(near, dtype=np.int64))
+    save_npy(out, np.asarray(near, dtype=np.int64))
 
 
 def _in_unit(sorted_ids: np.ndarray, unit_index: int) -> np.ndarray:
@@ -220,13 +218,30 @@ def mask_unit(unit: Path, unit_index: int, work: Path) -> dict[str, int]:
     keep = np.ones(len(lengths), dtype=bool)
     keep[exact] = False
     keep[near] = False
-    write_keep_mask(unit, keep)
-    kept_tokens = int(lengths[keep].sum())
-    return {
-        "documents_in": len(keep),
-        "documents_out": int(keep.sum()),
-        "tokens_in": int(lengths.sum()),
-        "tokens_out": kept_tokens,
-        "exact_duplicates": len(exact),
-        "near_duplicates": len(near),
-    }
+    return publish_keep_mask(unit, keep, lengths, len(exact), len(near))
+
+
+def shuffle_dedup(
+    run: Runner,
+    units: list[Path],
+    config: DedupConfig,
+    work: Path,
+    progress: Progress,
+    partitions: int = DEFAULT_PARTITIONS,
+) -> DedupCounts:
+    """The dedup of ``units`` (canonical order) as map, reduce, resolve and mask calls through
+    ``run``; per-unit counts, as ``stages.dedup.dedup_units`` returns them."""
+    marker = work / "dedup.json"
+    if (done := read_dedup_counts(marker)) is not None:
+        progress("dedup", 1, 1)
+        return done
+    shuffle = work / "shuffle"
+    maps = [(unit, i, config, shuffle, partitions) for i, unit in enumerate(units)]
+    run(map_unit, maps, "dedup map", progress)
+    run(reduce_partition, [(shuffle, p) for p in range(partitions)], "dedup reduce", progress)
+    run(resolve_groups, [(shuffle, partitions)], "resolve_groups", silent)
+    masks = [(unit, i, shuffle) for i, unit in enumerate(units)]
+    counts = run(mask_unit, masks, "dedup mask", progress)
+    results = {str(unit): row for unit, row in zip(units, counts, strict=True)}
+    write_dedup_counts(marker, results)
+    return results

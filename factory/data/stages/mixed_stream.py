@@ -4,8 +4,8 @@ Sources are interleaved by weighted round robin (always take the next
 document from the source furthest behind its target share), so every shard
 sees the mixture, and it is all streaming: each source is read in order from
 its unit files, filtered by its dedup mask, and repeated per ``mixing.repeats``.
-``shard_plan`` packs this stream (of lengths) into shard plans and writes the
-shards from them.
+``shard_plan`` packs this stream (of lengths) into shard plans, and
+``write_shards`` writes the shards from them and Megatron's ``.bin`` from it.
 """
 
 from __future__ import annotations
@@ -13,29 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Generic
+from typing import Generic
 
 from factory.data.stages.dedup import read_keep_mask
 from factory.data.stages.mixing import SourcePlan, repeats
-from factory.data.stages.packing import (
-    P,
-    PackingStats,
-    TokenizedDoc,
-)
+from factory.data.stages.packing import P, TokenizedDoc
 from factory.data.stages.unit_files import read_unit
 
-__all__ = ["MixedStream", "StagesResult", "read_tokenized", "tokens_per_source"]
-
-
-@dataclass(frozen=True)
-class StagesResult:
-    """What the manifest needs of the dedup, mix, pack and write stages (either executor)."""
-
-    dedup: dict[str, dict]
-    plans: dict[str, SourcePlan]
-    emitted: dict[str, dict[str, int]]
-    shards: list[dict[str, Any]]
-    packing: PackingStats
+__all__ = ["MixedStream", "read_tokenized", "tokens_per_source"]
 
 
 def read_tokenized(unit: Path) -> Iterator[TokenizedDoc]:
@@ -49,8 +34,8 @@ class MixedStream(Generic[P]):
     """The interleaved, repeated documents of all sources, with what each source emitted.
 
     ``read`` gives a unit's documents in file order: with their tokens by
-    default; the Ray planner passes references (key and length) and gets the
-    same stream without reading a token.
+    default (Megatron's ``.bin``); the shard planner passes references (key and
+    length, ``shard_plan.DocRef``) and gets the same stream without reading a token.
     """
 
     units: dict[str, list[Path]]

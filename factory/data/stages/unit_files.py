@@ -4,7 +4,7 @@ A unit file is a stream of pickled records, in input order, holding what later
 stages need: key, exact-dedup hash, MinHash signature, token ids and loss mask.
 Beside it, a *sidecar* (``.refs.pkl``) holds the same records without their
 tokens, as arrays: keys, token counts, record offsets, exact hashes and
-signatures. Dedup (local or the Ray shuffle) and the Ray shard planner read
+signatures. Dedup (local or the shuffle) and the shard planner read
 only the sidecar, so they never unpickle a token array. The stats (counts and
 drop reasons) are written last, as JSON; a unit is done when all three exist,
 which is what resume checks.
@@ -29,6 +29,8 @@ __all__ = [
     "read_sidecar",
     "read_unit",
     "read_unit_stats",
+    "save_npy",
+    "save_npz",
     "sidecar_path",
     "unit_done",
 ]
@@ -141,6 +143,22 @@ def read_records(path: Path, offsets: Iterable[int]) -> dict[int, CuratedDoc]:
             key, digest, signature, ids, mask = pickle.load(handle)
             found[offset] = CuratedDoc(key, digest, signature, ids, mask)
     return found
+
+
+def save_npy(path: Path, array: np.ndarray) -> None:
+    """Publish one array as ``path`` (``.npy``) atomically: a temporary sibling, renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.npy")
+    np.save(tmp, array)
+    os.replace(tmp, path)
+
+
+def save_npz(path: Path, **arrays: np.ndarray) -> None:
+    """Publish named arrays as ``path`` (``.npz``) atomically: a temporary sibling, renamed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, path)
 
 
 def unit_done(path: Path) -> bool:
