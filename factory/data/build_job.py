@@ -32,6 +32,7 @@ from factory.data.executors.ray_tasks import connect, run_ray
 from factory.data.loaded_recipe import LoadedRecipe, load_recipe, recipe_hash, with_seq_len
 from factory.data.shards.manifest import write_manifest
 from factory.data.stages.curate import UnitTask
+from factory.data.stages.stage_inputs import StageInputs
 from factory.data.stages.unit_files import read_unit_stats
 from factory.data.steps.source_files import expand_source_paths
 from factory.data.steps.tokenize import DocumentTokenizer
@@ -140,17 +141,14 @@ def _build(
     out.mkdir(parents=True, exist_ok=True)
     tasks = _tasks(loaded, out / ".work")
     _prepare_work(out, _work_stamp(digest, tasks))
-    units = {
-        s.name: [t.output_path for t in tasks if recipe.sources[t.source_index].name == s.name]
-        for s in recipe.sources
-    }
     tokenizer_path = loaded.resolve(recipe.tokenizer.path) if recipe.tokenizer.path else None
     tokenizer = DocumentTokenizer(tokenizer_path, eos=recipe.tokenizer.eos)
+    inputs = StageInputs(recipe, out, tasks, tokenizer)
     if executor == "ray":
         with connect(address, workers if workers > 1 else None):
-            stages = run_ray(recipe, out, tasks, units, tokenizer, progress)
+            stages = run_ray(inputs, progress)
     else:
-        stages = run_local(recipe, out, tasks, units, tokenizer, workers, progress)
+        stages = run_local(inputs, workers, progress)
     manifest = build_manifest(loaded, digest, tasks, stages, tokenizer)
     _write_quarantine(out, tasks)
     write_manifest(out, manifest)

@@ -16,14 +16,12 @@ from multiprocessing.pool import Pool
 from pathlib import Path
 from typing import Any
 
-from factory.data.stages.curate import UnitTask
 from factory.data.stages.dedup import DedupCounts, dedup_units
 from factory.data.stages.run_stages import run_stages
 from factory.data.stages.runner import Runner
+from factory.data.stages.stage_inputs import StageInputs
 from factory.data.stages.write_shards import StagesResult
-from factory.data.steps.tokenize import DocumentTokenizer
 from factory.progress import Progress
-from factory.schemas.data_recipe import DataRecipe
 
 __all__ = ["local_runner", "run_local"]
 
@@ -74,22 +72,14 @@ def local_runner(workers: int) -> Iterator[Runner]:
         yield functools.partial(_run_calls, pool)
 
 
-def run_local(
-    recipe: DataRecipe,
-    out: Path,
-    tasks: list[UnitTask],
-    units: dict[str, list[Path]],
-    tokenizer: DocumentTokenizer,
-    workers: int,
-    progress: Progress,
-) -> StagesResult:
+def run_local(inputs: StageInputs, workers: int, progress: Progress) -> StagesResult:
     """Curate in worker processes, dedup in this one, then plan and write the shards in the
     workers again (one pool for the whole build)."""
 
     def dedup(order: list[Path]) -> DedupCounts:
-        counts = dedup_units(order, recipe.dedup, out / ".work" / "dedup.json")
+        counts = dedup_units(order, inputs.recipe.dedup, inputs.work / "dedup.json")
         progress("dedup", 1, 1)
         return counts
 
     with local_runner(workers) as run:
-        return run_stages(run, dedup, recipe, out, tasks, units, tokenizer, progress)
+        return run_stages(run, dedup, inputs, progress)

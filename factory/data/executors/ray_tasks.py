@@ -29,16 +29,13 @@ import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-from factory.data.stages.curate import UnitTask
 from factory.data.stages.dedup_shuffle import DEFAULT_PARTITIONS, shuffle_dedup
 from factory.data.stages.run_stages import run_stages
+from factory.data.stages.stage_inputs import StageInputs
 from factory.data.stages.write_shards import StagesResult
-from factory.data.steps.tokenize import DocumentTokenizer
 from factory.progress import Progress
-from factory.schemas.data_recipe import DataRecipe
 
 __all__ = ["connect", "run_all", "run_ray"]
 
@@ -95,21 +92,15 @@ def run_all(
 
 
 def run_ray(
-    recipe: DataRecipe,
-    out: Path,
-    tasks: list[UnitTask],
-    units: dict[str, list[Path]],
-    tokenizer: DocumentTokenizer,
-    progress: Progress,
-    partitions: int = DEFAULT_PARTITIONS,
+    inputs: StageInputs, progress: Progress, partitions: int = DEFAULT_PARTITIONS
 ) -> StagesResult:
-    """Curate, dedup, plan and write ``tasks`` on the connected Ray cluster."""
+    """Curate, dedup, plan and write on the connected Ray cluster."""
     dedup = functools.partial(
         shuffle_dedup,
         run_all,
-        config=recipe.dedup,
-        work=out / ".work",
+        config=inputs.recipe.dedup,
+        work=inputs.work,
         progress=progress,
         partitions=partitions,
     )
-    return run_stages(run_all, dedup, recipe, out, tasks, units, tokenizer, progress)
+    return run_stages(run_all, dedup, inputs, progress)

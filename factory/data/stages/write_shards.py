@@ -17,16 +17,16 @@ from typing import Any
 from factory.data.shards.energon_metadata import write_energon_dataset
 from factory.data.shards.megatron_index import IndexedDatasetWriter
 from factory.data.shards.tar_writer import write_shard
+from factory.data.stages.dedup import DedupCounts
 from factory.data.stages.mixed_stream import MixedStream
 from factory.data.stages.mixing import SourcePlan
 from factory.data.stages.packing import PackingStats, TokenizedDoc, materialize
 from factory.data.stages.runner import Runner
 from factory.data.stages.shard_plan import PlannedPiece, plan_path, plan_shards
+from factory.data.stages.stage_inputs import StageInputs
 from factory.data.stages.unit_files import read_records
-from factory.data.steps.tokenize import DocumentTokenizer
 from factory.io import atomic_write_bytes
 from factory.progress import Progress
-from factory.schemas.data_recipe import DataRecipe
 
 __all__ = ["StagesResult", "plan_and_write", "write_megatron", "write_planned_shard"]
 
@@ -35,7 +35,7 @@ __all__ = ["StagesResult", "plan_and_write", "write_megatron", "write_planned_sh
 class StagesResult:
     """What the manifest needs of the dedup, mix, pack and write stages (either executor)."""
 
-    dedup: dict[str, dict]
+    dedup: DedupCounts
     plans: dict[str, SourcePlan]
     emitted: dict[str, dict[str, int]]
     shards: list[dict[str, Any]]
@@ -96,18 +96,15 @@ def write_megatron(
 
 def plan_and_write(
     run: Runner,
-    recipe: DataRecipe,
-    out: Path,
-    order: list[Path],
-    units: dict[str, list[Path]],
-    dedup: dict[str, dict],
+    inputs: StageInputs,
+    dedup: DedupCounts,
     plans: dict[str, SourcePlan],
-    tokenizer: DocumentTokenizer,
     progress: Progress,
 ) -> StagesResult:
     """Plan the shards (one call), write them (one call each), then Megatron's ``.bin`` and
     Energon's metadata (one call each), every call through ``run``."""
-    work = out / ".work"
+    recipe, out, work, tokenizer = inputs.recipe, inputs.out, inputs.work, inputs.tokenizer
+    units, order = inputs.units, inputs.order
     summary = run(
         plan_shards,
         [
