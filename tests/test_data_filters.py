@@ -377,7 +377,7 @@ def test_heuristic_thresholds_are_validated(values: dict[str, Any], message: str
 
 
 def test_every_threshold_is_a_recipe_field_with_a_description() -> None:
-    """No threshold is a constant in filters.py: each is settable in YAML and documented."""
+    """No threshold is a constant in a filter module: each is settable in YAML and documented."""
     from factory.json_schema import described_schema
 
     params = described_schema(HeuristicFilter)["properties"]

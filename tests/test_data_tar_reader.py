@@ -29,7 +29,7 @@ FORMATS = {"ustar": tarfile.USTAR_FORMAT, "gnu": tarfile.GNU_FORMAT, "pax": tarf
 names = st.text(st.characters(blacklist_characters="\0/", codec="utf-8"), min_size=1, max_size=120)
 
 
-def ustar_members(path: Path) -> TarListing | None:
+def walked(path: Path) -> TarListing | None:
     """The header walk's listing, or None where it steps aside (another format, or damage)."""
     try:
         return _walk(path.read_bytes())
@@ -37,7 +37,7 @@ def ustar_members(path: Path) -> TarListing | None:
         return None
 
 
-def _tarfile_members(path: Path) -> TarListing:
+def by_tarfile(path: Path) -> TarListing:
     return _tarfile_listing(path)
 
 
@@ -62,13 +62,13 @@ def test_members_equal_tarfile_or_the_reader_steps_aside(
         _tar(path, members, FORMATS[form])
     except ValueError:  # USTAR cannot hold a long name that no "/" splits: nothing to read
         assume(False)
-    found = ustar_members(path)
+    found = walked(path)
     if found is not None:  # long, non-ASCII or PAX names make tarfile's job of it
-        assert found == _tarfile_members(path)
+        assert found == by_tarfile(path)
     if form == "ustar" and all(len(n.encode()) <= 100 for n, _ in members):
         assert found is not None
     # Either way, both entry points give tarfile's members.
-    assert tar_listing(path.read_bytes()) == file_listing(path) == _tarfile_members(path)
+    assert tar_listing(path.read_bytes()) == file_listing(path) == by_tarfile(path)
 
 
 def test_our_shards_are_read_without_tarfile(tmp_path: Path) -> None:
@@ -84,8 +84,8 @@ def test_our_shards_are_read_without_tarfile(tmp_path: Path) -> None:
     ]
     path = tmp_path / "shard-000003.tar"
     write_shard(path, samples, 3)
-    found = ustar_members(path)
-    assert found is not None and found == _tarfile_members(path)
+    found = walked(path)
+    assert found is not None and found == by_tarfile(path)
     assert len(scan_shard(path, "shards/shard-000003.tar").samples) == 5
 
 
@@ -93,15 +93,15 @@ def test_damaged_or_truncated_archives_go_to_tarfile(tmp_path: Path) -> None:
     path = tmp_path / "x.tar"
     _tar(path, [("a.bin", 700), ("b.bin", 3)], tarfile.USTAR_FORMAT)
     data = bytearray(path.read_bytes())
-    assert ustar_members(path) is not None
+    assert walked(path) is not None
     flipped = bytearray(data)
     flipped[1536 + 10] ^= 0x01  # a byte of the second member's name: its checksum fails
     path.write_bytes(bytes(flipped))
-    assert ustar_members(path) is None
+    assert walked(path) is None
     path.write_bytes(bytes(data[:2048]))  # cut before the end-of-archive blocks
-    assert ustar_members(path) is None
+    assert walked(path) is None
     path.write_bytes(b"")
-    assert ustar_members(path) is None
+    assert walked(path) is None
 
 
 def test_damage_is_named_at_the_first_bad_header(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""One packed sample as stored in a shard: its members, their dtypes, their bytes.
+"""One packed sample (:class:`PackedSample`) and how a shard stores it: members, dtypes, bytes.
 
 The one field table of the shard format (:data:`SHARD_FIELDS`): the writer
 (``tar_writer``), the reader (``shard_reader``) and the Energon cooker

@@ -2,7 +2,9 @@
 
 Curate (``curate``: per input file, in parallel), dedup (``dedup``, sequential;
 ``dedup_shuffle``, the same decisions as a shuffle of keys), then mix, pack and
-write (``mixing``, ``mixed_stream``, ``packing``, ``shard_plan``). ``unit_files``
-is the intermediate file format between them. A stage runs its calls through
-a runner that an executor (``factory.data.executors``) supplies.
+write (``mixing``, ``mixed_stream``, ``packing``, ``shard_plan``,
+``write_shards``). ``run_stages`` runs them in that order over a build's
+``stage_inputs``, every call through a ``runner`` that an executor
+(``factory.data.executors``) supplies; ``unit_files`` is the intermediate file
+format between them.
 """

@@ -1,4 +1,4 @@
-"""The data pipeline's optional compiled kernels: loaded on first use, None without numba.
+"""The curation steps' optional compiled kernels: loaded on first use, None without numba.
 
 ``ngram_jit`` (the n-gram repetition rules) and ``minhash_jit`` (MinHash signatures)
 import numba; numba is in the ``data`` extra, and every caller keeps its numpy path
@@ -19,7 +19,7 @@ KERNELS = ("ngram_jit", "minhash_jit")
 
 @functools.cache
 def compiled_kernels(name: str) -> ModuleType | None:
-    """``factory.data.<name>`` (one of :data:`KERNELS`), or None where numba won't import."""
+    """``factory.data.steps.<name>`` (one of :data:`KERNELS`), or None where numba won't import."""
     if name not in KERNELS:
         raise ValueError(f"unknown kernel module {name!r}; known: {KERNELS}")
     try:

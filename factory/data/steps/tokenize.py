@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 import factory.data_recipes
-from factory.data.stages.packing import TokenizedDoc
 from factory.data.steps.records import Document
 
-__all__ = ["DEFAULT_TOKENIZER", "DocumentTokenizer"]
+__all__ = ["DEFAULT_TOKENIZER", "DocumentTokenizer", "Encoded"]
 
 EOS = "<|endoftext|>"
 PAD = "<pad>"
@@ -29,7 +29,17 @@ def _default_tokenizer() -> Path:
 DEFAULT_TOKENIZER = _default_tokenizer()
 
 
+class Encoded(NamedTuple):
+    """One document's tokens: ``ids`` int32 and, aligned, ``mask`` uint8 (1 where the token
+    trains)."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+
+
 class DocumentTokenizer:
+    """A ``tokenizer.json`` for documents: segments encoded apart, end-of-text appended."""
+
     def __init__(self, path: Path | None = None, eos: bool = True) -> None:
         from tokenizers import Tokenizer
 
@@ -40,7 +50,7 @@ class DocumentTokenizer:
         self.pad_id = 0 if pad is None else pad
         self.vocab_size = self.tokenizer.get_vocab_size()
 
-    def encode(self, docs: Sequence[Document]) -> list[TokenizedDoc]:
+    def encode(self, docs: Sequence[Document]) -> list[Encoded]:
         """Tokenize a batch (one Rust call for all segments of all documents)."""
         texts = [text for doc in docs for text, _ in doc.segments]
         encodings = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
@@ -56,5 +66,5 @@ class DocumentTokenizer:
             if self.eos_id is not None:
                 ids.append(np.asarray([self.eos_id], dtype=np.int32))
                 masks.append(np.ones(1, dtype=np.uint8))
-            out.append(TokenizedDoc(doc.key, np.concatenate(ids), np.concatenate(masks)))
+            out.append(Encoded(np.concatenate(ids), np.concatenate(masks)))
         return out

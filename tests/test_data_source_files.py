@@ -1,4 +1,4 @@
-"""Readers: every input kind streams records with stable keys; bad lines are quarantined."""
+"""Source files: every input kind streams records with stable keys; bad lines are quarantined."""
 
 from __future__ import annotations
 
