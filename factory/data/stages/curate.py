@@ -37,6 +37,8 @@ BATCH_CHARS = 1 << 19
 
 @dataclass(frozen=True)
 class UnitTask:
+    """Curate one input file of one source into ``output_path`` (a unit)."""
+
     recipe: DataRecipe
     source_index: int
     file_index: int
@@ -73,32 +75,57 @@ class _Counts:
         row["tokens_in"] += tokens  # tokenizing drops nothing: what comes out is what went in
         row["tokens_out"] += tokens
 
+    def quarantine(self, line: Quarantined) -> None:
+        self.quarantined[line.reason] += 1
+        self.quarantine_lines.append({"key": line.key, "reason": line.reason})
 
-def curate_unit(task: UnitTask) -> dict[str, Any]:
-    """Curate one input file into its unit (records, sidecar, then stats); return the stats."""
-    recipe = task.recipe
-    source = recipe.sources[task.source_index]
-    chain: Chain = build_chain(source, recipe.seed)
-    tokenizer = DocumentTokenizer(task.tokenizer_path, eos=recipe.tokenizer.eos)
-    dedup = recipe.dedup
-    hasher = (
-        MinHasher(dedup.bands * dedup.rows, dedup.shingle_size, dedup.seed)
-        if dedup.minhash
-        else None
-    )
-    contamination = (
-        NgramIndex.from_files(list(task.benchmark_paths), recipe.decontam.ngram)
-        if task.benchmark_paths
-        else None
-    )
-    counts = _Counts()
-    writer = UnitWriter(task.output_path)
-    pending: list[tuple[Document, Prepared]] = []
-    pending_chars = 0
 
-    def keep(record: RawRecord, doc: Document) -> Prepared | None:
+class _Curation:
+    """One unit's curation under way: its source's steps, the hashers, the counts, and the
+    kept documents waiting for the next tokenizer call."""
+
+    def __init__(self, task: UnitTask) -> None:
+        recipe = task.recipe
+        self.chain: Chain = build_chain(recipe.sources[task.source_index], recipe.seed)
+        self.tokenizer = DocumentTokenizer(task.tokenizer_path, eos=recipe.tokenizer.eos)
+        dedup = recipe.dedup
+        self.hasher = (
+            MinHasher(dedup.bands * dedup.rows, dedup.shingle_size, dedup.seed)
+            if dedup.minhash
+            else None
+        )
+        self.contamination = (
+            NgramIndex.from_files(list(task.benchmark_paths), recipe.decontam.ngram)
+            if task.benchmark_paths
+            else None
+        )
+        self.counts = _Counts()
+        self.writer = UnitWriter(task.output_path)
+        self.pending: list[tuple[Document, Prepared]] = []
+        self.pending_chars = 0
+
+    def add(self, record: RawRecord) -> None:
+        """Format ``record`` and queue the documents that pass; tokenize a full batch."""
+        counts, chain = self.counts, self.chain
+        counts.passed("read", True)
+        formatted = chain.format(record)
+        if not isinstance(formatted, list):  # a Drop
+            counts.passed(chain.format_name, False)
+            counts.dropped[f"{chain.format_name}:{formatted.reason}"] += 1
+            return
+        counts.step(chain.format_name, 1, len(formatted))
+        for doc in formatted:
+            prepared = self.keep(record, doc)
+            if prepared is not None:
+                self.pending.append((doc, prepared))
+                self.pending_chars += len(doc.text)
+        if len(self.pending) >= BATCH or self.pending_chars >= BATCH_CHARS:
+            self.flush()
+
+    def keep(self, record: RawRecord, doc: Document) -> Prepared | None:
         """Run the filters and decontamination; the prepared words of a kept document."""
-        for name, check in chain.filters:
+        counts = self.counts
+        for name, check in self.chain.filters:
             reason = check(record, doc)
             counts.passed(name, reason is None)
             if reason is not None:
@@ -106,48 +133,42 @@ def curate_unit(task: UnitTask) -> dict[str, Any]:
                 return None
         # Normalise once: decontamination, MinHash and the exact hash share it.
         prepared = prepare(doc.text)
-        if contamination is not None:
-            match = contamination.first_match(prepared)
+        if self.contamination is not None:
+            match = self.contamination.first_match(prepared)
             counts.passed("decontam", match is None)
             if match is not None:
                 counts.dropped["decontam:benchmark_ngram"] += 1
                 return None
         return prepared
 
-    def flush() -> None:
-        tokenized = tokenizer.encode([doc for doc, _ in pending])
-        for (doc, prepared), tok in zip(pending, tokenized, strict=True):
-            counts.tokenized(1, len(tok.ids))
-            signature = hasher.signature(prepared) if hasher is not None else None
-            writer.write(CuratedDoc(doc.key, content_hash(prepared), signature, tok.ids, tok.mask))
-        pending.clear()
+    def flush(self) -> None:
+        """Tokenize the queued documents and write them, hashed, to the unit."""
+        tokenized = self.tokenizer.encode([doc for doc, _ in self.pending])
+        for (doc, prepared), tok in zip(self.pending, tokenized, strict=True):
+            self.counts.tokenized(1, len(tok.ids))
+            signature = self.hasher.signature(prepared) if self.hasher is not None else None
+            record = CuratedDoc(doc.key, content_hash(prepared), signature, tok.ids, tok.mask)
+            self.writer.write(record)
+        self.pending.clear()
+        self.pending_chars = 0
 
+
+def curate_unit(task: UnitTask) -> dict[str, Any]:
+    """Curate one input file into its unit (records, sidecar, then stats); return the stats."""
+    source = task.recipe.sources[task.source_index]
+    curation = _Curation(task)
     try:
         for item in iter_records(task.input_path, source.name, source.category, task.file_index):
             if isinstance(item, Quarantined):
-                counts.quarantined[item.reason] += 1
-                counts.quarantine_lines.append({"key": item.key, "reason": item.reason})
-                continue
-            counts.passed("read", True)
-            formatted = chain.format(item)
-            if not isinstance(formatted, list):  # a Drop
-                counts.passed(chain.format_name, False)
-                counts.dropped[f"{chain.format_name}:{formatted.reason}"] += 1
-                continue
-            counts.step(chain.format_name, 1, len(formatted))
-            for doc in formatted:
-                prepared = keep(item, doc)
-                if prepared is not None:
-                    pending.append((doc, prepared))
-                    pending_chars += len(doc.text)
-            if len(pending) >= BATCH or pending_chars >= BATCH_CHARS:
-                flush()
-                pending_chars = 0
-        if pending:
-            flush()
+                curation.counts.quarantine(item)
+            else:
+                curation.add(item)
+        if curation.pending:
+            curation.flush()
     except BaseException:
-        writer.abort()
+        curation.writer.abort()
         raise
+    counts = curation.counts
     stats = {
         "source": source.name,
         "file_index": task.file_index,
@@ -157,5 +178,5 @@ def curate_unit(task: UnitTask) -> dict[str, Any]:
         "quarantined": dict(counts.quarantined),
         "quarantine": counts.quarantine_lines,
     }
-    writer.close(stats)
+    curation.writer.close(stats)
     return stats
