@@ -1,8 +1,8 @@
 """Stage 3's plan: every shard's samples, packed from the documents' lengths alone.
 
-One process runs the very same mixed stream (``mixed_stream``) and packer
-(``packing``) over :class:`DocRef` s, a key, a length and where the record lies,
-read from the units' sidecars; no token is read. Each shard's plan, the pieces
+One call runs the mixed stream (``mixed_stream``) and the packer (``packing``)
+over :class:`DocRef` s, a key, a length and where the record lies, read from
+the units' sidecars; no token is read. Each shard's plan, the pieces
 of each of its samples, goes to ``.work/plan/shard-NNNNNN.pkl``. Mixing and
 packing are sequential by nature (a weighted round robin and windows of
 documents in stream order); they touch only metadata, so this pass is cheap.

@@ -1,4 +1,4 @@
-"""What flows between data stages: raw records and formatted documents."""
+"""What flows between the curation steps: raw records and formatted documents."""
 
 from __future__ import annotations
 
