@@ -142,8 +142,8 @@ def run_ours(
     corpus: Path, work: Path, workers: int, input_bytes: int, executor: str = "local"
 ) -> Result:
     """Our build; on Ray the local instance is started first, untimed (a cluster is up)."""
-    from factory.data.pipeline import build
-    from factory.data.recipe_loading import load_recipe
+    from factory.data.build_job import build
+    from factory.data.loaded_recipe import load_recipe
 
     path = work / "bench.yaml"
     path.write_text(
@@ -190,7 +190,7 @@ def run_datatrove(corpus: Path, work: Path, workers: int, files: int, input_byte
     from datatrove.pipeline.tokens import DocumentTokenizer
     from datatrove.pipeline.writers import JsonlWriter
 
-    from factory.data.tokenize import DEFAULT_TOKENIZER
+    from factory.data.steps.tokenize import DEFAULT_TOKENIZER
 
     root, words = work / "datatrove", SplitWords("en")
     sigs, buckets, remove = str(root / "sigs"), str(root / "buckets"), str(root / "remove")
@@ -232,7 +232,7 @@ def run_datatrove(corpus: Path, work: Path, workers: int, files: int, input_byte
 def run_tokenizer(paths: list[Path], input_bytes: int) -> Result:
     from tokenizers import Tokenizer
 
-    from factory.data.tokenize import DEFAULT_TOKENIZER
+    from factory.data.steps.tokenize import DEFAULT_TOKENIZER
 
     tokenizer = Tokenizer.from_file(str(DEFAULT_TOKENIZER))
     seconds, tokens, docs = 0.0, 0, 0

@@ -85,8 +85,9 @@ def _measure(rank: int, world: int, bp: Any, steps: int, warmup: int) -> dict[st
     import numpy as np
     from torch.profiler import ProfilerActivity, profile
 
+    from factory.data.shards.shard_reader import Sample
     from factory.graph.loss import mtp_loss_scale
-    from factory.runtime.batches import Sample, collate
+    from factory.runtime.batches import collate
     from factory.runtime.optimizer import MasterOptimizer
 
     compiled, ranks = _model(bp, world)

@@ -114,7 +114,7 @@ def new_results(
     """The results skeleton: what ran where, before any run."""
     import torch
 
-    from factory.runtime.batches import read_samples
+    from factory.data.shards.shard_reader import read_samples
 
     tokens, mask = read_samples(data)
     par = proxy.parallelism

@@ -1,6 +1,6 @@
 """A data recipe (``data_recipes/*.yaml``): sources, their curation chains, and the shared stages.
 
-Consumed by ``factory.data.pipeline``, which takes these types as they are: a
+Consumed by ``factory.data.build_job``, which takes these types as they are: a
 step's section is the parameter object its filter or formatter runs with, so
 every threshold is declared once, here, and a key the runtime does not know is
 a validation error. Each source reads one path and runs its own ``steps`` in a
@@ -14,7 +14,7 @@ typo such as ``10**400`` fails validation instead of a worker process later.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Union
 
 from pydantic import AfterValidator, Field, model_validator
 
@@ -23,6 +23,7 @@ from factory.schemas.base import Section, Seed, SeqLen, TokenCount
 __all__ = [
     "CATEGORIES",
     "FILTER_STEPS",
+    "FORMAT_STEPS",
     "MAX_NGRAM",
     "MAX_WORDS",
     "ChatFormat",
@@ -57,7 +58,7 @@ Category = Literal[
 CATEGORIES: tuple[str, ...] = Category.__args__  # type: ignore[attr-defined]
 
 MAX_NGRAM = 256
-"""Longest n-gram any step takes: the n-gram hashing in ``factory.data.dedup`` precomputes
+"""Longest n-gram any step takes: the n-gram hashing in ``factory.data.steps.dedup_hashing`` precomputes
 one constant per word position up to this length."""
 MAX_WORDS = 10**9
 """Most words a heuristic bound can name (a 1e9-word document is some gigabytes of text)."""
@@ -226,14 +227,14 @@ class CudaKernelFilter(Section):
     the need for a benchmark, off."""
 
 
-Step = Annotated[
-    TextFormat | ChatFormat | HeuristicFilter | TrajectoryFilter | CudaKernelFilter,
-    Field(discriminator="kind"),
-]
-"""One step of a source's chain, told apart by its ``kind``."""
-_FORMATS = ("text", "chat")
+FORMAT_STEPS: tuple[type[Section], ...] = (TextFormat, ChatFormat)
+"""The format sections; ``factory.data.steps.formatting`` gives each its formatter."""
 FILTER_STEPS: tuple[type[Section], ...] = (HeuristicFilter, TrajectoryFilter, CudaKernelFilter)
-"""The filter sections; ``factory.data.filters.FILTERS`` gives each its check."""
+"""The filter sections: a new filter is its section above and its entry here, and a module
+in ``factory/data/steps/filters/`` registers its check (``factory.data.steps.filters``)."""
+Step = Annotated[Union[(*FORMAT_STEPS, *FILTER_STEPS)], Field(discriminator="kind")]
+"""One step of a source's chain, told apart by its ``kind``."""
+_FORMATS = tuple(step.model_fields["kind"].default for step in FORMAT_STEPS)
 
 
 class SourceConfig(Section):

@@ -17,13 +17,15 @@ import numpy as np
 import pytest
 import yaml
 
-from factory.data.energon import energon_task_encoder, write_energon_dataset
-from factory.data.energon_index import check_energon_index
-from factory.data.pipeline import build
+from factory.data.build_job import build
 from factory.data.samples import generate
-from factory.runtime.batches import read_samples
+from factory.data.shards.energon_index import check_energon_index
+from factory.data.shards.energon_metadata import write_energon_dataset
+from factory.data.shards.shard_reader import read_samples
 
 energon = pytest.importorskip("megatron.energon", reason="megatron-energon is not installed")
+# It imports megatron-energon (and torch) at the top: only once the library is known to be there.
+from factory.data.shards.energon_task_encoder import energon_task_encoder  # noqa: E402
 
 SEQ = 128
 RECIPE = {

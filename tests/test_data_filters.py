@@ -12,16 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from factory.data.document import Document, RawRecord
-from factory.data.filters import (
-    FILTERS,
+from factory.data.steps.filters import FILTERS
+from factory.data.steps.filters.cuda_kernel import cuda_kernel_reason
+from factory.data.steps.filters.heuristics import (
     _ngram_reason,
-    cuda_kernel_reason,
     heuristic_reason,
     text_quality_reason,
-    trajectory_reason,
 )
-from factory.data.ngrams import ngram_repetition
+from factory.data.steps.filters.trajectory import trajectory_reason
+from factory.data.steps.ngram_repetition import ngram_repetition
+from factory.data.steps.records import Document, RawRecord
 from factory.schemas.data_recipe import (
     FILTER_STEPS,
     CudaKernelFilter,
@@ -377,7 +377,7 @@ def test_heuristic_thresholds_are_validated(values: dict[str, Any], message: str
 
 
 def test_every_threshold_is_a_recipe_field_with_a_description() -> None:
-    """No threshold is a constant in filters.py: each is settable in YAML and documented."""
+    """No threshold is a constant in a filter module: each is settable in YAML and documented."""
     from factory.json_schema import described_schema
 
     params = described_schema(HeuristicFilter)["properties"]

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from factory.data.document import Document, RawRecord
-from factory.data.formatting import TOOLS_PREAMBLE, Drop, format_chat, format_text
+from factory.data.steps.formatting import TOOLS_PREAMBLE, Drop, format_chat, format_text
+from factory.data.steps.records import Document, RawRecord
 from factory.schemas.data_recipe import ReasoningConfig
 
 TOOLS = [{"type": "function", "function": {"name": "ls", "parameters": {"type": "object"}}}]

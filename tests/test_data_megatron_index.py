@@ -1,5 +1,5 @@
 """Megatron-core's own ``IndexedDataset`` reads the ``.bin/.idx`` pairs we write, document for
-document (``factory.data.megatron_index``)."""
+document (``factory.data.shards.megatron_index``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from factory.data.megatron_index import IndexedDatasetWriter, read_indexed
+from factory.data.shards.megatron_index import IndexedDatasetWriter, read_indexed
 
 indexed_dataset = pytest.importorskip("megatron.core.datasets.indexed_dataset")
 

@@ -19,8 +19,8 @@ from factory.data.samples import generate
 SCRIPT = """
 import resource, sys
 from pathlib import Path
-from factory.data.pipeline import build
-from factory.data.recipe_loading import load_recipe
+from factory.data.build_job import build
+from factory.data.loaded_recipe import load_recipe
 build(load_recipe(sys.argv[1]), Path(sys.argv[2]), workers=1)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from factory.data import minhash_jit
-from factory.data.dedup import MinHasher, prepare
-from factory.data.jit import KERNELS, compiled_kernels
+from factory.data.steps import minhash_jit
+from factory.data.steps.dedup_hashing import MinHasher, prepare
+from factory.data.steps.numba_kernels import KERNELS, compiled_kernels
 
 words = st.lists(st.sampled_from(["a", "b", "c", "dé", "日本", "x1", "the", "of"]), max_size=80)
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from factory.data.packing import (
+from factory.data.stages.packing import (
     PIECE_SEPARATOR,
     PackedSample,
     PackingStats,

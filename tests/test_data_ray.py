@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from factory.data.pipeline import build
+from factory.data.build_job import build
 from factory.data.samples import generate
-from factory.data.stage_curate import UnitTask, curate_unit
+from factory.data.stages.curate import UnitTask, curate_unit
 
 ray = pytest.importorskip("ray")
 
@@ -106,20 +106,27 @@ def test_many_files_byte_identical_and_the_driver_reads_no_document(
     def forbidden(*_: object, **__: object) -> None:
         raise AssertionError("the driver read documents")
 
-    import factory.data.dedup_shuffle as shuffle
-    import factory.data.shard_plan as plan
-    import factory.data.stage_write as stage_write
-    import factory.data.unit_io as unit_io
+    import factory.data.stages.dedup as dedup
+    import factory.data.stages.dedup_shuffle as shuffle
+    import factory.data.stages.mixed_stream as mixed_stream
+    import factory.data.stages.shard_plan as plan
+    import factory.data.stages.unit_files as unit_files
+    import factory.data.stages.write_shards as write
 
     for module, name in [
-        (unit_io, "read_unit"),
-        (unit_io, "read_records"),
-        (unit_io, "read_sidecar"),  # hashes, signatures: curate writes them, the driver never reads
+        (unit_files, "read_unit"),
+        (unit_files, "read_records"),
+        (
+            unit_files,
+            "read_sidecar",
+        ),  # hashes, signatures: curate writes them, the driver never reads
+        (dedup, "read_sidecar"),
+        (dedup, "read_keep_mask"),
         (shuffle, "read_sidecar"),
         (plan, "read_sidecar"),
-        (plan, "read_records"),
-        (stage_write, "read_unit"),
-        (stage_write, "read_keep_mask"),
+        (write, "read_records"),
+        (mixed_stream, "read_unit"),
+        (mixed_stream, "read_keep_mask"),
     ]:
         monkeypatch.setattr(module, name, forbidden)
     manifest = build(many_files / "recipe.yaml", many_files / "ray", executor="ray")
@@ -135,7 +142,7 @@ def test_a_worker_killed_mid_curate_is_replaced_and_the_bytes_are_the_same(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import factory.data.ray_build as ray_build
+    import factory.data.stages.run_stages as run_stages
 
     deaths = tmp_path / "deaths"
     deaths.mkdir()
@@ -153,7 +160,7 @@ def test_a_worker_killed_mid_curate_is_replaced_and_the_bytes_are_the_same(
     out = tmp_path / "ray"
     # The driver ships this closure to the workers by value; Ray reruns the task
     # whose worker died (its default max_retries), as it would on a lost node.
-    monkeypatch.setattr(ray_build, "curate_unit", dies_once)
+    monkeypatch.setattr(run_stages, "curate_unit", dies_once)
     build(many_files / "recipe.yaml", out, executor="ray")
     assert sorted(p.name for p in deaths.iterdir()) == ["0-2", "1-2"]
     assert _tree(out) == many_local
@@ -166,7 +173,7 @@ def test_a_driver_killed_mid_write_then_rerun_ends_identical(
     script = textwrap.dedent(f"""
         import os, signal
         from pathlib import Path
-        from factory.data.pipeline import build
+        from factory.data.build_job import build
 
         def progress(stage, done, total):
             if stage == "shards" and 2 <= done < total:
@@ -202,7 +209,7 @@ def test_the_cli_takes_executor_ray_and_the_local_build_never_imports_ray(
     refused = subprocess.run(bucket, capture_output=True, timeout=60)
     assert refused.returncode == 2 and b"object-store" in refused.stderr
     probe = (
-        "import sys; from pathlib import Path; from factory.data.pipeline import build; "
+        "import sys; from pathlib import Path; from factory.data.build_job import build; "
         f"build(Path({str(many_files / 'recipe.yaml')!r}), Path({str(tmp_path / 'l')!r})); "
         "assert 'ray' not in sys.modules, 'ray imported'"
     )

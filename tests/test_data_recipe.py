@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from factory.data.recipe_loading import load_recipe, recipe_names, with_seq_len
+from factory.data.loaded_recipe import load_recipe, with_seq_len
 from factory.errors import BlueprintError
+from factory.loading.recipe import recipe_names
 from factory.schemas.data_recipe import DataRecipe, DedupConfig
 
 HEAD = "name: r\nsources:\n  - name: a\n    path: x.jsonl\n    category: math\n"

@@ -13,8 +13,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from factory.data.packing import PackedSample
-from factory.data.shards import _FIELDS, _header, _json_bytes, _member, sample_key, write_shard
+from factory.data.shards.sample_format import ARRAY_FIELDS, PackedSample, json_bytes, sample_key
+from factory.data.shards.tar_writer import _header, _member, write_shard
 
 
 def _reference(samples: list[PackedSample], shard_index: int) -> bytes:
@@ -24,12 +24,12 @@ def _reference(samples: list[PackedSample], shard_index: int) -> bytes:
         for i, sample in enumerate(samples):
             key = sample_key(shard_index, i)
             parts = []
-            for ext, attr, dtype in _FIELDS:
+            for ext, attr, dtype in ARRAY_FIELDS:
                 npy = io.BytesIO()
                 array = np.ascontiguousarray(getattr(sample, attr), dtype=dtype)
                 np.save(npy, array, allow_pickle=False)
                 parts.append((ext, npy.getvalue()))
-            parts.append(("json", _json_bytes(sample)))
+            parts.append(("json", json_bytes(sample)))
             for ext, data in parts:
                 tar.addfile(_member(f"{key}.{ext}", len(data)), io.BytesIO(data))
     return buffer.getvalue()

@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 import webdataset as wds
 import yaml
+from shard_reference import read_shard
 
-from factory.data.energon import write_energon_metadata
-from factory.data.manifest import sha256_file, shard_entry, verify, write_manifest
-from factory.data.megatron_index import MAGIC, IndexedDatasetWriter, read_indexed
-from factory.data.packing import PackedSample, TokenizedDoc, pack_best_fit_decreasing
-from factory.data.shards import read_shard, write_shard
+from factory.data.shards.energon_metadata import write_energon_metadata
+from factory.data.shards.manifest import sha256_file, shard_entry, verify, write_manifest
+from factory.data.shards.megatron_index import MAGIC, IndexedDatasetWriter, read_indexed
+from factory.data.shards.sample_format import PackedSample
+from factory.data.shards.tar_writer import write_shard
+from factory.data.stages.packing import TokenizedDoc, pack_best_fit_decreasing
 
 
 def make_samples(n_docs: int = 40, seq_len: int = 64, seed: int = 0) -> list[PackedSample]:

@@ -11,14 +11,15 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from factory.data.dedup_shuffle import map_unit, mask_unit, reduce_partition, resolve_groups
-from factory.data.mixing import SourcePlan
-from factory.data.packing import PackingStats, pack_best_fit_decreasing
-from factory.data.shard_plan import plan_shards, write_planned_shard
-from factory.data.shards import write_shard
-from factory.data.stage_dedup import dedup_units, read_keep_mask
-from factory.data.stage_write import MixedStream
-from factory.data.unit_io import CuratedDoc, UnitWriter
+from factory.data.shards.tar_writer import write_shard
+from factory.data.stages.dedup import dedup_units, read_keep_mask
+from factory.data.stages.dedup_shuffle import map_unit, mask_unit, reduce_partition, resolve_groups
+from factory.data.stages.mixed_stream import MixedStream
+from factory.data.stages.mixing import SourcePlan
+from factory.data.stages.packing import PackingStats, pack_best_fit_decreasing
+from factory.data.stages.shard_plan import plan_shards
+from factory.data.stages.unit_files import CuratedDoc, UnitWriter
+from factory.data.stages.write_shards import write_planned_shard
 from factory.schemas.data_recipe import DedupConfig
 
 BANDS, ROWS = 4, 2

@@ -12,13 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from shard_reference import read_shard
 
-from factory.data.manifest import shard_entry, write_manifest
-from factory.data.packing import PackedSample
-from factory.data.pipeline import build
-from factory.data.recipe_loading import load_recipe, with_seq_len
-from factory.data.shards import read_shard, write_shard
-from factory.runtime.batches import MicroBatch, read_samples
+from factory.data.build_job import build
+from factory.data.loaded_recipe import load_recipe, with_seq_len
+from factory.data.shards.manifest import shard_entry, write_manifest
+from factory.data.shards.sample_format import PackedSample
+from factory.data.shards.shard_reader import read_samples
+from factory.data.shards.tar_writer import write_shard
+from factory.runtime.batches import MicroBatch
 from factory.runtime.loader import DataError, ShardLoader
 
 COUNTS = (5, 3, 0, 8, 4, 6, 2)  # uneven, with an empty shard: boundaries everywhere
@@ -168,7 +170,7 @@ def test_document_ids_come_from_cu_seqlens(data: Path) -> None:
 
 
 def _shard(root: Path, shard: int) -> list[PackedSample]:
-    """The tarfile-based reader of ``factory.data.shards``: an independent check of ours."""
+    """The tests' tarfile-based reader (``shard_reference``): an independent check of ours."""
     return read_shard(root / f"shards/shard-{shard:06d}.tar")
 
 

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 from runtime_helpers import GLOBAL, MICRO, SEQ, STEPS, tiny_blueprint
+from shard_reference import read_shard
 
 import factory
-from factory.data.shards import read_shard
-from factory.runtime.batches import build_shards, read_samples
+from factory.data.shards.shard_reader import read_samples
+from factory.runtime.batches import build_shards
 from factory.runtime.loader import ShardLoader
 from factory.runtime.schedule import learning_rate
 from factory.runtime.trainer import train

@@ -12,14 +12,14 @@ from rich.console import Console
 from rich.table import Table
 
 from factory.cli.root import app
-from factory.data.energon_index import META_DIR, check_energon_index
-from factory.data.inspect import inspect_table, write_share_plot
-from factory.data.manifest import verify
+from factory.data.shards.energon_index import META_DIR, check_energon_index
+from factory.data.shards.manifest import verify
+from factory.data.token_shares import inspect_table, write_share_plot
 from factory.progress import RichProgress
 
 
 class Executor(StrEnum):
-    """Where ``factory data build`` runs its stages (``factory.data.pipeline.EXECUTORS``)."""
+    """Where ``factory data build`` runs its stages (``factory.data.build_job.EXECUTORS``)."""
 
     local = "local"
     ray = "ray"
@@ -62,7 +62,7 @@ def build_cmd(
 
     Both executors write the same bytes."""
 
-    from factory.data.pipeline import build
+    from factory.data.build_job import build
 
     if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", str(out)):
         raise typer.BadParameter(

@@ -46,7 +46,7 @@ def _check(target: str, recipe: Path | None, overrides: list[str]) -> tuple[Path
     if overrides:
         message = f"--set applies to blueprints; {target} is a data recipe"
         raise BlueprintError([Diagnostic("", message, "--set", 1)])
-    from factory.data.recipe_loading import load_recipe
+    from factory.data.loaded_recipe import load_recipe
 
     return load_recipe(recipe).source, []
 

@@ -1,10 +1,12 @@
 """The data factory: recipes in, curated, deterministic, resumable webdataset shards out.
 
-Stages, in order: read (``readers``) -> format (``formatting``) -> filter
-(``filters``) -> dedup (``dedup``) -> decontaminate (``decontam``) -> tokenize
-(``tokenize``) -> mix (``mixing``) -> pack (``packing``) -> write (``shards``,
-``energon``, ``megatron_index``, ``manifest``). ``pipeline`` runs them, and
-:func:`build` (``factory.data.build``) is the one job that does::
+Organised by role: ``steps`` (what happens to one record or document: read,
+format, filter, decontaminate, tokenize, hash), ``stages`` (passes over all
+units and shards: curate, dedup, mix and pack, write), ``shards`` (the
+published files: the tar format's one reader and writer, the manifest, Energon
+and Megatron outputs) and ``executors`` (a local process pool or Ray tasks).
+:func:`build` (``factory.data.build``, in ``build_job``) is the one job that
+runs them::
 
     manifest = factory.data.build("nano", Path("data/nano"), workers=8, seq_len=8192)
 """
@@ -18,15 +20,15 @@ from factory.lazy import lazy_getattr
 __all__ = ["LoadedRecipe", "build", "load_recipe"]
 
 if TYPE_CHECKING:
-    from factory.data.pipeline import build
-    from factory.data.recipe_loading import LoadedRecipe, load_recipe
+    from factory.data.build_job import build
+    from factory.data.loaded_recipe import LoadedRecipe, load_recipe
 
-# Resolved on first use: the pipeline imports numpy, and importing any module
+# Resolved on first use: the build imports numpy, and importing any module
 # of this package (a worker's, say) runs this file first.
 _LAZY = {
-    "build": "factory.data.pipeline",
-    "LoadedRecipe": "factory.data.recipe_loading",
-    "load_recipe": "factory.data.recipe_loading",
+    "build": "factory.data.build_job",
+    "LoadedRecipe": "factory.data.loaded_recipe",
+    "load_recipe": "factory.data.loaded_recipe",
 }
 
 

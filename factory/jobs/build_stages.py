@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 import factory
-from factory.data.pipeline import build as build_data
-from factory.data.recipe_loading import load_recipe
+from factory.data.build_job import build as build_data
+from factory.data.loaded_recipe import load_recipe
 from factory.exports.hf_config import hf_config
 from factory.exports.megatron import export_megatron
 from factory.exports.megatron_refusals import refusals

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import factory
 from factory.compilation import Compiled
-from factory.data.pipeline import build as build_data
+from factory.data.build_job import build as build_data
 from factory.exports.hf import export_hf
 from factory.io import atomic_write_text
 from factory.jobs.train import (

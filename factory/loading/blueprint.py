@@ -8,12 +8,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import ValidationError
-
-from factory.errors import BlueprintError, SourceMap
+from factory.errors import SourceMap
 from factory.loading.compose import compose
 from factory.loading.shipped import resolve_named_yaml, shipped_names
-from factory.loading.validation_errors import diagnostics_from_validation_error
+from factory.loading.validation_errors import validate_document
 from factory.schemas.blueprint import Blueprint
 
 __all__ = ["preset_names", "read_blueprint", "resolve_source"]
@@ -33,10 +31,4 @@ def read_blueprint(source: Path, overrides: Sequence[str] = ()) -> tuple[Bluepri
     """Compose ``source`` with its fragments and ``overrides`` and type-check it; raise
     BlueprintError with ``file:line`` diagnostics on any error."""
     data, source_map = compose(source, overrides)
-    try:
-        bp = Blueprint.model_validate(data)
-    except ValidationError as exc:
-        raise BlueprintError(
-            diagnostics_from_validation_error(exc, Blueprint, source_map)
-        ) from None
-    return bp, source_map
+    return validate_document(Blueprint, data, source_map), source_map

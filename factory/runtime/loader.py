@@ -2,7 +2,7 @@
 
 :class:`ShardLoader` yields micro-batches
 (:class:`~factory.runtime.batches.MicroBatch`, with ``document_ids``) endlessly, epoch after epoch, from the shards that ``manifest.json`` lists
-(``factory/data/manifest.py``), whatever the size of the dataset.
+(``factory/data/shards/manifest.py``), whatever the size of the dataset.
 
 **Order.** The *global stream* is a function of ``(seed, epoch)`` only. With
 ``N`` samples per epoch, global sample ``g`` belongs to epoch ``g // N`` at
@@ -55,15 +55,16 @@ reader                                      real build,  real build,  synthetic,
 ==========================================  ===========  ===========  ============
 webdataset ``WebDataset`` + ``np.load``     2,100-2,300  2,000-2,100  1,900-2,100
 webdataset ``WebDataset(...).decode()``     2,100-2,200  1,900-2,100  1,500-1,900
-``tarfile`` (``factory.data.shards``)       2,100-2,500  2,500-2,800  2,500-2,600
+``tarfile``                                 2,100-2,500  2,500-2,800  2,500-2,600
 ours: USTAR walk, cached ``.npy`` headers   28,000       29,000       21,000-29,000
 ==========================================  ===========  ===========  ============
 
 Profiling the others shows their time going to per-member Python work: tar
 header objects and numpy's ``ast``-based parse of every ``.npy`` header. The
-shards are plain USTAR written by ``factory.data.shards`` with fixed dtypes,
-so :func:`~factory.runtime.batches.read_shard_samples` walks the 512-byte
-headers itself (checksums and bounds checked, damage raised as
+shards are plain USTAR written by ``factory.data.shards.tar_writer`` with the
+fixed dtypes of ``factory.data.shards.sample_format``, so
+:func:`~factory.data.shards.shard_reader.read_shard_samples` walks the 512-byte
+headers itself (``factory.data.shards.tar_reader``) (checksums and bounds checked, damage raised as
 :class:`DataError`), parses each distinct ``.npy`` header once and views the
 arrays in place with ``np.frombuffer``: about 13x webdataset, so it is the
 reader here. End to end (reading, collation, thread) the loader gives ~10,800
@@ -84,15 +85,14 @@ from typing import Any
 
 import numpy as np
 
-from factory.runtime.batches import (
+from factory.data.shards.shard_reader import (
     DataError,
-    MicroBatch,
     Sample,
     ShardInfo,
-    collate,
     list_shards,
     read_shard_samples,
 )
+from factory.runtime.batches import MicroBatch, collate
 
 __all__ = ["DataError", "ShardLoader", "sample_order", "shard_order"]
 

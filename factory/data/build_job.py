@@ -1,0 +1,164 @@
+"""``factory.data.build``: run the three stages with resume, workers and progress.
+
+The one data-build job: ``factory data build``, ``factory build`` and
+``factory train`` all call :func:`build`. It prepares ``.work``, has an
+executor (``executors``) run the stages (``stages.run_stages``), then writes the
+quarantine file and the manifest (``build_manifest``).
+
+Layout of the output folder::
+
+    shards/shard-NNNNNN.tar   webdataset shards (tokens, loss mask, cu_seqlens, json)
+    .nv-meta/                 Megatron-Energon metadata
+    megatron/                 optional indexed .bin/.idx
+    quarantine.jsonl          malformed input lines, with their reasons
+    manifest.json             recipe hash, counts per step, drop reasons, shard hashes
+    .work/                    intermediates (kept for resume; safe to delete afterwards)
+
+Everything written is a function of the recipe, its seed and the inputs, so a
+build with any worker count, or one killed and rerun, ends byte-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from factory.data.build_manifest import build_manifest
+from factory.data.executors.local_pool import run_local
+from factory.data.executors.ray_tasks import connect, run_ray
+from factory.data.loaded_recipe import LoadedRecipe, load_recipe, recipe_hash, with_seq_len
+from factory.data.shards.manifest import write_manifest
+from factory.data.stages.curate import UnitTask
+from factory.data.stages.stage_inputs import StageInputs
+from factory.data.stages.unit_files import read_unit_stats
+from factory.data.steps.source_files import expand_source_paths
+from factory.data.steps.tokenize import DocumentTokenizer
+from factory.io import atomic_write_text
+from factory.progress import Progress, silent
+
+__all__ = ["EXECUTORS", "build"]
+
+EXECUTORS = ("local", "ray")
+"""Where the stages run: worker processes on this machine, or Ray tasks."""
+
+
+def _tasks(loaded: LoadedRecipe, work: Path) -> list[UnitTask]:
+    recipe = loaded.recipe
+    tokenizer = loaded.resolve(recipe.tokenizer.path) if recipe.tokenizer.path else None
+    benchmarks = tuple(loaded.resolve(b) for b in recipe.decontam.benchmarks)
+    tasks = []
+    for s_index, source in enumerate(recipe.sources):
+        for f_index, path in enumerate(expand_source_paths(loaded.resolve(source.path))):
+            output = work / "units" / source.name / f"{f_index:05d}.bin"
+            tasks.append(UnitTask(recipe, s_index, f_index, path, output, tokenizer, benchmarks))
+    return tasks
+
+
+def _work_stamp(digest: str, tasks: list[UnitTask]) -> str:
+    """The recipe hash plus every input's size and mtime: changed inputs invalidate ``.work``."""
+    h = hashlib.sha256(digest.encode())
+    for task in tasks:
+        stat = task.input_path.stat()
+        h.update(f"{task.input_path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def _prepare_work(out: Path, digest: str) -> Path:
+    """Reuse ``.work`` only if it was made by this exact recipe and inputs; otherwise start clean."""
+    work = out / ".work"
+    stamp = work / "recipe.sha256"
+    if work.exists() and (not stamp.is_file() or stamp.read_text() != digest):
+        shutil.rmtree(work)
+        for stale in ("shards", ".nv-meta", "megatron", "manifest.json", "quarantine.jsonl"):
+            target = out / stale
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    work.mkdir(parents=True, exist_ok=True)
+    stamp.write_text(digest)
+    # A killed run can leave temporary files behind (never published ones: every
+    # write renames into place). Sweep them so the folder holds only real output.
+    for folder in (work, out / "shards", out / ".nv-meta", out / "megatron"):
+        if folder.is_dir():
+            for leftover in folder.rglob("*"):
+                if leftover.is_file() and ".tmp" in leftover.name:
+                    leftover.unlink()
+    return work
+
+
+def build(
+    recipe: str | Path | LoadedRecipe,
+    out: Path,
+    *,
+    workers: int = 1,
+    seq_len: int | None = None,
+    progress: Progress | None = None,
+    keep_work: bool = True,
+    executor: str = "local",
+    address: str | None = None,
+) -> dict[str, Any]:
+    """Build (or finish building) the shards of ``recipe`` in ``out``; return the manifest.
+
+    ``recipe`` is a shipped recipe's name, a recipe YAML path or a loaded
+    recipe (:func:`~factory.data.loaded_recipe.load_recipe` raises
+    ``BlueprintError`` with every problem before any work starts).
+    ``seq_len`` packs to that length instead of the recipe's (a blueprint's
+    ``data.seq_len`` decides it). ``workers`` processes curate input files in
+    parallel; the output is byte-identical for any count. ``progress`` gets
+    ``curate``, ``dedup`` and ``shards`` reports. ``keep_work=False`` deletes
+    the ``.work`` intermediates afterwards, which gives up resuming.
+
+    ``executor="ray"`` runs the stages as Ray tasks (``factory.data.executors.ray_tasks``)
+    on the cluster at ``address`` (or ``RAY_ADDRESS``), or on a Ray instance
+    started here with ``workers`` CPUs (all when 1); ``out`` must then be a path
+    every node sees. The output is byte-identical to the local executor's.
+    """
+    loaded = recipe if isinstance(recipe, LoadedRecipe) else load_recipe(recipe)
+    if seq_len is not None:
+        loaded = with_seq_len(loaded, seq_len)
+    if executor not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
+    manifest = _build(loaded, out, workers, progress or silent, executor, address)
+    if not keep_work:
+        shutil.rmtree(out / ".work", ignore_errors=True)
+    return manifest
+
+
+def _build(
+    loaded: LoadedRecipe,
+    out: Path,
+    workers: int,
+    progress: Progress,
+    executor: str,
+    address: str | None,
+) -> dict[str, Any]:
+    recipe = loaded.recipe
+    digest = recipe_hash(loaded)
+    out.mkdir(parents=True, exist_ok=True)
+    tasks = _tasks(loaded, out / ".work")
+    _prepare_work(out, _work_stamp(digest, tasks))
+    tokenizer_path = loaded.resolve(recipe.tokenizer.path) if recipe.tokenizer.path else None
+    tokenizer = DocumentTokenizer(tokenizer_path, eos=recipe.tokenizer.eos)
+    inputs = StageInputs(recipe, out, tasks, tokenizer)
+    if executor == "ray":
+        with connect(address, workers if workers > 1 else None):
+            stages = run_ray(inputs, progress)
+    else:
+        stages = run_local(inputs, workers, progress)
+    manifest = build_manifest(loaded, digest, tasks, stages, tokenizer)
+    _write_quarantine(out, tasks)
+    write_manifest(out, manifest)
+    return manifest
+
+
+def _write_quarantine(out: Path, tasks: list[UnitTask]) -> None:
+    lines = [
+        json.dumps(q, sort_keys=True)
+        for t in tasks
+        for q in read_unit_stats(t.output_path)["quarantine"]
+    ]
+    atomic_write_text(out / "quarantine.jsonl", "".join(line + "\n" for line in lines))

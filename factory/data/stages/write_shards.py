@@ -1,0 +1,140 @@
+"""Stage 3's writes: each shard from its plan, side by side, then Megatron's and Energon's files.
+
+Shard ``i`` is a function of its plan alone (``shard_plan``): its task reads
+the planned records by offset, cuts the pieces, materializes the samples and
+writes the tar, so shards are written in any order, on any node.
+:func:`plan_and_write` runs the whole stage through a runner (``runner``).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from factory.data.shards.energon_metadata import write_energon_dataset
+from factory.data.shards.megatron_index import IndexedDatasetWriter
+from factory.data.shards.tar_writer import write_shard
+from factory.data.stages.dedup import DedupCounts
+from factory.data.stages.mixed_stream import MixedStream
+from factory.data.stages.mixing import SourcePlan
+from factory.data.stages.packing import PackingStats, TokenizedDoc, materialize
+from factory.data.stages.runner import Runner
+from factory.data.stages.shard_plan import PlannedPiece, plan_path, plan_shards
+from factory.data.stages.stage_inputs import StageInputs
+from factory.data.stages.unit_files import read_records
+from factory.io import atomic_write_bytes
+from factory.progress import Progress
+
+__all__ = ["StagesResult", "plan_and_write", "write_megatron", "write_planned_shard"]
+
+
+@dataclass(frozen=True)
+class StagesResult:
+    """What the manifest needs of the dedup, mix, pack and write stages (either executor)."""
+
+    dedup: DedupCounts
+    plans: dict[str, SourcePlan]
+    emitted: dict[str, dict[str, int]]
+    shards: list[dict[str, Any]]
+    packing: PackingStats
+
+
+def write_planned_shard(
+    out: Path, work: Path, index: int, unit_order: list[Path], seq_len: int, pad_id: int
+) -> dict[str, Any]:
+    """Write shard ``index`` from its plan; return its receipt. Skips a shard already written."""
+    name = f"shards/shard-{index:06d}.tar"
+    receipt_path = work / "written" / f"shard-{index:06d}.json"
+    if receipt_path.is_file() and (out / name).is_file():
+        return json.loads(receipt_path.read_text(encoding="utf-8"))
+    planned: list[list[PlannedPiece]] = pickle.loads(plan_path(work, index).read_bytes())
+    wanted: dict[int, set[int]] = {}
+    for sample in planned:
+        for _, unit, offset, _, _ in sample:
+            wanted.setdefault(unit, set()).add(offset)
+    records = {u: read_records(unit_order[u], offsets) for u, offsets in sorted(wanted.items())}
+    samples = []
+    for sample in planned:
+        pieces = []
+        for key, unit, offset, start, end in sample:
+            doc = records[unit][offset]
+            pieces.append(TokenizedDoc(key, doc.ids[start:end], doc.mask[start:end]))
+        samples.append(materialize(pieces, seq_len, pad_id))
+    digest = write_shard(out / name, samples, index)
+    receipt = {
+        "name": name,
+        "sha256": digest,
+        "samples": len(samples),
+        "loss_tokens": sum(int(s.loss_mask.sum(dtype="int64")) for s in samples),
+    }
+    atomic_write_bytes(receipt_path, json.dumps(receipt, sort_keys=True).encode())
+    return receipt
+
+
+def write_megatron(
+    units: dict[str, list[Path]],
+    plans: dict[str, SourcePlan],
+    seed: int,
+    prefix: Path,
+    vocab_size: int,
+) -> None:
+    """Megatron's indexed dataset: one ``.bin`` of every mixed document in stream order.
+
+    One file written front to back, so one task: the same stream as the local
+    build's, documents (not packed samples), as Megatron's GPT dataset packs
+    them itself.
+    """
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    writer = IndexedDatasetWriter(prefix, vocab_size=vocab_size)
+    for doc in MixedStream(units, plans, seed):
+        writer.add_document(doc.ids)
+    writer.finalize()
+
+
+def plan_and_write(
+    run: Runner,
+    inputs: StageInputs,
+    dedup: DedupCounts,
+    plans: dict[str, SourcePlan],
+    progress: Progress,
+) -> StagesResult:
+    """Plan the shards (one call), write them (one call each), then Megatron's ``.bin`` and
+    Energon's metadata (one call each), every call through ``run``."""
+    recipe, out, work, tokenizer = inputs.recipe, inputs.out, inputs.work, inputs.tokenizer
+    units, order = inputs.units, inputs.order
+    summary = run(
+        plan_shards,
+        [
+            (
+                units,
+                order,
+                plans,
+                recipe.seed,
+                recipe.packing.seq_len,
+                recipe.packing.window,
+                recipe.output.samples_per_shard,
+                work,
+            )
+        ],
+        "plan",
+        progress,
+    )[0]
+    calls = [
+        (out, work, i, order, recipe.packing.seq_len, tokenizer.pad_id)
+        for i in range(len(summary["samples"]))
+    ]
+    receipts = run(write_planned_shard, calls, "shards", progress)
+    if recipe.output.megatron:
+        prefix = out / "megatron" / recipe.name
+        call = (units, plans, recipe.seed, prefix, tokenizer.vocab_size)
+        run(write_megatron, [call], "megatron", progress)
+    shards = [{k: r[k] for k in ("name", "sha256", "samples")} for r in receipts]
+    if recipe.output.energon:
+        call = (out, [s["name"] for s in shards], [s["samples"] for s in shards])
+        run(write_energon_dataset, [call], "energon", progress)
+    packing = PackingStats(**summary["packing"])
+    packing.loss_tokens = sum(r["loss_tokens"] for r in receipts)
+    return StagesResult(dedup, plans, summary["emitted"], shards, packing)
