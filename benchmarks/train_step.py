@@ -1,7 +1,7 @@
 """One fp32 training step (forward + backward + AdamW) on CPU: ours vs transformers' NemotronH.
 
 Both models hold the same weights: ours is built by ``factory.compile`` and
-exported with ``export_hf``; theirs is that export loaded through
+exported with ``write_hf_checkpoint``; theirs is that export loaded through
 ``AutoModelForCausalLM`` (its pure-PyTorch path: no ``mamba_ssm``, no
 ``causal_conv1d``). They see the same batch, the same loss (plain next-token
 cross-entropy; our MoE aux loss is computed in train mode but not added, so
@@ -74,14 +74,14 @@ def build_models(skew: float = 0.0) -> tuple[torch.nn.Module, torch.nn.Module]:
     from transformers import AutoModelForCausalLM
 
     import factory
-    from factory.exports.hf import export_hf
+    from factory.exports.hf import write_hf_checkpoint
     from factory.schemas import Blueprint
 
     blueprint = Blueprint.model_validate(BLUEPRINT)
     ours = factory.compile(blueprint, device="cpu", seed=0).model
     skew_routers(ours, skew)
     with tempfile.TemporaryDirectory() as tmp:
-        export_hf(ours, blueprint, Path(tmp) / "hf")
+        write_hf_checkpoint(ours, blueprint, Path(tmp) / "hf")
         theirs = AutoModelForCausalLM.from_pretrained(Path(tmp) / "hf", dtype=torch.float32)
     return ours, theirs
 

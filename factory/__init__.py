@@ -23,12 +23,14 @@ from factory.lazy import lazy_getattr
 __version__ = "0.1.0"
 __all__ = [
     "BlueprintError",
+    "BuildFailed",
     "BuildResult",
     "TrainRefused",
     "TrainResult",
     "build",
     "compile",
     "data",
+    "export_hf",
     "load_blueprint",
     "plan",
     "train",
@@ -39,7 +41,8 @@ if TYPE_CHECKING:
     from factory.checks.validate import load_blueprint
     from factory.compilation import compile
     from factory.errors import BlueprintError
-    from factory.jobs.build import BuildResult, build
+    from factory.exports.hf import export_hf
+    from factory.jobs.build import BuildFailed, BuildResult, build
     from factory.jobs.train import TrainRefused, TrainResult, train
     from factory.planner.plan import plan
 
@@ -47,12 +50,14 @@ if TYPE_CHECKING:
 # pydantic-heavy schemas nor, later, torch.
 _LAZY = {
     "BlueprintError": "factory.errors",
+    "BuildFailed": "factory.jobs.build",
     "BuildResult": "factory.jobs.build",
     "TrainRefused": "factory.jobs.train",
     "TrainResult": "factory.jobs.train",
     "build": "factory.jobs.build",
     "compile": "factory.compilation",
     "data": "factory",  # the subpackage itself: ``factory.data.build``
+    "export_hf": "factory.exports.hf",
     "load_blueprint": "factory.checks.validate",
     "plan": "factory.planner.plan",
     "train": "factory.jobs.train",

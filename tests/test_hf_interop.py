@@ -13,7 +13,7 @@ import torch
 from blueprint_factory import DELETE, make
 
 import factory
-from factory.exports.hf import export_hf
+from factory.exports.hf import write_hf_checkpoint
 from factory.schemas import Blueprint
 
 transformers = pytest.importorskip("transformers")
@@ -58,7 +58,7 @@ def _load(directory: Path) -> tuple[torch.nn.Module, dict]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_transformers_loads_our_export_with_equal_logits(case: str, tmp_path: Path) -> None:
     compiled = CASES[case]()
-    export_hf(compiled.model, compiled.blueprint, tmp_path)
+    write_hf_checkpoint(compiled.model, compiled.blueprint, tmp_path)
     hf, info = _load(tmp_path)
     assert type(hf).__name__ == "NemotronHForCausalLM"
     assert info["missing_keys"] == set() or not info["missing_keys"]
@@ -75,7 +75,7 @@ def test_export_writes_release_key_names(tmp_path: Path) -> None:
     from safetensors import safe_open
 
     compiled = CASES["super-proxy"]()
-    export_hf(compiled.model, compiled.blueprint, tmp_path)
+    write_hf_checkpoint(compiled.model, compiled.blueprint, tmp_path)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as handle:
         keys = set(handle.keys())
     assert "backbone.embeddings.weight" in keys and "lm_head.weight" in keys
@@ -137,7 +137,7 @@ def test_import_of_a_non_nemotron_config_is_a_clear_error(cli, tmp_path: Path) -
 
 def test_weights_flag_loads_a_checkpoint(cli, tmp_path: Path) -> None:
     source = CASES["nano-proxy"]()
-    export_hf(source.model, source.blueprint, tmp_path / "src")
+    write_hf_checkpoint(source.model, source.blueprint, tmp_path / "src")
     status, _, err = cli(
         "export",
         "hf",

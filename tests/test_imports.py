@@ -2,10 +2,11 @@
 
 A module-level import is an edge; importing ``factory.a.b`` also runs the
 packages ``factory`` and ``factory.a`` first, so those are edges too. The
-graph must have no cycle. An import inside a function is allowed only for a
-heavy or optional dependency the importing module does not already pull in
-(torch from a torch-free module, Transformer Engine, transformers,
-matplotlib ...), never to dodge a cycle or for the standard library.
+graph must have no cycle. An import inside a function is allowed only for
+torch or an optional extra that the importing module does not already pull in
+(torch from a torch-free module, Transformer Engine, transformers, matplotlib
+...), never to dodge a cycle, for the standard library or for a core
+dependency (docs/architecture.md, "Imports inside functions").
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ PACKAGES = {
 HEAVY = {
     "torch", "transformers", "transformer_engine", "mamba_ssm", "triton", "matplotlib", "numpy",
     "tokenizers", "safetensors", "webdataset", "pyarrow", "datasets", "ray", "megatron",
-    "megatron_energon", "pydantic", "omegaconf", "yaml", "rich", "typer", "click", "xxhash",
-    "jsonschema", "hypothesis", "numba",
+    "megatron_energon", "xxhash", "jsonschema", "hypothesis", "numba",
 }  # fmt: skip
-"""Third-party packages worth deferring: slow to import, or optional extras."""
+"""Third-party packages worth deferring: torch and the optional extras. The core dependencies
+(pydantic, omegaconf, PyYAML, typer, rich) are imported at the top: ``import factory`` and
+``factory validate`` load them anyway."""
 
 
 def _modules() -> dict[str, Path]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
+import click
 import typer
 
 # Importing a command module registers its command on `app`; the order is --help's.
@@ -36,8 +37,6 @@ EXIT_USAGE = 2
 
 def _click_errors() -> tuple[type[Exception], ...]:
     """Click's exception base, and Typer's where Typer vendors its own copy of click."""
-    import click  # deferred: Typer uses its vendored copy, so this is a second, slow import
-
     vendored = getattr(getattr(typer, "exceptions", None), "TyperException", None)
     return (click.ClickException, vendored) if vendored else (click.ClickException,)
 

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.console import Console
 
+import factory
+from factory.checks.validate import load
 from factory.cli.output import EXIT_INVALID, print_diagnostics
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
@@ -45,11 +47,6 @@ def build(
     """Run the whole factory: validate, plan, the model on the meta device, the precision
     table, the HF and Megatron exports, the curated data, a smoke run of the proxy, a
     2-process layout check and one report page. A rerun reuses what is done."""
-
-    from factory.checks.validate import load
-    from factory.jobs.build import BuildFailed
-    from factory.jobs.build import build as build_job
-
     console = Console(stderr=True)
     for stage in skip or []:
         if stage not in STAGES:
@@ -71,7 +68,7 @@ def build(
 
     try:
         with RichProgress(console) as progress:
-            result = build_job(
+            result = factory.build(  # imports numpy and torch when it runs
                 loaded.blueprint,
                 out=out,
                 source=loaded.source,
@@ -88,7 +85,7 @@ def build(
     except ValueError as exc:  # options that contradict each other
         console.print(f"factory build: {exc}", highlight=False)
         raise typer.Exit(EXIT_INVALID) from None
-    except BuildFailed as exc:
+    except factory.BuildFailed as exc:
         console.print(f"[red]build failed[/red] at {exc}", highlight=False)
         raise typer.Exit(1) from None
     report = result.out / "report.html"

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+import factory
 from factory.cli.root import app
 from factory.data.shards.energon_index import META_DIR, check_energon_index
 from factory.data.shards.manifest import verify
@@ -61,9 +62,6 @@ def build_cmd(
     """Curate a recipe's sources into webdataset shards (resumable: rerun after a crash).
 
     Both executors write the same bytes."""
-
-    from factory.data.build_job import build
-
     if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", str(out)):
         raise typer.BadParameter(
             "object-store URLs are not supported: builds publish files by rename; mount the "
@@ -73,7 +71,7 @@ def build_cmd(
     if address is not None and executor is not Executor.ray:
         raise typer.BadParameter("--address needs --executor ray", param_hint="--address")
     with RichProgress(Console(stderr=True)) as progress:
-        manifest = build(
+        manifest = factory.data.build(  # imports numpy when it runs
             recipe,
             out,
             workers=workers,

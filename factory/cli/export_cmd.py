@@ -11,7 +11,11 @@ import factory
 from factory.cli.output import EXIT_INVALID
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
+from factory.exports.hf_config import ExportError
+from factory.exports.hf_import import blueprint_yaml_from_hf
+from factory.exports.megatron import MegatronExportError, export_megatron
 from factory.io import atomic_write_text
+from factory.proxy import derive_proxy
 
 export_app = typer.Typer(
     help="Export a blueprint's model for another engine.", no_args_is_help=True
@@ -36,24 +40,14 @@ def export_hf_cmd(
     overrides: SetOption = None,
 ) -> None:
     """Write config.json and model.safetensors that transformers loads as NemotronHForCausalLM."""
-    from factory.exports.hf import export_hf
-    from factory.exports.hf_config import ExportError, hf_config
-    from factory.graph.weights import load_weights
-
     bp = factory.load_blueprint(target, overrides or [])
     if proxy:
-        from factory.proxy import derive_proxy
-
         bp = derive_proxy(bp)
     try:
-        hf_config(bp)  # refuse before building anything
+        factory.export_hf(bp, out, seed=seed, weights=weights)  # imports torch when it runs
     except ExportError as exc:
         typer.echo(f"{target}: model: {exc}", err=True)
         raise typer.Exit(EXIT_INVALID) from None
-    compiled = factory.compile(bp, seed=seed, precision="off")  # weights only
-    if weights is not None:
-        load_weights(compiled.model, weights)
-    export_hf(compiled.model, compiled.blueprint, out)
     typer.echo(f"wrote {out}/config.json and {out}/model.safetensors")
 
 
@@ -76,8 +70,6 @@ def export_megatron_cmd(
 ) -> None:
     """Write a Megatron-Bridge recipe.py, overrides.yaml, launch.sh, hf/, README.md and, for
     per-module formats, quant_recipe.yaml."""
-    from factory.exports.megatron import MegatronExportError, export_megatron
-
     bp = factory.load_blueprint(target, overrides or [])
     try:
         export_megatron(bp, out, allow_unexpressed=allow_unexpressed, data_format=data)
@@ -100,7 +92,5 @@ def import_hf_cmd(
     out: Annotated[Path, typer.Option("--out", help="Blueprint YAML to write.")],
 ) -> None:
     """Write a blueprint reproducing a NemotronH checkpoint; it starts from that checkpoint's weights."""
-    from factory.exports.hf_import import blueprint_yaml_from_hf
-
     atomic_write_text(out, blueprint_yaml_from_hf(directory))
     typer.echo(f"wrote {out}")

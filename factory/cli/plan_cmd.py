@@ -9,10 +9,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from factory.checks.validate import load
 from factory.cli.output import print_diagnostics
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
+from factory.planner.plan import plan as make_plan
+from factory.precision.policy import flops_share, resolve_policy
+from factory.proxy import derive_proxy
 from factory.report.plan_text import cost_summary, rich_tables
+from factory.schemas.blueprint import Blueprint
 
 
 @app.command()
@@ -29,15 +34,10 @@ def plan(
     ] = False,
 ) -> None:
     """Plan a blueprint: exact parameter counts, FLOPs per token, memory per rank, cost."""
-    from factory.checks.validate import load
-    from factory.planner.plan import plan as make_plan
-
     loaded = load(target, overrides or [])
     print_diagnostics(loaded.warnings)
     blueprint = loaded.blueprint
     if proxy:
-        from factory.proxy import derive_proxy
-
         blueprint = derive_proxy(blueprint)
     if precision:
         _print_precision(blueprint, as_json)
@@ -54,9 +54,7 @@ def plan(
     console.print(cost_summary(result), highlight=False)
 
 
-def _print_precision(blueprint, as_json: bool) -> None:
-    from factory.precision.policy import flops_share, resolve_policy
-
+def _print_precision(blueprint: Blueprint, as_json: bool) -> None:
     table = resolve_policy(blueprint)
     shares = flops_share(table)
     if as_json:

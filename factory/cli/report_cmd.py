@@ -10,6 +10,8 @@ import typer
 
 from factory.cli.output import EXIT_INVALID
 from factory.cli.root import app
+from factory.report.run_metrics import ReportError
+from factory.report.run_page import write_report
 
 
 @app.command()
@@ -25,11 +27,6 @@ def report(
 
     Works on a live run too: a last line the run is still writing is skipped.
     """
-    # Deferred: this module loads pydantic (the monitors' schemas); every command module is
-    # imported at startup, and `factory validate` does not need it.
-    from factory.report.run_metrics import ReportError
-    from factory.report.run_page import write_report
-
     try:
         page = write_report(run_dir, out)
     except ReportError as exc:

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from factory.cli.root import app
+from factory.json_schema import render_schemas, write_schemas
 
 
 @app.command()
@@ -20,7 +21,6 @@ def schema(
     ] = False,
 ) -> None:
     """Write blueprint.schema.json and fragment.schema.json."""
-    from factory.json_schema import render_schemas, write_schemas
 
     if check:
         stale = [

@@ -7,9 +7,13 @@ from typing import Annotated
 
 import typer
 
+from factory.checks.validate import load
 from factory.cli.output import EXIT_INVALID, print_diagnostics
 from factory.cli.root import app
+from factory.data.loaded_recipe import load_recipe
 from factory.errors import BlueprintError, Diagnostic
+from factory.loading.blueprint import preset_names, resolve_source
+from factory.loading.documents import RECIPE, document_kind
 from factory.loading.shipped import shipped_dir, shipped_names
 
 SetOption = Annotated[
@@ -20,8 +24,6 @@ SetOption = Annotated[
 
 def _default_targets(with_recipes: bool) -> list[tuple[str, Path | None]]:
     """Every preset and, unless overrides were given (they address blueprints), every recipe."""
-    from factory.loading.blueprint import preset_names
-
     targets: list[tuple[str, Path | None]] = [(name, None) for name in preset_names()]
     if with_recipes:
         folder = shipped_dir("factory.data_recipes")
@@ -32,10 +34,6 @@ def _default_targets(with_recipes: bool) -> list[tuple[str, Path | None]]:
 
 def _check(target: str, recipe: Path | None, overrides: list[str]) -> tuple[Path, list[Diagnostic]]:
     """Validate one target; return its file and warnings, or raise BlueprintError."""
-    from factory.checks.validate import load
-    from factory.loading.blueprint import resolve_source
-    from factory.loading.documents import RECIPE, document_kind
-
     source = recipe or resolve_source(target)
     # A preset name resolves to a shipped blueprint; only a path needs its keys read.
     if recipe is None and source == Path(target) and document_kind(source) == RECIPE:
@@ -46,8 +44,6 @@ def _check(target: str, recipe: Path | None, overrides: list[str]) -> tuple[Path
     if overrides:
         message = f"--set applies to blueprints; {target} is a data recipe"
         raise BlueprintError([Diagnostic("", message, "--set", 1)])
-    from factory.data.loaded_recipe import load_recipe
-
     return load_recipe(recipe).source, []
 
 

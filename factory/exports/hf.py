@@ -16,13 +16,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import factory
 from factory.exports.hf_config import hf_config
+from factory.graph.weights import load_weights
 from factory.io import staged_directory
 from factory.layers.model_spec import model_spec
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.model import ModelConfig
 
-__all__ = ["export_hf", "to_checkpoint_state_dict"]
+__all__ = ["export_hf", "to_checkpoint_state_dict", "write_hf_checkpoint"]
 
 
 Weights = nn.Module | Mapping[str, torch.Tensor]
@@ -56,7 +58,7 @@ def to_checkpoint_state_dict(weights: Weights, cfg: ModelConfig) -> dict[str, to
     return out
 
 
-def export_hf(weights: Weights, bp: Blueprint, out: Path) -> Path:
+def write_hf_checkpoint(weights: Weights, bp: Blueprint, out: Path) -> Path:
     """Write ``out/config.json`` and ``out/model.safetensors`` (atomically: all or nothing)
     from ``bp``'s model or its weights."""
     from safetensors.torch import save_file
@@ -71,3 +73,17 @@ def export_hf(weights: Weights, bp: Blueprint, out: Path) -> Path:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
     return out
+
+
+def export_hf(
+    blueprint: Blueprint, out: Path, *, seed: int = 0, weights: Path | None = None
+) -> Path:
+    """``factory export hf``: ``blueprint``'s model, initialised from ``seed`` or read from
+    the checkpoint ``weights`` (``.safetensors``, ``.pt`` or a Hugging Face folder), as a
+    Hugging Face checkpoint in ``out``. What NemotronH cannot express is refused
+    (:class:`~factory.exports.hf_config.ExportError`) before anything is built."""
+    hf_config(blueprint)
+    compiled = factory.compile(blueprint, seed=seed, precision="off")  # weights only
+    if weights is not None:
+        load_weights(compiled.model, weights)
+    return write_hf_checkpoint(compiled.model, compiled.blueprint, out)

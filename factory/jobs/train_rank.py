@@ -28,7 +28,7 @@ import torch.distributed as dist
 import factory
 from factory.compilation import Compiled
 from factory.data.build_job import build as build_data
-from factory.exports.hf import export_hf
+from factory.exports.hf import write_hf_checkpoint
 from factory.io import atomic_write_text
 from factory.jobs.train import (
     BadData,
@@ -96,7 +96,7 @@ def run_rank(
     if weights is not None:  # rank 0
         progress("export", 0, 1)
         _write_summary(result, data)
-        export_hf(weights, bp, out / "model")
+        write_hf_checkpoint(weights, bp, out / "model")
         progress("export", 1, 1)
     return result
 

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from factory.dotted_paths import join_path
 from factory.errors import BlueprintError, Diagnostic, SourceMap
@@ -95,8 +97,6 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 
 def _apply_overrides(data: dict[str, Any], source_map: SourceMap, overrides: Sequence[str]) -> Any:
-    from omegaconf import OmegaConf
-
     cfg = OmegaConf.create(data)
     for index, item in enumerate(overrides, start=1):
         key, sep, _ = item.partition("=")
@@ -119,8 +119,6 @@ def _apply_overrides(data: dict[str, Any], source_map: SourceMap, overrides: Seq
 
 
 def _omegaconf_errors() -> tuple[type[BaseException], ...]:
-    from omegaconf.errors import OmegaConfBaseException
-
     # OmegaConf parses override values with PyYAML ('a==' is a YAMLError); ValueError: an
     # integer too long to convert; RecursionError: '[[[...]]]' 3000 deep in an override.
     return (OmegaConfBaseException, yaml.YAMLError, ValueError, RecursionError)
@@ -139,9 +137,7 @@ def compose(path: Path, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], 
     path = path.resolve()
     data, source_map = _load_tree(path, (path,))
     if not overrides and not _has_interpolation(data):
-        return data, source_map  # nothing for OmegaConf to do: skip importing it
-    from omegaconf import OmegaConf
-
+        return data, source_map  # nothing for OmegaConf to do
     cfg = _apply_overrides(data, source_map, overrides)
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)

@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from factory.errors import BlueprintError, Diagnostic
 from factory.loading.yaml_source import display_path, read_yaml
+from factory.schemas.blueprint import Blueprint
+from factory.schemas.data_recipe import DataRecipe
 
 __all__ = ["BLUEPRINT", "RECIPE", "Kind", "document_kind", "kind_of"]
 
@@ -30,9 +32,6 @@ _BLUEPRINT_ONLY = frozenset(
 
 
 def _top_level_keys() -> dict[Kind, list[str]]:
-    from factory.schemas.blueprint import Blueprint
-    from factory.schemas.data_recipe import DataRecipe
-
     return {BLUEPRINT: ["extends", *Blueprint.model_fields], RECIPE: [*DataRecipe.model_fields]}
 
 
@@ -47,7 +46,7 @@ def kind_of(data: Any, file: str) -> Kind:
         message = "a blueprint or a data recipe must be a mapping of keys"
         raise BlueprintError([Diagnostic("", message, file, 1)])
     if data and all(k in _BLUEPRINT_ONLY for k in data):
-        return BLUEPRINT  # the common case, decided without building the recipe schema
+        return BLUEPRINT  # the common case, decided without scoring
     keys = _top_level_keys()
     exact = {kind: sum(k in names for k in data) for kind, names in keys.items()}
     close = {
