@@ -12,7 +12,7 @@ same initial weights, and the same data order:
 * ``nvfp4_no_hadamard``: the same with ``precision.nvfp4.hadamard=false``;
 * ``nvfp4_no_sr``: the same with ``precision.nvfp4.stochastic_rounding=false``.
 
-Training is :func:`factory.runtime.trainer.train` with the blueprint's AdamW,
+Training is :func:`factory.runtime.trainer.fit` with the blueprint's AdamW,
 WSD schedule, clipping and batch (global 8 x 256 tokens, micro 2).
 
 What is measured and how it is summarized (loss gaps vs bf16, spikes, step
@@ -80,7 +80,7 @@ def run_config(
     import factory
     from factory.checks.validate import load_blueprint
     from factory.runtime.loader import ShardLoader
-    from factory.runtime.trainer import RunOptions, train
+    from factory.runtime.trainer import RunOptions, fit
 
     config = CONFIGS[name]
     blueprint = load_blueprint(preset, list(config.overrides))
@@ -93,7 +93,7 @@ def run_config(
     options = RunOptions(log_every=log_every, progress=progress, seed=seed, description=name)
     micro = compiled.blueprint.parallelism.micro_batch_size
     with ShardLoader(data, micro, seed=seed) as batches:
-        result = train(compiled, batches, steps, options)
+        result = fit(compiled, batches, steps, options)
     described = {
         "description": config.description,
         "overrides": list(config.overrides),

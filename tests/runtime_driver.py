@@ -56,7 +56,7 @@ def main() -> None:
     torch.set_num_threads(1)  # the same reduction order in every process
     import factory
     from factory.runtime.loader import ShardLoader
-    from factory.runtime.trainer import RunOptions, train
+    from factory.runtime.trainer import RunOptions, fit
     from factory.schemas.blueprint import Blueprint
 
     bp = Blueprint.model_validate(spec["blueprint"])
@@ -69,7 +69,7 @@ def main() -> None:
         resume=spec.get("resume", False),
     )
     with ShardLoader(Path(spec["data"]), bp.parallelism.micro_batch_size, seed=3) as loader:
-        result = train(compiled, loader, spec["steps"], options)
+        result = fit(compiled, loader, spec["steps"], options)
     print(json.dumps({"end": result.end, "steps": len(result.records)}))
 
 

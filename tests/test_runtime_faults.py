@@ -23,7 +23,7 @@ from factory.runtime.batches import build_shards
 from factory.runtime.checkpoint import complete_checkpoints
 from factory.runtime.loader import ShardLoader
 from factory.runtime.schedule import learning_rate
-from factory.runtime.trainer import RunHistory, RunOptions, train
+from factory.runtime.trainer import RunHistory, RunOptions, fit
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,7 @@ def _run(
     monkeypatch.setattr(trainer, "forward_backward", forward_backward)
     options = RunOptions(run_dir=run_dir, checkpoint_every=every)
     with ShardLoader(data, bp.parallelism.micro_batch_size, seed=1) as loader:
-        result = train(compiled, loader, steps, options)
+        result = fit(compiled, loader, steps, options)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return result, [json.loads(line) for line in lines]
 

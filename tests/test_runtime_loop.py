@@ -18,7 +18,7 @@ from factory.data.shards.shard_reader import read_samples
 from factory.runtime.batches import build_shards
 from factory.runtime.loader import ShardLoader
 from factory.runtime.schedule import learning_rate
-from factory.runtime.trainer import train
+from factory.runtime.trainer import fit
 from factory.schemas.training import TrainingConfig
 from factory.spec.layer_type import layer_type
 
@@ -83,7 +83,7 @@ def test_schedule_warms_up_holds_and_decays_to_min_lr() -> None:
 def test_tiny_run_learns_and_is_bit_reproducible(batches: ShardLoader) -> None:
     bp = tiny_blueprint()
     runs = [factory.compile(bp, seed=0, precision="off") for _ in range(2)]
-    results = [train(compiled, batches, STEPS) for compiled in runs]
+    results = [fit(compiled, batches, STEPS) for compiled in runs]
     first, second = ([r.loss for r in res.records] for res in results)
     assert first == second  # exact, not approximate
     for a, b in zip(
@@ -103,7 +103,7 @@ def test_switch_to_bf16_happens_at_its_token_fraction(batches: ShardLoader) -> N
     compiled = factory.compile(bp, seed=0, precision="emulate")
     runtime = compiled.precision
     assert runtime is not None and runtime.ops
-    result = train(compiled, batches, 4)  # half of the STEPS * GLOBAL * SEQ tokens: 4 steps
+    result = fit(compiled, batches, 4)  # half of the STEPS * GLOBAL * SEQ tokens: 4 steps
     assert [r.switched_to_bf16 for r in result.records] == [False, False, False, True]
     assert runtime.switched
     assert all(not op.quantize_forward and op.quantize_backward for op in runtime.ops)
@@ -111,8 +111,8 @@ def test_switch_to_bf16_happens_at_its_token_fraction(batches: ShardLoader) -> N
 
 def test_nvfp4_run_stays_finite_and_near_unquantized(batches: ShardLoader) -> None:
     bp = tiny_blueprint()
-    quantized = train(factory.compile(bp, seed=0, precision="emulate"), batches, 3)
-    baseline = train(factory.compile(bp, seed=0, precision="off"), batches, 3)
+    quantized = fit(factory.compile(bp, seed=0, precision="emulate"), batches, 3)
+    baseline = fit(factory.compile(bp, seed=0, precision="off"), batches, 3)
     assert not quantized.diverged and all(r.finite for r in quantized.records)
     assert quantized.lm_losses != baseline.lm_losses  # the policy is really applied
     for q, b in zip(quantized.lm_losses, baseline.lm_losses, strict=True):
@@ -122,8 +122,8 @@ def test_nvfp4_run_stays_finite_and_near_unquantized(batches: ShardLoader) -> No
 def test_compiled_blocks_train_as_the_eager_model(batches: ShardLoader) -> None:
     on = tiny_blueprint(training={"compile": True, "steps": 3})
     compiled = factory.compile(on, seed=0, precision="off")
-    result = train(compiled, batches, 3)
-    eager = train(factory.compile(tiny_blueprint(), seed=0, precision="off"), batches, 3)
+    result = fit(compiled, batches, 3)
+    eager = fit(factory.compile(tiny_blueprint(), seed=0, precision="off"), batches, 3)
     blocks = compiled.model.backbone.layers
     static = [layer_type(b.symbol).static_shapes for b in blocks]
     assert [b._compiled_call_impl is not None for b in blocks] == static
@@ -132,14 +132,14 @@ def test_compiled_blocks_train_as_the_eager_model(batches: ShardLoader) -> None:
         assert abs(c - e) <= 1e-4 * e
     emulated = factory.compile(on, seed=0, precision="emulate")
     with pytest.raises(ValueError, match=r"training\.compile needs precision off"):
-        train(emulated, batches, 1)
+        fit(emulated, batches, 1)
 
 
 def test_a_non_finite_loss_stops_the_run(batches: ShardLoader) -> None:
     compiled = factory.compile(tiny_blueprint(), seed=0, precision="off")
     with torch.no_grad():
         compiled.model.lm_head.weight[0, 0] = float("nan")
-    result = train(compiled, batches, STEPS)
+    result = fit(compiled, batches, STEPS)
     # No run folder, so no checkpoint to roll back to: the run stops before any update.
     assert result.diverged and result.records == []
     assert [e.monitor for e in result.events] == ["non_finite"]

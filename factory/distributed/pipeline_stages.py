@@ -36,7 +36,7 @@ from factory.planner.layout import Layout
 __all__ = [
     "AttachAuxLoss",
     "PipelineStageModule",
-    "StageRecord",
+    "StageForward",
     "segment_bounds",
     "split_stages",
     "stage_named_parameters",
@@ -61,7 +61,7 @@ class AttachAuxLoss(torch.autograd.Function):
         return grad, torch.full_like(ctx.aux_like, ctx.scale), None
 
 
-class StageRecord(NamedTuple):
+class StageForward(NamedTuple):
     """What one forward pass of a stage measured (all detached)."""
 
     tokens_per_expert: dict[str, torch.Tensor]
@@ -116,7 +116,7 @@ class PipelineStageModule(nn.Module):
         self.mtp = model.mtp if self.is_last else None
         self.aux_scale = 1.0
         """Gradient of this stage's aux loss in the step's loss: 1 / micro-batches."""
-        self.records: list[StageRecord] = []
+        self.records: list[StageForward] = []
 
     @property
     def shared_embedding(self) -> nn.Parameter | None:
@@ -189,7 +189,7 @@ class PipelineStageModule(nn.Module):
     ) -> torch.Tensor:
         total = torch.stack(aux).sum() if aux else None
         detached = {name: tokens.detach() for name, tokens in routed.items()}
-        self.records.append(StageRecord(detached, None if total is None else total.detach(), rms))
+        self.records.append(StageForward(detached, None if total is None else total.detach(), rms))
         if total is None or not torch.is_grad_enabled():
             return out
         return AttachAuxLoss.apply(out, total, self.aux_scale)

@@ -48,7 +48,7 @@ from factory.runtime.display import StepProgress
 from factory.runtime.loader import DataError, ShardLoader
 from factory.runtime.placement import full_weights, lay_out
 from factory.runtime.ranks import Ranks, is_transport_failure, joined_ranks
-from factory.runtime.trainer import RunHistory, RunOptions, Trainer, train
+from factory.runtime.trainer import RunHistory, RunOptions, Trainer, fit
 from factory.schemas.blueprint import Blueprint
 
 __all__ = ["run_rank"]
@@ -164,7 +164,7 @@ def _fit(
     micro = bp.parallelism.micro_batch_size
     try:
         with ShardLoader(shards, micro, seed=seed, verify=True, **share) as batches:
-            return train(compiled, batches, steps, options, extra)
+            return fit(compiled, batches, steps, options, extra)
     except DataError as exc:
         raise BadData(str(exc)) from exc
     except CheckpointError as exc:

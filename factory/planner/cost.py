@@ -28,7 +28,7 @@ from factory.schemas.parallelism import GPU_SPECS
 
 __all__ = [
     "CHECKPOINT_BYTES_PER_PARAM",
-    "CheckpointPolicy",
+    "CheckpointInterval",
     "CostPlan",
     "FailurePlan",
     "daly_interval",
@@ -115,7 +115,7 @@ def lost_seconds(
 
 
 @dataclass(frozen=True)
-class CheckpointPolicy:
+class CheckpointInterval:
     """One checkpoint interval and what it loses over the run."""
 
     interval_seconds: float
@@ -134,12 +134,12 @@ class CheckpointPolicy:
         return asdict(self)
 
 
-def _policy(interval: float, steps: float, world: int, **model: float) -> CheckpointPolicy:
+def _policy(interval: float, steps: float, world: int, **model: float) -> CheckpointInterval:
     """``interval`` seconds of work (``steps`` optimizer steps) between checkpoints."""
     run, delta = model["run"], model["delta"]
     lost = lost_seconds(interval, **model)
     blocked = run / interval * delta
-    return CheckpointPolicy(
+    return CheckpointInterval(
         interval_seconds=interval,
         interval_steps=steps,
         checkpoints=run / interval,
@@ -164,10 +164,10 @@ class CheckpointMode:
     """Work a failure loses on top of the half interval (async: the background write)."""
     young_interval_seconds: float
     daly_interval_seconds: float
-    optimal: CheckpointPolicy
+    optimal: CheckpointInterval
     """At Young's interval, but never shorter than one step nor (async) than the background
     write, which must end before the next checkpoint starts, and never longer than the run."""
-    blueprint: CheckpointPolicy
+    blueprint: CheckpointInterval
     """At the blueprint's training.checkpoint_interval."""
 
     def to_dict(self) -> dict[str, object]:

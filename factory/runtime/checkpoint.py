@@ -51,7 +51,7 @@ __all__ = [
     "Checkpointer",
     "clone_tensors",
     "complete_checkpoints",
-    "load",
+    "read_checkpoint",
     "read_meta",
     "single_process_quiet",
 ]
@@ -195,7 +195,7 @@ def _local_file(rank: int) -> str:
     return f"rank{rank}.pt"
 
 
-def load(
+def read_checkpoint(
     path: Path, state: dict[str, Any], fingerprint: str, rank: int = 0
 ) -> tuple[dict[str, Any], dict]:
     """Fill ``state`` (tensors of the right shapes, DTensors for sharded ones) from checkpoint

@@ -105,7 +105,7 @@ def restore(
     """Load checkpoint ``path`` into the model and optimizer (``rank``'s process-local state);
     return its position, data state and meta (which holds the callbacks' states)."""
     state = {"model": compiled.model.state_dict(), "optimizer": optimizer.empty_state_dict()}
-    meta, local = checkpoint.load(path, state, fingerprint(compiled), rank)
+    meta, local = checkpoint.read_checkpoint(path, state, fingerprint(compiled), rank)
     # DCP filled the state dict's tensors in place; a model whose state dict presents some
     # tensors in another layout (tensor parallelism's Mamba projections) takes them back here.
     compiled.model.load_state_dict(state["model"])

@@ -23,7 +23,7 @@ the trainer. Everything else happens in callbacks (``factory.runtime.callbacks``
 the stability monitors (``warn`` logs, ``stop`` checkpoints and ends the run,
 ``rollback`` returns to the last checkpoint before the trouble began, skips the
 data that led there and anneals the learning rate), ``metrics.jsonl``, the
-progress display and periodic checkpoints. :func:`train` runs the standard set.
+progress display and periodic checkpoints. :func:`fit` runs the standard set.
 
 A non-finite loss or gradient norm never reaches the weights. Given the same
 compiled model, batches and seed, two runs are bit-identical, and a run resumed
@@ -62,9 +62,9 @@ __all__ = [
     "RunOptions",
     "StepRecord",
     "Trainer",
+    "fit",
     "learning_rate_at",
     "standard_callbacks",
-    "train",
 ]
 
 
@@ -413,7 +413,7 @@ class Trainer:
         return True
 
 
-def train(
+def fit(
     compiled: Compiled,
     batches: BatchSource,
     steps: int | None = None,

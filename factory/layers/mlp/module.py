@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from factory.kernels.moe_dispatch import relu_squared
+from factory.kernels.moe_dispatch import activate
 from factory.schemas.model import ModelConfig
 
-__all__ = ["MLP", "activate", "build"]
-
-
-def activate(h: torch.Tensor, activation: str, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """relu2: relu(h)^2 (Nemotron's non-gated squared ReLU); swiglu: silu(gate) * h."""
-    if activation == "relu2":
-        return relu_squared(h)
-    if activation == "swiglu":
-        assert gate is not None, "swiglu needs the gate projection"
-        return F.silu(gate) * h
-    raise ValueError(f"unknown activation {activation!r}")
+__all__ = ["MLP", "build"]
 
 
 class MLP(nn.Module):
@@ -33,7 +22,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token-wise: ``document_ids`` changes nothing."""
         gate = self.gate_proj(x) if self.gate_proj is not None else None
-        return self.down_proj(activate(self.up_proj(x), self.activation, gate))
+        return self.down_proj(activate(self.up_proj(x), gate, self.activation))
 
 
 def build(model: ModelConfig) -> MLP:
