@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from factory.checks import run_rules
+from factory.layers.model_spec import expert_layer_types
 from factory.proxy import PROXY_GLOBAL_BATCH, PROXY_MICRO_BATCH, derive_proxy
 from factory.schemas.blueprint import Blueprint
 
@@ -63,7 +64,7 @@ def derive_proxy_layout(bp: Blueprint, world_size: int, width: int = 256) -> Pro
     if world_size == 1:
         return ProxyLayout((proxy, []))
     par = bp.parallelism
-    has_moe = bp.model.moe is not None and "E" in bp.model.pattern
+    has_moe = bool(expert_layer_types(bp.model))
     wanted = {"pp": par.pp, "tp": par.tp, "ep": par.ep if has_moe else 1}
     degrees: dict[str, Any] = {"pp": 1, "tp": 1, "ep": 1, "sp": par.sequence_parallel or has_moe}
     for name in ("pp", "tp", "ep"):

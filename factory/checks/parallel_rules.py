@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import factory.layers  # noqa: F401  (registers the built-in layer types before the loop below)
 from factory.checks.registry import Finding, layer_rule, rule
 from factory.dotted_paths import join_path
+from factory.layers.model_spec import expert_layer_types
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.parallelism import GPU_SPECS
-from factory.spec.layer_type import LAYER_TYPES, LayerType
+from factory.spec.layer_type import LayerType
 
 __all__: list[str] = []
 
@@ -114,13 +114,16 @@ def cp_layer(kind: LayerType, bp: Blueprint) -> Iterator[Finding]:
 @rule("parallelism.ep_experts")
 def ep_experts(bp: Blueprint) -> Iterator[Finding]:
     """EP splits the routed experts of the layers that have them, each as its type says."""
-    ep = bp.parallelism.ep
-    rules = [kind.ep_rules(bp.model, ep) for kind in LAYER_TYPES.values() if _configured(kind, bp)]
-    problems = [r for r in rules if r is not None]
-    if not problems and ep > 1:
-        yield Finding("parallelism.ep", f"ep={ep} needs layers with routed experts (MoE)")
-    for message in dict.fromkeys(m for found in problems for m in found):
-        yield Finding("parallelism.ep", message)
+    yield from _expert_split(bp, bp.parallelism.ep, "parallelism.ep")
+
+
+def _expert_split(bp: Blueprint, ep: int, path: str) -> Iterator[Finding]:
+    """Findings on splitting ``bp``'s routed experts over ``ep`` ranks, at ``path``."""
+    kinds = [kind for kind in expert_layer_types(bp.model) if _configured(kind, bp)]
+    if not kinds and ep > 1:
+        yield Finding(path, f"ep={ep} needs layers with routed experts (MoE)")
+    for message in dict.fromkeys(m for kind in kinds for m in kind.ep_rules(bp.model, ep)):
+        yield Finding(path, message)
 
 
 @rule("parallelism.pipeline")
@@ -297,17 +300,8 @@ def modules(bp: Blueprint) -> Iterator[Finding]:
                 f"ranks [{mod.rank_offset}, {end}) fall outside the world [0, {world})",
             )
         if name == "language":
-            yield from _language_ep(bp, mod.ep, f"{base}.ep")
+            yield from _expert_split(bp, mod.ep, f"{base}.ep")
     yield from _module_tiling(bp)
-
-
-def _language_ep(bp: Blueprint, ep: int, path: str) -> Iterator[Finding]:
-    """The language module's EP obeys the same expert-count rule as the top-level ep."""
-    moe = bp.model.moe
-    if moe is None and ep > 1:
-        yield Finding(path, f"ep={ep} needs MoE layers but model.moe is not set")
-    elif moe is not None and moe.num_experts % ep:
-        yield Finding(path, f"ep={ep} must divide num_experts ({moe.num_experts})")
 
 
 def _module_tiling(bp: Blueprint) -> Iterator[Finding]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import factory
 from factory.jobs.build_checks import run_losses
+from factory.layers.model_spec import expert_layer_types
 from factory.proxy import derive_proxy
 from factory.proxy_layout import proxy_with_layout
 
@@ -30,7 +31,7 @@ CHECK_TIMEOUT_S = 900
 
 def check_blueprint(bp: Blueprint) -> Blueprint:
     """``bp``'s proxy on :data:`CHECK_WORLD_SIZE` ranks: DP, with EP over them under MoE."""
-    has_moe = bp.model.moe is not None and "E" in bp.model.pattern
+    has_moe = bool(expert_layer_types(bp.model))
     degrees = {"pp": 1, "tp": 1, "ep": CHECK_WORLD_SIZE if has_moe else 1, "sp": False}
     laid_out = proxy_with_layout(derive_proxy(bp), CHECK_WORLD_SIZE, degrees)
     if laid_out is None:  # the proxy's experts do not split in two

@@ -24,6 +24,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from factory.layers.model_spec import expert_layer_types
+
 if TYPE_CHECKING:
     from factory.schemas.blueprint import Blueprint
 
@@ -66,7 +68,7 @@ def check_launch(bp: Blueprint, world_size: int) -> None:
             "yet (the Megatron export carries it); use --set parallelism.cp=1",
             path="parallelism.cp",
         )
-    has_moe = bp.model.moe is not None and "E" in bp.model.pattern
+    has_moe = bool(expert_layer_types(bp.model))
     if has_moe and par.expert_tp > 1:
         raise LaunchRefused(
             f"parallelism.etp={par.expert_tp} (it defaults to tp): factory's runtime keeps "

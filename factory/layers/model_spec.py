@@ -16,10 +16,10 @@ from functools import lru_cache
 
 from factory.layers import mtp
 from factory.schemas.model import ModelConfig
-from factory.spec.layer_type import LayerType, layer_type, registry_revision
+from factory.spec.layer_type import LAYER_TYPES, LayerType, layer_type, registry_revision
 from factory.spec.tensors import Gemm, Init, Role, Split, TensorSpec, norm
 
-__all__ = ["LayerSpec", "ModelSpec", "model_spec"]
+__all__ = ["LayerSpec", "ModelSpec", "expert_layer_types", "model_spec"]
 
 
 @dataclass(frozen=True)
@@ -148,3 +148,8 @@ def _model_spec(model: ModelConfig, revision: int) -> ModelSpec:
         final_norm=norm("backbone.norm_f.weight", d),
         head=head,
     )
+
+
+def expert_layer_types(model: ModelConfig) -> list[LayerType]:
+    """The registered layer types ``model`` builds that route tokens to experts."""
+    return [kind for kind in LAYER_TYPES.values() if kind.routes_experts and kind.used_by(model)]

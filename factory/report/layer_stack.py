@@ -12,12 +12,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+import factory.layers  # noqa: F401  (registers the built-in layer types the picture names)
 from factory.report.html_parts import escape, legend_key, svg
+from factory.spec.layer_type import LAYER_TYPES
 
 __all__ = ["PRECISION_COLOURS", "Segment", "layer_stack_svg", "segments"]
 
-TYPE_COLOURS = {"M": "#4c78a8", "*": "#f58518", "-": "#54a24b", "E": "#b279a2"}
-TYPE_NAMES = {"M": "Mamba-2", "*": "attention", "-": "MLP", "E": "MoE"}
+TYPE_PALETTE = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#eeca3b")
+"""Layer types take these colours in registration order (M, *, -, E, then any added)."""
 PRECISION_COLOURS = {
     "nvfp4": "#e7298a",
     "mxfp8": "#17becf",
@@ -96,8 +98,19 @@ def _precision_cell(
     return "".join(parts) + "</g>"
 
 
+def _type_colour(symbol: str) -> str:
+    symbols = list(LAYER_TYPES)
+    index = symbols.index(symbol) if symbol in symbols else len(TYPE_PALETTE)
+    return TYPE_PALETTE[index] if index < len(TYPE_PALETTE) else OTHER_COLOUR
+
+
+def _type_title(symbol: str) -> str:
+    kind = LAYER_TYPES.get(symbol)
+    return symbol if kind is None else kind.title or kind.name
+
+
 def _cell(x: float, y: float, size: float, symbol: str, title: str) -> str:
-    colour = TYPE_COLOURS.get(symbol, OTHER_COLOUR)
+    colour = _type_colour(symbol)
     return (
         f'<rect class="layer-cell" x="{x:.2f}" y="{y}" width="{size:.2f}" height="{TYPE_ROW}" '
         f'fill="{colour}"><title>{escape(title)}</title></rect>'
@@ -122,11 +135,11 @@ def _cut(x: float, bottom: int) -> str:
 
 
 def _legend(y: int, recipes: list[str]) -> str:
-    items = [(TYPE_COLOURS[s], f"{s}  {TYPE_NAMES[s]}") for s in TYPE_NAMES]
+    items = [(_type_colour(s), f"{s}  {_type_title(s)}") for s in LAYER_TYPES]
     items += [(precision_colour(r), r.upper()) for r in recipes]
     parts, x = [], 0
     for i, (colour, label) in enumerate(items):
-        if i == len(TYPE_NAMES) and recipes:
+        if i == len(LAYER_TYPES) and recipes:
             parts.append(f'<text x="{x + 10}" y="{y + 11}" font-size="11">GEMM formats:</text>')
             x += 96
         parts.append(legend_key(x, y, colour, label))
@@ -154,7 +167,7 @@ def layer_stack_svg(
         )
         for j, symbol in enumerate(seg.pattern):
             index, x = seg.start + j, (seg.start + j) * pitch
-            title = f"layer {index}: {TYPE_NAMES.get(symbol, symbol)} · {where}"
+            title = f"layer {index}: {_type_title(symbol)} · {where}"
             parts.append(_cell(x, TOP, size, symbol, title))
             if modules is not None and ("main", index) in by_cell:
                 parts.append(_precision_cell(x, strip, size, by_cell[("main", index)], title))
@@ -171,7 +184,7 @@ def layer_stack_svg(
         start = (count + gap_cells) * pitch
         for k, symbol in enumerate(mtp_pattern):
             x = start + k * pitch
-            title = f"MTP block {k}: {TYPE_NAMES.get(symbol, symbol)} · last PP rank"
+            title = f"MTP block {k}: {_type_title(symbol)} · last PP rank"
             parts.append(_cell(x, TOP, size, symbol, title))
             if modules is not None and ("mtp", k) in by_cell:
                 parts.append(_precision_cell(x, strip, size, by_cell[("mtp", k)], title))

@@ -145,6 +145,11 @@ class LayerType:
     ``torch.compile`` traces the block once (``factory.graph.block_compile``). False where
     the data decides shapes, as routing decides each expert's rows."""
 
+    title: ClassVar[str | None] = None
+    """How pages and pictures name the layer type ('Mamba-2', 'MoE'); None: its ``name``."""
+    routes_experts: ClassVar[bool] = False
+    """The layer routes tokens to experts, which expert parallelism splits over EP ranks."""
+
     context_parallel: ClassVar[str | None] = None
     """How the layer splits across a context-parallel group: ``"token_wise"`` (no token sees
     another: nothing to exchange), ``"kv_exchange"`` (attention: every rank's queries need
@@ -204,11 +209,11 @@ class LayerType:
         validate`` reports them as ``parallelism.cp_<name>``."""
         return []
 
-    def ep_rules(self, model: ModelConfig, ep: int) -> list[str] | None:
+    def ep_rules(self, model: ModelConfig, ep: int) -> list[str]:
         """Why ``ep`` expert-parallel ranks cannot split this layer's routed experts (empty
-        when they can); None for a layer without routed experts. ``factory validate``
+        when they can; only asked of a layer that ``routes_experts``). ``factory validate``
         reports them as ``parallelism.ep_experts``."""
-        return None
+        return []
 
     def tp_whole_linears(self, model: ModelConfig, tp: int) -> tuple[str, ...]:
         """The mixer's column linears (names under the mixer) that every rank holds whole at

@@ -35,6 +35,7 @@ __all__ = ["SelfAttention"]
 class SelfAttention(LayerType):
     symbol = "*"
     name = "attention"
+    title = "attention"
     section = "attention"
     context_parallel = "kv_exchange"
     hf_block_type = "full_attention"

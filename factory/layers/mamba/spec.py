@@ -52,6 +52,7 @@ MEGATRON_MIXER_DEFAULTS = {
 class Mamba(LayerType):
     symbol = "M"
     name = "mamba"
+    title = "Mamba-2"
     section = "mamba"
     context_parallel = "heads_all_to_all"
     hf_block_type = "linear_attention"

@@ -77,6 +77,7 @@ def swiglu_factor(activation: str, flops: int) -> int:
 class DenseMLP(LayerType):
     symbol = "-"
     name = "mlp"
+    title = "MLP"
     section = "mlp"
     context_parallel = "token_wise"
     hf_block_type = "mlp"

@@ -48,6 +48,8 @@ def mlp_bias(model: ModelConfig) -> bool:
 class MixtureOfExperts(LayerType):
     symbol = "E"
     name = "moe"
+    title = "MoE"
+    routes_experts = True
     section = "moe"
     context_parallel = "token_wise"
     hf_block_type = "moe"
