@@ -13,6 +13,8 @@ from blueprint_factory import make
 
 import factory
 from factory.graph.loss import language_model_loss
+from factory.kernels.document_attention import QueryRun
+from factory.layers.attention.module import _masked, causal_attention
 from factory.nn.packed_documents import document_ids_from_cu_seqlens, same_document
 
 LENGTHS = [[7, 12, 5, 8], [16, 16], [32]]
@@ -87,3 +89,17 @@ def test_loss_takes_no_target_across_a_boundary() -> None:
         torch.cat([ids[0, 1:10], ids[0, 11:]]),
     )
     torch.testing.assert_close(packed.lm, lm, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (varlen attention)")
+def test_varlen_documents_equal_the_masked_path_on_cuda() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 4, 64, 16, device="cuda", generator=gen, dtype=torch.bfloat16)
+    k = torch.randn(2, 2, 64, 16, device="cuda", generator=gen, dtype=torch.bfloat16)
+    v = torch.randn(2, 2, 64, 16, device="cuda", generator=gen, dtype=torch.bfloat16)
+    ids = torch.zeros(2, 64, dtype=torch.int64, device="cuda")
+    ids[0, 20:], ids[1, 7:], ids[1, 40:] = 1, 1, 2
+    runs = [QueryRun(0, 0, 64)]
+    torch.testing.assert_close(
+        causal_attention(q, k, v, ids), _masked(q, k, v, ids, runs), atol=2e-2, rtol=2e-2
+    )

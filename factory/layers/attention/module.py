@@ -2,6 +2,12 @@
 
 Nemotron-H and Nemotron 3 use no position embedding here: the Mamba layers
 carry position. RoPE is available for blueprints that ask for it.
+
+Packed documents never see each other, and no [S, S] mask is built for that
+(:func:`causal_attention`): on the CPU the attention is cut into mask-free
+blocks along the documents (``factory.kernels.document_attention``); on CUDA it
+is ``torch.nn.attention.varlen``'s variable-length attention over the
+documents, where that exists. One document per row is SDPA's own causal path.
 """
 
 from __future__ import annotations
@@ -10,9 +16,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from factory.kernels.document_attention import QueryRun, attention_blocks, document_attention
 from factory.schemas.model import AttentionConfig, ModelConfig
 
-__all__ = ["Attention", "apply_rope", "build"]
+__all__ = ["Attention", "apply_rope", "build", "causal_attention"]
 
 
 def apply_rope(x: torch.Tensor, base: float, fraction: float) -> torch.Tensor:
@@ -51,15 +58,74 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         if self.rope is not None:
             q, k = apply_rope(q, *self.rope), apply_rope(k, *self.rope)
-        # enable_gqa lets SDPA broadcast the KV heads instead of materialising repeats.
-        if document_ids is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            causal = torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
-            same = document_ids[:, :, None] == document_ids[:, None, :]
-            mask = (same & causal)[:, None]  # [b, 1, s, s]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        out = causal_attention(q, k, v, document_ids)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    document_ids: torch.Tensor | None,
+    runs: list[QueryRun] | None = None,
+) -> torch.Tensor:
+    """Causal attention of ``q`` [B, H, Sq, D] over ``k``, ``v`` [B, Hkv, S, D], each query
+    seeing only keys of its own document (``document_ids`` [B, S]; None: one per row).
+    ``runs`` place the query rows in the sequence (context parallelism: a rank's chunks);
+    None: the queries are the whole sequence."""
+    length = k.shape[2]
+    whole = runs is None
+    runs = runs or [QueryRun(0, 0, length)]
+    if q.device.type == "cpu" and not (whole and document_ids is None):
+        blocks = attention_blocks(runs, document_ids, q.shape[0], length)
+        return document_attention(q, k, v, blocks)
+    if whole and document_ids is None:
+        # enable_gqa lets SDPA broadcast the KV heads instead of materialising repeats.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if whole and _varlen_usable(q):
+        return _varlen_documents(q, k, v, document_ids)
+    return _masked(q, k, v, document_ids, runs)
+
+
+def _varlen_usable(q: torch.Tensor) -> bool:
+    return q.device.type == "cuda" and hasattr(torch.nn.attention, "varlen")
+
+
+def _varlen_documents(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor
+) -> torch.Tensor:
+    """Every document of every row as one sequence of ``varlen_attn`` (flash attention on
+    CUDA): the batch's tokens packed row after row, documents cut at their boundaries."""
+    b, h, s, d = q.shape
+    flat = document_ids + torch.arange(b, device=q.device)[:, None] * (document_ids.max() + 1)
+    starts = torch.ones(b * s, dtype=torch.bool, device=q.device)
+    starts[1:] = flat.reshape(-1)[1:] != flat.reshape(-1)[:-1]
+    cu = torch.cat([starts.nonzero().flatten(), torch.tensor([b * s], device=q.device)])
+    cu = cu.to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    packed = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
+    out = torch.nn.attention.varlen.varlen_attn(
+        *packed, cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=True
+    )
+    return out.reshape(b, s, h, d).transpose(1, 2)
+
+
+def _masked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    document_ids: torch.Tensor | None,
+    runs: list[QueryRun],
+) -> torch.Tensor:
+    """SDPA with an explicit [Sq, S] mask: what is left where neither path above applies."""
+    positions = torch.cat([torch.arange(r.start, r.start + r.length) for r in runs])
+    positions = positions.to(q.device)
+    keys = torch.arange(k.shape[2], device=q.device)
+    mask = keys[None, :] <= positions[:, None]
+    if document_ids is not None:
+        mask = mask & (document_ids[:, positions, None] == document_ids[:, None, :])
+    mask = mask if mask.dim() == 3 else mask[None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=True)
 
 
 def build(model: ModelConfig) -> Attention:
