@@ -36,7 +36,9 @@ passes every rule of ``factory.checks`` without a finding. The rule:
   proportion (floor) and de-duplicated. One rank (tp=cp=pp=ep=1, no
   sequence parallelism), micro batch 2, global batch 8, gpu, recompute and
   distributed optimizer kept (a flex dispatcher becomes alltoall: no exchange
-  on one rank). Data: same recipe, seq_len 256, tokens = 300 * 8 * 256.
+  on one rank). Data: same recipe, seq_len 256, tokens = 300 * 8 * 256; a
+  blueprint with context parallelism (cp > 1) keeps its seq_len (and max_seq_len
+  at least that): long sequences are what CP is for, and what its proxy checks.
   Training: 300 steps, checkpoints every 100, optimizer, schedule and seed kept.
   Meta: ``{name}-proxy``, "CPU proxy of ..." and no hf_id.
 
@@ -119,7 +121,9 @@ def derive_proxy(bp: Blueprint, width: int = 256) -> Blueprint:
     model["pattern"] = "/".join((main, *src.layout.mtp))
     model["hidden_size"] = width
     model["vocab_size"] = min(src.vocab_size, PROXY_VOCAB)
-    model["max_seq_len"] = min(src.max_seq_len, PROXY_MAX_SEQ_LEN)
+    # Context parallelism exists for long sequences: its proxy keeps them.
+    seq_len = bp.data.seq_len if bp.parallelism.cp > 1 else PROXY_SEQ_LEN
+    model["max_seq_len"] = max(min(src.max_seq_len, PROXY_MAX_SEQ_LEN), seq_len)
     model["init"] = {"std": src.init.std}
     _shrink_sections(bp, model, width)
 
@@ -140,8 +144,8 @@ def derive_proxy(bp: Blueprint, width: int = 256) -> Blueprint:
         "recompute": par.recompute,
         "moe_dispatcher": "alltoall" if par.moe_dispatcher == "flex" else par.moe_dispatcher,
     }
-    tokens = PROXY_STEPS * PROXY_GLOBAL_BATCH * PROXY_SEQ_LEN
-    data["data"].update(seq_len=PROXY_SEQ_LEN, tokens=tokens)
+    tokens = PROXY_STEPS * PROXY_GLOBAL_BATCH * seq_len
+    data["data"].update(seq_len=seq_len, tokens=tokens)
     data["training"].update(steps=PROXY_STEPS, checkpoint_interval=PROXY_CHECKPOINT_INTERVAL)
     data["training"].pop("tokens", None)
 

@@ -44,16 +44,16 @@ def test_a_launch_whose_size_differs_from_the_layout_exits_2_naming_both(
     assert "parallelism.world_size=64" in err and "--set parallelism.world_size=2" in err
 
 
-def test_context_parallelism_is_refused_before_launch(
+def test_context_parallelism_across_pipeline_stages_is_refused_before_launch(
     cli: Callable[..., tuple[int, str, str]],
 ) -> None:
     status, _, err = cli(
         "train", "nano", "--nproc", "64", "--set", "parallelism.world_size=64",
-        "--set", "parallelism.cp=2",
+        "--set", "parallelism.cp=2", "--set", "parallelism.pp=2",
     )  # fmt: skip
     assert status == 2
-    assert ": parallelism.cp: parallelism.cp=2: context parallelism" in err, err
-    assert "parallelism.cp=1" in err
+    assert ": parallelism.cp: parallelism.cp=2 with pp=2: factory's runtime" in err, err
+    assert "parallelism.pp=1" in err
 
 
 def _ranks_of(marker: str) -> dict[int, int]:

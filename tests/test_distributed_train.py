@@ -100,6 +100,9 @@ def _compare(run: Path, reference: Path) -> None:
         pytest.param(2, _TP, id="tp2-sp"),
         pytest.param(2, {"pp": 2}, id="pp2-1f1b"),
         pytest.param(2, {"pp": 2, "vpp": 2}, id="pp2-interleaved"),
+        pytest.param(2, {"cp": 2}, id="cp2"),
+        pytest.param(4, {"cp": 2, **_TP}, id="cp2-tp2-sp"),
+        pytest.param(4, {"cp": 2, "ep": 2}, id="cp2-ep2"),
     ],
 )
 def test_a_layout_trains_as_one_process_does(
@@ -134,6 +137,26 @@ def test_a_checkpoint_of_4_ranks_resumes_on_2_and_on_1(
         records = json.loads((run / "train.json").read_text())["records"]
         assert [r["step"] for r in records] == list(range(2, STEPS))
         _compare(run, reference)
+
+
+def test_a_checkpoint_written_under_context_parallelism_resumes_on_one_process(
+    shards: Path, reference: Path, tmp_path: Path
+) -> None:
+    """CP=2 splits every sequence between two ranks but not the weights: its step-2
+    checkpoint (DCP, FSDP2 over the data- and context-parallel ranks) resumes on one process
+    and continues with the uninterrupted one-process run's losses and ends with its
+    weights."""
+    two = tmp_path / "two"
+    run_ranks(_train_rank, 2, _blueprint(2, cp=2), two, shards, timeout=240)
+    one = tmp_path / "resumed-on-one"
+    shutil.copytree(two, one)
+    shutil.rmtree(one / "checkpoints" / f"step_{STEPS:08d}")
+    shutil.rmtree(one / "model")
+    (one / "train.json").unlink()
+    _train(_blueprint(1), one, shards)
+    records = json.loads((one / "train.json").read_text())["records"]
+    assert [r["step"] for r in records] == list(range(2, STEPS))
+    _compare(one, reference)
 
 
 def test_the_precision_policy_recasts_weights_every_step_under_fsdp2(

@@ -10,6 +10,10 @@ their pipeline groups exactly.
 
 ``torch.distributed.device_mesh.DeviceMesh`` builds each grid's process
 groups; the runtime takes its sub-meshes by name (``meshes.dense["tp"]``).
+The ranks that hold distinct tokens of a step are the data-parallel replicas
+and, within each, the context-parallel shards of its sequences: ``meshes.tokens``
+flattens ``dp`` and ``cp`` into one dimension (Megatron's DP-CP group), over
+which losses are summed and dense gradients reduced.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ class Meshes:
     """Dims ``pp, dp, cp, tp``: attention, Mamba, MLP, norms, embedding and head."""
     expert: DeviceMesh
     """Dims ``pp, edp, ep, etp``: the routed experts of the MoE layers."""
+    tokens: DeviceMesh
+    """``dp`` and ``cp`` flattened: the ranks that hold distinct tokens of a step."""
 
     @property
     def device_type(self) -> str:
@@ -61,4 +67,5 @@ def build_meshes(layout: Layout, device_type: str) -> Meshes:
     """Both meshes of ``layout`` over the default process group (every rank calls this)."""
     dense = DeviceMesh(device_type, grid_ranks(layout), mesh_dim_names=DENSE_DIMS)
     expert = DeviceMesh(device_type, grid_ranks(layout, expert=True), mesh_dim_names=EXPERT_DIMS)
-    return Meshes(layout=layout, dense=dense, expert=expert)
+    tokens = dense["dp", "cp"]._flatten("dp_cp") if layout.cp > 1 else dense["dp"]
+    return Meshes(layout=layout, dense=dense, expert=expert, tokens=tokens)

@@ -17,6 +17,7 @@ from factory.graph.mtp_head import MultiTokenPrediction
 from factory.layers.model_spec import ModelSpec, model_spec
 from factory.nn.norms import RMSNorm
 from factory.nn.outputs import ModelOutput, collect_routing
+from factory.nn.sequence_split import SequenceSplit
 from factory.schemas.model import ModelConfig
 
 __all__ = ["Backbone", "HybridLM", "SpecMismatch", "check_against_spec", "held_submodule"]
@@ -60,17 +61,26 @@ class HybridLM(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
         self.mtp = MultiTokenPrediction(cfg, spec) if cfg.mtp_depth else None
+        self.sequence_split: SequenceSplit | None = None
+        """Set by context parallelism: this rank computes its chunks of every sequence."""
         check_against_spec(self, spec)
 
     def forward(
         self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None
     ) -> ModelOutput:
         """``document_ids`` [B, S] (``factory.nn.packed_documents``) keeps packed documents apart:
-        each position's logits are those of its document run alone."""
+        each position's logits are those of its document run alone. Under context
+        parallelism ``input_ids`` and ``document_ids`` are the whole sequence and the
+        outputs are this rank's positions (``ModelOutput.positions``)."""
         routed: dict[str, torch.Tensor] = {}
         aux: list[torch.Tensor] = []
         rms: dict[str, torch.Tensor] = {}
-        hidden = self.backbone(input_ids, routed, aux, document_ids, rms)
+        positions = None
+        tokens = input_ids
+        if self.sequence_split is not None:
+            positions = self.sequence_split.positions(input_ids.shape[1], input_ids.device)
+            tokens = input_ids[:, positions]
+        hidden = self.backbone(tokens, routed, aux, document_ids, rms)
         logits = self.lm_head(self.backbone.norm_f(hidden))
         mtp_logits: tuple[torch.Tensor, ...] = ()
         if self.mtp is not None:
@@ -82,6 +92,7 @@ class HybridLM(nn.Module):
                 routed,
                 aux,
                 document_ids,
+                positions,
             )
         return ModelOutput(
             logits=logits,
@@ -90,6 +101,7 @@ class HybridLM(nn.Module):
             tokens_per_expert=routed,
             hidden=hidden,
             residual_rms=rms,
+            positions=positions,
         )
 
     @torch.no_grad()

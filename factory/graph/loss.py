@@ -27,10 +27,37 @@ class LossBreakdown:
     aux: torch.Tensor | None
 
 
-def _shifted_ce(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _kept(mask: torch.Tensor, document_ids: torch.Tensor | None, shift: int) -> torch.Tensor:
+    """[B, S - shift]: position i's target, the token ``shift`` ahead, counts."""
+    kept = mask[:, shift:]
+    return kept if document_ids is None else kept & same_document(document_ids, shift)
+
+
+def _shifted(
+    logits: torch.Tensor,
+    positions: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    mask: torch.Tensor,
+    document_ids: torch.Tensor | None,
+    shift: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits, labels, which count, how many count in the whole sequence) of the rows that
+    predict the token ``shift`` ahead. Under context parallelism a rank's mean is taken over
+    the whole sequence's targets, so the ranks' means add up to the sequence's."""
+    kept = _kept(mask, document_ids, shift)
+    if positions is None:
+        return logits[:, :-shift], input_ids[:, shift:], kept, kept.sum()
+    rows = (positions < input_ids.shape[1] - shift).nonzero().flatten()
+    here = positions[rows]
+    return logits[:, rows], input_ids[:, here + shift], kept[:, here], kept.sum()
+
+
+def _shifted_ce(
+    logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, count: torch.Tensor
+) -> torch.Tensor:
     losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
     mask = mask.flatten().to(losses.dtype)
-    return (losses * mask).sum() / mask.sum().clamp(min=1)
+    return (losses * mask).sum() / count.clamp(min=1)
 
 
 def language_model_loss(
@@ -46,19 +73,17 @@ def language_model_loss(
     predicts token i+k+1, so depth k drops its last k+1 positions. ``loss_mask``
     [B, S] marks the tokens that count as labels (1) or not (0), e.g. prompts. With
     ``document_ids`` (packed documents) no position predicts a token of another document.
+    Under context parallelism (``output.positions``) the logits are this rank's rows of
+    the whole sequence that ``input_ids`` holds, and the losses are over those rows.
     """
     mask = torch.ones_like(input_ids, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
-
-    def targets(shift: int) -> torch.Tensor:
-        kept = mask[:, shift:]
-        return kept if document_ids is None else kept & same_document(document_ids, shift)
-
-    lm = _shifted_ce(output.logits[:, :-1], input_ids[:, 1:], targets(1))
+    lm = _shifted_ce(*_shifted(output.logits, output.positions, input_ids, mask, document_ids, 1))
     mtp = []
     for depth, depth_logits in enumerate(output.mtp_logits, start=1):
         shift = depth + 1
         if input_ids.shape[1] > shift:
-            mtp.append(_shifted_ce(depth_logits[:, :-shift], input_ids[:, shift:], targets(shift)))
+            pieces = _shifted(depth_logits, output.positions, input_ids, mask, document_ids, shift)
+            mtp.append(_shifted_ce(*pieces))
     total = lm
     if mtp:
         total = total + mtp_loss_scale * torch.stack(mtp).mean()

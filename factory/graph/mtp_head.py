@@ -52,9 +52,12 @@ class MultiTokenPrediction(nn.Module):
         routed: dict[str, torch.Tensor],
         aux: list[torch.Tensor],
         document_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """Logits per depth; depth k's position i predicts token i+k+1 (the last k+1 have no
-        label). Routing statistics of the inner MoE layers are added to ``routed``/``aux``."""
+        label). Routing statistics of the inner MoE layers are added to ``routed``/``aux``.
+        ``positions``: the sequence positions of ``hidden``'s rows (context parallelism;
+        ``input_ids`` is then the whole sequence)."""
         size = len(self.layers) // self.blocks
         logits = []
         ids = input_ids
@@ -63,8 +66,9 @@ class MultiTokenPrediction(nn.Module):
             layers = self.layers[block * size : (block + 1) * size]
             # Shift the tokens one more step left; the wrapped-around tail is never a label.
             ids = torch.roll(ids, shifts=-1, dims=1)
+            rows = ids if positions is None else ids[:, positions]
             first = layers[0]
-            hidden = first.eh_proj(torch.cat([first.enorm(embed(ids)), first.hnorm(hidden)], -1))
+            hidden = first.eh_proj(torch.cat([first.enorm(embed(rows)), first.hnorm(hidden)], -1))
             for layer in layers:
                 hidden, out = layer(hidden, document_ids)
                 collect_routing(routed, aux, layer.path, out)

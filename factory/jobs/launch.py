@@ -8,8 +8,7 @@ yet is refused here, naming the field and the value that would work:
 
 * ``WORLD_SIZE`` must equal ``parallelism.world_size`` (the layout is the
   blueprint's, not the launcher's);
-* context parallelism (``cp > 1``) is not built: the Megatron export carries
-  it; factory's runtime refuses it;
+* context parallelism across pipeline stages (``cp > 1`` with ``pp > 1``);
 * expert tensor parallelism (``etp > 1``): routed experts are split across EP
   ranks whole (ETP = 1, what the Nemotron 3 recipes use);
 * per-module (heterogeneous) layouts.
@@ -62,10 +61,11 @@ def check_launch(bp: Blueprint, world_size: int) -> None:
         )
     if world_size == 1:
         return
-    if par.cp > 1:
+    if par.cp > 1 and par.pp > 1:
         raise LaunchRefused(
-            f"parallelism.cp={par.cp}: context parallelism is not run by factory's runtime "
-            "yet (the Megatron export carries it); use --set parallelism.cp=1",
+            f"parallelism.cp={par.cp} with pp={par.pp}: factory's runtime does not run context "
+            "parallelism across pipeline stages yet (the Megatron export carries it); use "
+            "--set parallelism.cp=1 or --set parallelism.pp=1",
             path="parallelism.cp",
         )
     has_moe = bool(expert_layer_types(bp.model))

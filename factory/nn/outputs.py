@@ -40,6 +40,9 @@ class ModelOutput(NamedTuple):
     residual_rms: dict[str, torch.Tensor]
     """Per main-stack layer (``backbone.layers.3``), the RMS of the residual stream it
     outputs (a detached fp32 scalar): how the stream's scale grows with depth."""
+    positions: torch.Tensor | None = None
+    """Under context parallelism, the sequence position of each row of the outputs (this
+    rank's chunks, ``factory.nn.sequence_split``); None: row i is position i."""
 
 
 def collect_routing(

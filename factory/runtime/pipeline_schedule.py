@@ -307,9 +307,9 @@ class PipelineRunner:
         dist.all_reduce(totals, group=self.group)
         totals = totals.cpu()
         if ranks is not None:
-            totals = ranks.sum_over_data(totals)
+            totals = ranks.sum_over_tokens(totals)
             tokens = ranks.sum_over_routing(tokens)  # gathers every stage's layers too
-            rms = ranks.mean_over_data(rms)
+            rms = ranks.mean_over_tokens(rms)
         else:
             tokens, rms = self._gather_stages({n: t.cpu() for n, t in tokens.items()}, rms)
         token_loss, lm_loss, aux_loss, count = totals.tolist()

@@ -13,12 +13,13 @@ itself, with no process group); on several it joins the default process group
 (:class:`DistributedRanks`). Groups, from ``factory.distributed.mesh``:
 
 * data: the dense grid's ``dp`` dimension, over which the global batch is split
-  (losses and target-token counts are summed over it);
-* routing: the data-parallel group as well: with sequence parallelism each TP
-  rank routes its own part of the sequence, and tensor parallelism already sums
-  the loads over the TP group in the forward pass
-  (``factory.distributed.tensor_parallel``), so every TP rank moves its expert
-  biases alike;
+  (the micro-batches' target-token counts are summed over it);
+* tokens: ``dp`` and ``cp`` together (``meshes.tokens``), the ranks that hold
+  distinct tokens of the step: losses, token counts, per-layer statistics and
+  the routing loads are summed over it (with sequence parallelism each TP rank
+  routes its own part of the sequence, and tensor parallelism already sums the
+  loads over the TP group in the forward pass, ``factory.distributed.tensor_parallel``,
+  so every TP rank moves its expert biases alike);
 * pipeline: the ``pp`` dimension; stages hold different layers, so per-layer
   statistics are gathered over it, and gradient norms summed.
 
@@ -63,6 +64,8 @@ class Ranks(Protocol):
     """Index of this rank's data-parallel replica: which micro-batches it reads."""
     data_size: int
     """Data-parallel replicas: the global batch is split among them."""
+    context_size: int
+    """Context-parallel ranks: each holds 1/context_size of every sequence."""
     device: torch.device
     """Where this rank's share of the model lives."""
     meshes: Meshes | None
@@ -73,11 +76,14 @@ class Ranks(Protocol):
         """Rank 0: writes meta.json, metrics.jsonl and the progress display."""
 
     def sum_over_data(self, value: torch.Tensor) -> torch.Tensor:
-        """``value`` summed over the data-parallel replicas (losses, token counts)."""
+        """``value`` summed over the data-parallel replicas (micro-batch target counts)."""
 
-    def mean_over_data(self, values: dict[str, float]) -> dict[str, float]:
-        """Per-layer statistics averaged over the data-parallel replicas, and known for every
-        layer on every rank."""
+    def sum_over_tokens(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over the ranks holding distinct tokens (losses, token counts)."""
+
+    def mean_over_tokens(self, values: dict[str, float]) -> dict[str, float]:
+        """Per-layer statistics averaged over the ranks holding distinct tokens, and known for
+        every layer on every rank."""
 
     def sum_over_routing(self, loads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Per-layer expert loads summed over every rank that routed distinct tokens, and
@@ -99,6 +105,7 @@ class SingleProcess:
     world_size = 1
     data_rank = 0
     data_size = 1
+    context_size = 1
     meshes = None
 
     def __init__(self, device: torch.device | str | None = None) -> None:
@@ -111,7 +118,10 @@ class SingleProcess:
     def sum_over_data(self, value: torch.Tensor) -> torch.Tensor:
         return value
 
-    def mean_over_data(self, values: dict[str, float]) -> dict[str, float]:
+    def sum_over_tokens(self, value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    def mean_over_tokens(self, values: dict[str, float]) -> dict[str, float]:
         return values
 
     def sum_over_routing(self, loads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -154,7 +164,9 @@ class DistributedRanks:
         self.world_size = dist.get_world_size()
         self.data_rank = meshes.coordinate("dp")
         self.data_size = meshes.layout.dp
+        self.context_size = meshes.layout.cp
         self._data = meshes.dense["dp"].get_group()
+        self._tokens = meshes.tokens.get_group()
         self._pipeline = meshes.dense["pp"].get_group()
         layout = meshes.layout
         self._stage_ranks = layout.dp * layout.cp * layout.tp
@@ -164,8 +176,14 @@ class DistributedRanks:
         return self.rank == 0
 
     def sum_over_data(self, value: torch.Tensor) -> torch.Tensor:
+        return self._sum(value, self._data)
+
+    def sum_over_tokens(self, value: torch.Tensor) -> torch.Tensor:
+        return self._sum(value, self._tokens)
+
+    def _sum(self, value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         total = value.detach().to(self.device, copy=True)
-        dist.all_reduce(total, group=self._data)
+        dist.all_reduce(total, group=group)
         return total.to(value.device)
 
     def _gather_stages(self, values: dict[str, Any]) -> dict[str, Any]:
@@ -177,11 +195,11 @@ class DistributedRanks:
         merged = {n: v for part in gathered for n, v in part.items()}
         return {n: merged[n] for n in sorted(merged)}
 
-    def mean_over_data(self, values: dict[str, float]) -> dict[str, float]:
+    def mean_over_tokens(self, values: dict[str, float]) -> dict[str, float]:
         names = sorted(values)
         if names:
             stacked = torch.tensor([values[n] for n in names], dtype=torch.float64)
-            stacked = self.sum_over_data(stacked) / self.data_size
+            stacked = self.sum_over_tokens(stacked) / (self.data_size * self.context_size)
             values = dict(zip(names, stacked.tolist(), strict=True))
         return self._gather_stages(values)
 
@@ -189,7 +207,7 @@ class DistributedRanks:
         names = sorted(loads)
         if names:
             stacked = torch.stack([loads[n].to(self.device, torch.int64) for n in names])
-            dist.all_reduce(stacked, group=self._data)
+            dist.all_reduce(stacked, group=self._tokens)
             loads = dict(zip(names, stacked.unbind(0), strict=True))
         if self.meshes.layout.pp == 1:
             return {n: t.cpu() for n, t in loads.items()}

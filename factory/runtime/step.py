@@ -11,7 +11,11 @@ With data parallelism each rank runs its own share of the step's micro-batches
 and the weights above are shares of the *global* step: every rank divides by
 the target tokens of all replicas and by the micro-batches of all replicas, so
 the gradients summed over the replicas (``factory.distributed.data_parallel``)
-are those of the whole step on one process.
+are those of the whole step on one process. Under context parallelism the ranks
+of a replica read the same micro-batches and each computes its chunks of every
+sequence: its token losses are divided by the whole sequence's target count
+(``factory.graph.loss``), so summed over those ranks they are the sequence's, and
+its aux loss (over its share of the tokens) enters divided by the CP size.
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ def forward_backward(
         return pipelined(micro, mtp_scale, ranks)
     counts = [int(batch.target_mask.sum()) for batch in micro]
     step_targets = int(ranks.sum_over_data(torch.tensor(sum(counts))).item())
-    step_micro = len(micro) * ranks.data_size
+    # A context-parallel rank's aux loss is over its share of the tokens: the ranks' mean.
+    aux_share = 1.0 / (len(micro) * ranks.data_size * ranks.context_size)
     outcome = StepOutcome()
     rms: dict[str, torch.Tensor] = {}
     loss_sum = torch.zeros((), dtype=torch.float64)
@@ -82,18 +87,18 @@ def forward_backward(
             document_ids=batch.document_ids,
         )
         aux = losses.aux if losses.aux is not None else losses.total.new_zeros(())
-        loss = weight * (losses.total - aux) + aux / step_micro
+        loss = weight * (losses.total - aux) + aux * aux_share
         loss.backward()
         loss_sum += loss.item()
         lm_sum += weight * losses.lm.item()
-        outcome.tokens += batch.num_tokens
-    totals = ranks.sum_over_data(
+        outcome.tokens += output.logits.shape[:2].numel()  # this rank's positions
+    totals = ranks.sum_over_tokens(
         torch.stack([loss_sum, lm_sum, torch.tensor(outcome.tokens).double()])
     )
     outcome.loss, outcome.lm_loss, tokens = totals.tolist()
     outcome.tokens = int(tokens)
     outcome.tokens_per_expert = ranks.sum_over_routing(outcome.tokens_per_expert)
-    outcome.residual_rms = ranks.mean_over_data(
+    outcome.residual_rms = ranks.mean_over_tokens(
         {name: float(total) / len(micro) for name, total in rms.items()}
     )
     return outcome

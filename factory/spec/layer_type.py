@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
+    from factory.nn.sequence_split import SequenceSplit
     from factory.schemas.blueprint import Blueprint
     from factory.schemas.model import ModelConfig
     from factory.spec.activations import TokenShards
@@ -214,6 +215,16 @@ class LayerType:
         when they can; only asked of a layer that ``routes_experts``). ``factory validate``
         reports them as ``parallelism.ep_experts``."""
         return []
+
+    def apply_context_parallel(self, mixer: nn.Module, split: SequenceSplit) -> None:
+        """Make the built ``mixer`` compute its rank's chunks of every sequence over ``split``'s
+        group, in its ``context_parallel`` style: a token-wise mixer needs nothing; one that
+        mixes positions holds the split as ``mixer.sequence_split`` and exchanges through it
+        (attention gathers keys and values, Mamba trades sequence for head shards)."""
+        if self.context_parallel is None:
+            raise ValueError(f"{self.name!r} layers have no context-parallel style")
+        if self.context_parallel != "token_wise":
+            mixer.sequence_split = split
 
     def tp_whole_linears(self, model: ModelConfig, tp: int) -> tuple[str, ...]:
         """The mixer's column linears (names under the mixer) that every rank holds whole at

@@ -17,19 +17,25 @@ from torch import nn
 from torch.nn import functional as F
 
 from factory.kernels.document_attention import QueryRun, attention_blocks, document_attention
+from factory.nn.sequence_split import SequenceSplit
 from factory.schemas.model import AttentionConfig, ModelConfig
 
 __all__ = ["Attention", "apply_rope", "build", "causal_attention"]
 
 
-def apply_rope(x: torch.Tensor, base: float, fraction: float) -> torch.Tensor:
-    """Rotate the first ``fraction`` of each head's channels (rotate-half convention). x: [b, h, s, d]."""
+def apply_rope(
+    x: torch.Tensor, base: float, fraction: float, positions: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Rotate the first ``fraction`` of each head's channels (rotate-half convention). x: [b, h,
+    s, d]; ``positions`` [s] of its rows (None: 0 .. s-1)."""
     dim = int(x.shape[-1] * fraction) // 2 * 2
     if dim == 0:
         return x
     rotated, passed = x[..., :dim], x[..., dim:]
     inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
-    angles = torch.arange(x.shape[-2], device=x.device, dtype=torch.float32)[:, None] * inv_freq
+    if positions is None:
+        positions = torch.arange(x.shape[-2], device=x.device)
+    angles = positions.to(torch.float32)[:, None] * inv_freq
     cos = torch.cat([angles.cos(), angles.cos()], -1).to(x.dtype)
     sin = torch.cat([angles.sin(), angles.sin()], -1).to(x.dtype)
     half = dim // 2
@@ -48,17 +54,26 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(width, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
         self.v_proj = nn.Linear(width, cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, width, bias=cfg.bias)
+        self.sequence_split: SequenceSplit | None = None
+        """Set by context parallelism: the rows are this rank's chunks of the sequence, and
+        the keys and values of every rank's chunks are gathered (``kv_exchange``)."""
 
     def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Causal attention; with ``document_ids`` a query sees only its own document's keys
-        (a block-diagonal causal mask through SDPA)."""
+        """Causal attention; with ``document_ids`` a query sees only its own document's keys.
+        Under context parallelism ``document_ids`` covers the whole sequence."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        split, positions, runs = self.sequence_split, None, None
+        if split is not None:
+            positions = split.positions(s * split.size, x.device)
+            runs = split.runs(s * split.size)
         if self.rope is not None:
-            q, k = apply_rope(q, *self.rope), apply_rope(k, *self.rope)
-        out = causal_attention(q, k, v, document_ids)
+            q, k = apply_rope(q, *self.rope, positions), apply_rope(k, *self.rope, positions)
+        if split is not None:
+            k, v = split.gather(k, 2), split.gather(v, 2)
+        out = causal_attention(q, k, v, document_ids, runs)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
@@ -76,6 +91,10 @@ def causal_attention(
     length = k.shape[2]
     whole = runs is None
     runs = runs or [QueryRun(0, 0, length)]
+    if torch.compiler.is_compiling() and not (whole and document_ids is None):
+        # The blocks follow the documents, which the data decides: a compiled block
+        # (training.compile) traces the masked form once instead of breaking per batch.
+        return _masked(q, k, v, document_ids, runs)
     if q.device.type == "cpu" and not (whole and document_ids is None):
         blocks = attention_blocks(runs, document_ids, q.shape[0], length)
         return document_attention(q, k, v, blocks)
@@ -117,7 +136,8 @@ def _masked(
     document_ids: torch.Tensor | None,
     runs: list[QueryRun],
 ) -> torch.Tensor:
-    """SDPA with an explicit [Sq, S] mask: what is left where neither path above applies."""
+    """SDPA with an explicit [Sq, S] mask: for compiled blocks, and devices with neither path
+    above."""
     positions = torch.cat([torch.arange(r.start, r.start + r.length) for r in runs])
     positions = positions.to(q.device)
     keys = torch.arange(k.shape[2], device=q.device)

@@ -14,6 +14,7 @@ from torch.nn import functional as F
 
 from factory.kernels.ssd import ssd_chunked_scan
 from factory.nn.norms import GatedGroupRMSNorm
+from factory.nn.sequence_split import SequenceSplit
 from factory.schemas.model import MambaConfig, ModelConfig
 
 __all__ = ["Mamba2Mixer", "build"]
@@ -132,32 +133,108 @@ class Mamba2Mixer(nn.Module):
         self.D = nn.Parameter(torch.empty(cfg.heads))
         self.norm = GatedGroupRMSNorm(cfg.d_inner, cfg.groups, norm_eps)
         self.out_proj = nn.Linear(cfg.d_inner, width, bias=cfg.bias)
+        self.sequence_split: SequenceSplit | None = None
+        """Set by context parallelism: the rows are this rank's chunks of the sequence; the
+        conv and the scan run on the whole sequence of this rank's share of the heads
+        (``heads_all_to_all``, Megatron-Core's ``MambaContextParallel``)."""
 
     def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         cfg, heads, groups = self.cfg, self.heads, self.groups
-        b, s, _ = x.shape
         d_inner, group_width = heads * cfg.head_dim, groups * cfg.state_size
-        conv_dim = d_inner + 2 * group_width
-        z, xbc, dt = self.in_proj(x).split([d_inner, conv_dim, heads], dim=-1)
-        conv = _causal_depthwise_conv(xbc, self.conv1d.weight, self.conv1d.bias, document_ids)
-        xbc = F.silu(conv)
-        xs, B, C = xbc.split([d_inner, group_width, group_width], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float())
+        z, xs, B, C, dt = self.in_proj(x).split(
+            [d_inner, d_inner, group_width, group_width, heads], dim=-1
+        )
+        if self.sequence_split is None:
+            y = self._mix(xs, B, C, dt, document_ids, slice(0, heads), slice(0, groups))
+        else:
+            y = self._mix_head_shard(xs, B, C, dt, document_ids, self.sequence_split)
+        y = self.norm(y, z)
+        return self.out_proj(y.to(x.dtype))
+
+    def _mix(
+        self,
+        xs: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        dt: torch.Tensor,
+        document_ids: torch.Tensor | None,
+        heads: slice,
+        groups: slice,
+    ) -> torch.Tensor:
+        """Conv, dt and the SSD scan over the whole sequence of the heads ``heads`` and their
+        groups ``groups`` (of this module's); -> [B, S, those heads * head_dim]."""
+        cfg = self.cfg
+        b, s = xs.shape[:2]
+        n_heads, n_groups = heads.stop - heads.start, groups.stop - groups.start
+        weight, bias = self._conv_rows(heads, groups)
+        conv = _causal_depthwise_conv(torch.cat([xs, B, C], -1), weight, bias, document_ids)
+        xs, B, C = F.silu(conv).split(
+            [n_heads * cfg.head_dim, n_groups * cfg.state_size, n_groups * cfg.state_size], -1
+        )
+        dt = F.softplus(dt.float() + self.dt_bias[heads].float())
         upper = cfg.dt_limit_max if cfg.dt_limit_max is not None else float("inf")
         dt = dt.clamp(min=cfg.dt_limit_min, max=upper)
-        A = -torch.exp(self.A_log.float())
+        A = -torch.exp(self.A_log[heads].float())
         y = ssd_chunked_scan(
-            xs.view(b, s, heads, cfg.head_dim),
+            xs.view(b, s, n_heads, cfg.head_dim),
             dt,
             A,
-            B.view(b, s, groups, cfg.state_size),
-            C.view(b, s, groups, cfg.state_size),
+            B.view(b, s, n_groups, cfg.state_size),
+            C.view(b, s, n_groups, cfg.state_size),
             cfg.chunk_size,
-            D=self.D,
+            D=self.D[heads],
             seq_idx=document_ids,
         )
-        y = self.norm(y.reshape(b, s, d_inner), z)
-        return self.out_proj(y.to(x.dtype))
+        return y.reshape(b, s, n_heads * cfg.head_dim)
+
+    def _conv_rows(self, heads: slice, groups: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The conv's weight and bias rows of ``heads``' x channels and ``groups``' B and C."""
+        weight, bias = self.conv1d.weight, self.conv1d.bias
+        if heads == slice(0, self.heads):
+            return weight, bias
+        hd, n = self.cfg.head_dim, self.cfg.state_size
+        d_inner, width = self.heads * hd, self.groups * n
+        rows = torch.cat([
+            torch.arange(heads.start * hd, heads.stop * hd),
+            d_inner + torch.arange(groups.start * n, groups.stop * n),
+            d_inner + width + torch.arange(groups.start * n, groups.stop * n),
+        ]).to(weight.device)  # fmt: skip
+        return weight[rows], None if bias is None else bias[rows]
+
+    def _mix_head_shard(
+        self,
+        xs: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        dt: torch.Tensor,
+        document_ids: torch.Tensor | None,
+        split: SequenceSplit,
+    ) -> torch.Tensor:
+        """Context parallelism: every rank's rows of this rank's heads (and their groups)
+        arrive all-to-all, the whole sequence is mixed, and the result goes back."""
+        cfg, cp = self.cfg, split.size
+        hd, n = cfg.head_dim, cfg.state_size
+        per_rank = self.heads // cp
+        group_count = max(self.groups // cp, 1)
+        repeats = max(cp // self.groups, 1)  # ranks that share a group when groups < cp
+
+        def piece(rank: int) -> torch.Tensor:
+            h, g = rank * per_rank, rank // repeats * group_count
+            return torch.cat([
+                xs[..., h * hd : (h + per_rank) * hd],
+                B[..., g * n : (g + group_count) * n],
+                C[..., g * n : (g + group_count) * n],
+                dt[..., h : h + per_rank],
+            ], -1)  # fmt: skip
+
+        whole = split.to_heads(torch.stack([piece(rank) for rank in range(cp)]))
+        xs, B, C, dt = whole.split([per_rank * hd, group_count * n, group_count * n, per_rank], -1)
+        first_head = split.rank * per_rank
+        first_group = split.rank // repeats * group_count
+        heads = slice(first_head, first_head + per_rank)
+        groups = slice(first_group, first_group + group_count)
+        y = self._mix(xs, B, C, dt, document_ids, heads, groups)
+        return split.to_sequence(y)
 
 
 def build(model: ModelConfig) -> Mamba2Mixer:
