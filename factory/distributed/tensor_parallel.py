@@ -37,6 +37,7 @@ parallelism (``factory.distributed.parallelize``).
 from __future__ import annotations
 
 import itertools
+import weakref
 from functools import partial
 from typing import Any
 
@@ -66,7 +67,12 @@ from factory.layers.model_spec import model_spec
 from factory.nn.outputs import RoutedOutput
 from factory.spec.tensors import Role, TensorSpec
 
-__all__ = ["apply_tensor_parallel", "check_tensor_parallel", "reduce_partial_gradients"]
+__all__ = [
+    "apply_tensor_parallel",
+    "canonical_order",
+    "check_tensor_parallel",
+    "reduce_partial_gradients",
+]
 
 
 def check_tensor_parallel(model: nn.Module, tp: int, sequence_parallel: bool) -> None:
@@ -338,10 +344,21 @@ class _ReplicatedColumns(ParallelStyle):
         return distribute_module(module, device_mesh, None, prepare, keep)
 
 
+def canonical_order(module: nn.Module, name: str) -> tuple[int, torch.Tensor] | None:
+    """(dim, order) of a parameter whose DTensor view is rank-major: view position ``p`` along
+    ``dim`` holds canonical index ``order[p]``; None for a parameter in canonical order."""
+    return _CANONICAL_ORDERS.get(module, {}).get(name)
+
+
+_CANONICAL_ORDERS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[int, torch.Tensor]]]
+_CANONICAL_ORDERS = weakref.WeakKeyDictionary()
+
+
 def _canonical_state_dict(module: nn.Module, name: str, dim: int, order: torch.Tensor) -> None:
     """Show the rank-major parameter ``name`` of ``module`` in canonical order in state dicts,
     and take the canonical order (a DTensor of any placement, or a full tensor) when loading.
     Both gather the tensor over its mesh."""
+    _CANONICAL_ORDERS.setdefault(module, {})[name] = (dim, order)
 
     @torch.no_grad()
     def reorder(index: torch.Tensor, mod: nn.Module, state_dict: dict, prefix: str) -> None:

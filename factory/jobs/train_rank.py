@@ -5,8 +5,10 @@ Every process of a launch runs :func:`run_rank` with the same
 the same code (``factory.runtime.ranks``):
 
 1. rank 0 builds the data recipe's shards (the others wait at a barrier);
-2. every rank compiles the same model from the same seed and lays it out over
-   the layout's meshes (``factory.runtime.placement``);
+2. every rank builds the model on the meta device, lays it out over the
+   layout's meshes and fills only its own shards, each tensor initialised from
+   the seed and its name (or read from ``model.init.checkpoint``), so no rank
+   ever holds the whole model (``factory.runtime.placement``);
 3. every rank trains on its data-parallel share (``factory.runtime.trainer``)
    with the standard callbacks, the job's progress reports and the run report;
 4. the trained weights are gathered whole on rank 0, which writes ``train.json``
@@ -46,7 +48,7 @@ from factory.runtime.callbacks import Callback
 from factory.runtime.checkpoint import CheckpointError, complete_checkpoints
 from factory.runtime.display import StepProgress
 from factory.runtime.loader import DataError, ShardLoader
-from factory.runtime.placement import full_weights, lay_out
+from factory.runtime.placement import full_weights, lay_out, materialize_shards
 from factory.runtime.ranks import Ranks, is_transport_failure, joined_ranks
 from factory.runtime.trainer import RunHistory, RunOptions, Trainer, fit
 from factory.schemas.blueprint import Blueprint
@@ -73,12 +75,17 @@ def run_rank(
             shards = _curated(bp, out, data, workers, progress, ranks)
             if ranks.is_main:
                 progress("compile", 0, 1)
+            # Built on meta, laid out, then each rank fills only its shards. Upcycling and
+            # tied embeddings need the whole model first: every rank builds it.
+            deferred = not (bp.model.init.upcycle_from or bp.model.tie_embeddings)
             compiled = factory.compile(
-                bp, device=ranks.device, seed=seed, precision=request.precision
+                bp, device=ranks.device, seed=seed, precision=request.precision, deferred=deferred
             )
+            lay_out(compiled, ranks)
+            if deferred:
+                materialize_shards(compiled, ranks, seed)
             if ranks.is_main:
                 progress("compile", 1, 1)
-            lay_out(compiled, ranks)
             history = _fit(compiled, shards, out, steps, seed, checkpoints, ranks, progress,
                            show_steps)  # fmt: skip
             weights = full_weights(compiled.model, ranks)

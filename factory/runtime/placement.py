@@ -1,10 +1,14 @@
 """The model as this rank holds it: laid out over the run's ranks, and gathered back whole.
 
 :func:`lay_out` shards a compiled model over the ranks of its layout: nothing on
-one process; with one pipeline stage, tensor, expert and data parallelism over
-the meshes (``factory.distributed.parallelize``); with several, this rank's
-stages (``factory.distributed.pipeline_stages``), each parallelized, behind one
-:class:`~factory.runtime.pipeline_schedule.PipelinedModel` the trainer steps.
+one process; with one pipeline stage, tensor, expert, context and data
+parallelism over the meshes (``factory.distributed.parallelize``); with several,
+this rank's stages (``factory.distributed.pipeline_stages``), each parallelized,
+behind one :class:`~factory.runtime.pipeline_schedule.PipelinedModel` the
+trainer steps. A model compiled ``deferred`` is laid out on the meta device and
+then :func:`materialize_shards` gives each rank only its shards, initialised by
+the spec's rules or read from ``model.init.checkpoint``
+(``factory.distributed.materialize``).
 
 :func:`full_weights` is the reverse, for the end of a run: the whole model's
 state dict on rank 0, under the full model's names, gathered from the shards
@@ -15,19 +19,24 @@ built for it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from factory.compilation import Compiled
+from factory.distributed.materialize import InitialValues, ValueSource, materialize
 from factory.distributed.parallelize import parallelize
 from factory.distributed.pipeline_stages import split_stages
 from factory.graph.loss import mtp_loss_scale
+from factory.graph.weights import CheckpointSlices
+from factory.layers.model_spec import model_spec
 from factory.runtime.pipeline_schedule import PipelinedModel, PipelineRunner
 from factory.runtime.ranks import Ranks
 
-__all__ = ["full_weights", "lay_out"]
+__all__ = ["full_weights", "lay_out", "materialize_shards"]
 
 
 def lay_out(compiled: Compiled, ranks: Ranks) -> None:
@@ -53,6 +62,23 @@ def lay_out(compiled: Compiled, ranks: Ranks) -> None:
         activation_dtype=torch.bfloat16 if meshes.device_type == "cuda" else None,
     )
     compiled.model = PipelinedModel(compiled.blueprint.model, runner)  # type: ignore[assignment]
+
+
+def materialize_shards(compiled: Compiled, ranks: Ranks, seed: int) -> None:
+    """Fill the laid-out, meta-device ``compiled.model``: this rank's shards only, from the
+    blueprint's checkpoint or the spec's initial values for ``seed``."""
+    cfg = compiled.blueprint.model
+    spec = model_spec(cfg)
+    source: ValueSource = InitialValues(spec, seed)
+    if cfg.init.checkpoint:
+        source = CheckpointSlices(Path(cfg.init.checkpoint))
+        source.check(spec)
+    model = compiled.model
+    stages = model.runner.stages if isinstance(model, PipelinedModel) else [model]
+    for stage in stages:
+        materialize(stage, spec, source, ranks.device)
+    if compiled.precision is not None:
+        compiled.precision.weights_updated()
 
 
 def full_weights(model: nn.Module, ranks: Ranks) -> dict[str, torch.Tensor] | None:
