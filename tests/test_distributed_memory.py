@@ -20,16 +20,28 @@ from torch.distributed.tensor import DTensor
 
 import factory
 from factory.distributed.local import run_ranks
+from factory.distributed.mesh import build_meshes
+from factory.graph.loss import mtp_loss_scale
 from factory.layers.model_spec import model_spec
 from factory.planner.layout import resolve_layout
-from factory.planner.runtime_memory import runtime_state_per_rank
+from factory.planner.runtime_memory import runtime_state_by_stage
+from factory.runtime.batches import MicroBatch
+from factory.runtime.optimizer import MasterOptimizer
+from factory.runtime.placement import lay_out, materialize_shards
+from factory.runtime.ranks import DistributedRanks
+from factory.runtime.step import forward_backward
 from factory.schemas.blueprint import Blueprint
 
 
 def _blueprint(world: int, **parallelism: Any) -> Blueprint:
-    return tiny_blueprint(
+    bp = tiny_blueprint(
         parallelism={"world_size": world, "global_batch_size": 2 * GLOBAL, **parallelism}
     )
+    if parallelism.get("pp", 1) == 1:
+        return bp
+    data = bp.model_dump(exclude_unset=True)
+    data["model"]["pattern"] = "ME|M*E"  # one segment per stage
+    return Blueprint.model_validate(data)
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
@@ -38,25 +50,29 @@ def _local_bytes(tensor: torch.Tensor) -> int:
 
 
 def _held(rank: int, world: int, bp: Blueprint) -> dict[str, int]:
-    from factory.distributed.mesh import build_meshes
-    from factory.distributed.parallelize import parallelize
-    from factory.runtime.optimizer import MasterOptimizer
-
-    compiled = factory.compile(bp, precision="off", seed=0)
-    parallelize(compiled.model, build_meshes(resolve_layout(bp), "cpu"),
-                bp.parallelism.distributed_optimizer)  # fmt: skip
+    """Build, lay out and fill the model as a training run does, take one step through the
+    runtime's step (a pipeline's schedule for pp > 1), and count the local bytes."""
+    layout = resolve_layout(bp)
+    ranks = DistributedRanks(build_meshes(layout, "cpu"))
+    compiled = factory.compile(bp, precision="off", seed=0, deferred=True)
+    lay_out(compiled, ranks)
+    materialize_shards(compiled, ranks, seed=0)
     optimizer = MasterOptimizer(compiled.model, bp.training.optimizer)
-    ids = torch.randint(
-        0, bp.model.vocab_size, (2, 32), generator=torch.Generator().manual_seed(rank)
-    )
-    output = compiled.model(ids)
-    # Every trainable tensor gets a gradient: the MTP heads' logits and the aux loss count too.
-    loss = sum(t.float().square().mean() for t in (output.logits, *output.mtp_logits))
-    (loss + output.aux_loss).backward()
+    gen = torch.Generator().manual_seed(ranks.data_rank)
+    par = bp.parallelism
+    count = par.global_batch_size // par.micro_batch_size // ranks.data_size
+    micro = []
+    for _ in range(count):
+        ids = torch.randint(0, bp.model.vocab_size, (bp.parallelism.micro_batch_size, 32),
+                            generator=gen)  # fmt: skip
+        micro.append(MicroBatch(ids, torch.ones_like(ids, dtype=torch.bool)))
+    forward_backward(compiled.model, micro, mtp_loss_scale(bp.model), ranks)
+    optimizer.grads_to_masters()
     optimizer.step()
     params = list(compiled.model.parameters())
     moments = [v for s in optimizer.optimizer.state.values() for k, v in s.items() if k != "step"]
     return {
+        "pp_rank": ranks.meshes.coordinate("pp"),
         "weights": sum(_local_bytes(p) for p in params),
         "gradients": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
         "optimizer": sum(_local_bytes(m) for m in moments),
@@ -70,16 +86,20 @@ def _held(rank: int, world: int, bp: Blueprint) -> dict[str, int]:
         pytest.param(2, {"distributed_optimizer": False}, id="dp2-ddp"),
         pytest.param(2, {"ep": 2}, id="ep2"),
         pytest.param(4, {"ep": 2}, id="dp2xep2-folded"),
+        pytest.param(2, {"pp": 2}, id="pp2"),
+        pytest.param(2, {"cp": 2}, id="cp2"),
     ],
 )
 def test_each_rank_holds_the_planned_state(world: int, parallelism: dict[str, Any]) -> None:
     bp = _blueprint(world, **parallelism)
-    plan = runtime_state_per_rank(bp, resolve_layout(bp))
+    layout = resolve_layout(bp)
+    plans = runtime_state_by_stage(bp, layout)
     held = run_ranks(_held, world, bp, timeout=180)
     # One first-dimension row per tensor: how far FSDP2's chunks may stray from a share.
     slack = sum(4 * t.numel // t.shape[0] for t in model_spec(bp.model).tensors())
     for kind in ("weights", "gradients", "optimizer"):
-        planned: Fraction = getattr(plan, kind)
-        assert sum(rank[kind] for rank in held) == planned * world, kind
+        total = sum(getattr(plan, kind) for plan in plans) * (world // layout.pp)
+        assert sum(rank[kind] for rank in held) == total, kind
         for rank in held:
+            planned: Fraction = getattr(plans[rank["pp_rank"]], kind)
             assert abs(rank[kind] - planned) <= (2 if kind == "optimizer" else 1) * slack, kind

@@ -1,9 +1,10 @@
 """``factory.plan``: everything the blueprint implies before a GPU is touched.
 
 Parameters (exact), training FLOPs per token (Megatron's formula and our own
-count), memory per rank, the resolved layout, and what the run costs and loses
-to failures (``factory.planner.cost``), in one object whose ``to_dict()`` is
-the ``factory plan --json`` document.
+count), memory per rank (Megatron's accounting, and the model state factory's
+own runtime holds, per pipeline rank), the resolved layout, and what the run
+costs and loses to failures (``factory.planner.cost``), in one object whose
+``to_dict()`` is the ``factory plan --json`` document.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from factory.planner.flops import FlopsPerToken, flops_per_token
 from factory.planner.layout import Layout, resolve_layout
 from factory.planner.memory import MemoryPlan, memory_per_rank
 from factory.planner.params import ModelParams, count_params
+from factory.planner.runtime_memory import RuntimeState, runtime_state_by_stage
 from factory.schemas.blueprint import Blueprint
 
 __all__ = ["Plan", "plan"]
@@ -27,6 +29,8 @@ class Plan:
     params: ModelParams
     flops_per_token: FlopsPerToken
     memory: MemoryPlan
+    runtime_state: list[RuntimeState]
+    """Bytes of model state a rank of factory's runtime holds, per pipeline rank."""
     layout: Layout
     tokens_per_step: int
     steps: int
@@ -43,6 +47,7 @@ class Plan:
             "params": asdict(self.params),
             "flops_per_token": self.flops_per_token.to_dict(),
             "memory_per_rank_bytes": self.memory.to_dict(),
+            "runtime_state_per_rank_bytes": _runtime_state(self.runtime_state),
             "layout": self.layout.to_dict(),
             "training": {
                 "tokens_per_step": self.tokens_per_step,
@@ -69,6 +74,7 @@ def plan(blueprint: Blueprint) -> Plan:
         params=params,
         flops_per_token=flops,
         memory=memory_per_rank(blueprint, layout),
+        runtime_state=runtime_state_by_stage(blueprint, layout),
         layout=layout,
         tokens_per_step=per_step,
         steps=steps,
@@ -76,3 +82,18 @@ def plan(blueprint: Blueprint) -> Plan:
         cost=cost,
         failures=failure_plan(cost, params.total, training.cluster, training.checkpoint_interval),
     )
+
+
+def _runtime_state(stages: list[RuntimeState]) -> dict[str, Any]:
+    """Each pipeline rank's state in whole bytes, and the rank that holds the most."""
+    rows = [
+        {
+            "weights": round(state.weights),
+            "gradients": round(state.gradients),
+            "optimizer": round(state.optimizer),
+            "total": round(state.total),
+        }
+        for state in stages
+    ]
+    peak = max(range(len(rows)), key=lambda r: rows[r]["total"])
+    return {"by_pipeline_rank": rows, "peak_rank": peak}

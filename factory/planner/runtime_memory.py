@@ -1,4 +1,4 @@
-"""Bytes of model state each rank of factory's own distributed runtime holds (pp = 1).
+"""Bytes of model state each rank of factory's own distributed runtime holds.
 
 ``factory.planner.memory`` plans Megatron's accounting (BF16 weights, FP32
 gradients, a distributed optimizer sharding FP32 masters and Adam states): what
@@ -8,6 +8,11 @@ optimizer's masters and shards differently, so it is planned here, tensor by
 tensor from the model spec, and ``tests/test_distributed_memory.py`` checks the
 plan against what the ranks really hold:
 
+* a pipeline rank holds its stages' layers (``layout.layer_indices_on_rank``), the
+  first rank the embedding, the last the final norm, head and MTP blocks, and a
+  copy of the embedding where MTP or a tied head needs it;
+* context parallelism splits no tensor: its ranks are data-parallel replicas of
+  the weights (FSDP2 shards over DP and CP together);
 * tensor parallelism splits a tensor the spec splits (``tp``) over TP;
 * routed-expert tensors split over EP (whole experts; ETP is 1);
 * FSDP2 (``distributed_optimizer``) shards every trainable tensor again over
@@ -29,8 +34,9 @@ from fractions import Fraction
 from factory.layers.model_spec import model_spec
 from factory.planner.layout import Layout
 from factory.schemas.blueprint import Blueprint
+from factory.spec.tensors import TensorSpec
 
-__all__ = ["RuntimeState", "runtime_state_per_rank"]
+__all__ = ["RuntimeState", "runtime_state_by_stage", "runtime_state_per_rank"]
 
 FP32 = 4
 
@@ -48,14 +54,25 @@ class RuntimeState:
         return self.weights + self.gradients + self.optimizer
 
 
-def runtime_state_per_rank(bp: Blueprint, layout: Layout) -> RuntimeState:
-    """The exact share of weights, gradients and Adam state per rank (pp must be 1)."""
-    if layout.pp != 1:
-        raise ValueError("runtime_state_per_rank plans pp=1 layouts (stages hold different layers)")
+def _on_stage(tensor: TensorSpec, bp: Blueprint, layout: Layout, pp_rank: int) -> bool:
+    """Whether pipeline rank ``pp_rank`` holds ``tensor`` (``factory.distributed.pipeline_stages``)."""
+    last = pp_rank == layout.pp - 1
+    parts = tensor.name.split(".")
+    if parts[:2] == ["backbone", "layers"]:
+        return int(parts[2]) in layout.layer_indices_on_rank(pp_rank)
+    if parts[:2] == ["backbone", "embeddings"]:
+        copy = bp.model.mtp_depth > 0 or bp.model.tie_embeddings
+        return pp_rank == 0 or (last and copy)
+    return last  # the final norm, the head and the MTP blocks
+
+
+def runtime_state_per_rank(bp: Blueprint, layout: Layout, pp_rank: int = 0) -> RuntimeState:
+    """The exact share of weights, gradients and Adam state on a rank of pipeline rank
+    ``pp_rank``."""
     sharded = bp.parallelism.distributed_optimizer
     weights = trainable = Fraction(0)
     for tensor in model_spec(bp.model).tensors():
-        if tensor.tied_to is not None:
+        if tensor.tied_to is not None or not _on_stage(tensor, bp, layout, pp_rank):
             continue
         share = Fraction(tensor.numel)
         if tensor.expert_dim is not None:
@@ -71,3 +88,8 @@ def runtime_state_per_rank(bp: Blueprint, layout: Layout) -> RuntimeState:
         weights += share
         trainable += share
     return RuntimeState(FP32 * weights, FP32 * trainable, 2 * FP32 * trainable)
+
+
+def runtime_state_by_stage(bp: Blueprint, layout: Layout) -> list[RuntimeState]:
+    """:func:`runtime_state_per_rank` for every pipeline rank, in order."""
+    return [runtime_state_per_rank(bp, layout, rank) for rank in range(layout.pp)]

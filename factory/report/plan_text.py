@@ -69,6 +69,17 @@ def plan_tables(plan: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, st
             ),
         )
     ]
+    runtime = plan["runtime_state_per_rank_bytes"]
+    peak_state = runtime["by_pipeline_rank"][runtime["peak_rank"]]
+    runtime_rows = [
+        (label, f"{peak_state[key]:,}", human_bytes(peak_state[key]))
+        for label, key in (
+            ("weights (fp32, the optimizer's masters)", "weights"),
+            ("gradients (fp32)", "gradients"),
+            ("Adam moments (fp32)", "optimizer"),
+            ("total", "total"),
+        )
+    ]
     layout = plan["layout"]
     layout_rows = [
         (key, str(layout[key]), "")
@@ -108,6 +119,10 @@ def plan_tables(plan: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, st
         ("Parameters", param_rows),
         ("Training FLOPs per token (fwd+bwd)", flop_rows),
         (f"Memory of the peak rank (pipeline rank {memory['peak_rank']})", memory_rows),
+        (
+            f"Model state per rank in factory's runtime (pipeline rank {runtime['peak_rank']})",
+            runtime_rows,
+        ),
         ("Layout", layout_rows),
         ("Training", training_rows),
         (f"Cost at {plan['cost']['mfu']:.0%} MFU", _cost_rows(plan["cost"])),
