@@ -9,8 +9,8 @@ The rule, in this order, each time taking the largest divisor of the source's
 degree that gives a layout the proxy passes ``factory.checks`` with and that
 factory's runtime launches (``factory.jobs.launch``): pipeline (pp), tensor
 (tp, with sequence parallelism as the source has it, and required with MoE),
-expert (ep). ETP is 1 and CP is 1 (the runtime splits neither); dp is what is
-left of W. When the proxy's global batch of 8 sequences cannot feed dp
+expert (ep), expert tensor (etp, which must also divide the proxy's expert
+width). CP is 1 (the runtime does not split it); dp is what is left of W. When the proxy's global batch of 8 sequences cannot feed dp
 replicas, it grows to the least multiple that can.
 """
 
@@ -25,6 +25,9 @@ from factory.schemas.blueprint import Blueprint
 
 __all__ = ["ProxyLayout", "derive_proxy_layout", "proxy_with_layout"]
 
+DEGREES = ("pp", "tp", "ep", "etp")
+"""The degrees the proxy keeps where it can, in the order they are chosen."""
+
 
 class ProxyLayout(tuple[Blueprint, list[str]]):
     """(the proxy blueprint, what changed in the layout, one sentence each)."""
@@ -35,17 +38,18 @@ def _divisors_down(n: int) -> list[int]:
 
 
 def proxy_with_layout(proxy: Blueprint, world: int, degrees: dict[str, Any]) -> Blueprint | None:
-    """``proxy`` on ``world`` ranks with ``degrees`` (``pp``, ``tp``, ``ep``, ``sp``: sequence
-    parallelism where tp > 1), dp the rest; None if that breaks a validation rule."""
-    tp, pp, ep = degrees["tp"], degrees["pp"], degrees["ep"]
-    if world % (tp * pp) or world % (ep * pp):
+    """``proxy`` on ``world`` ranks with ``degrees`` (``pp``, ``tp``, ``ep``, ``etp`` (1 when
+    absent), ``sp``: sequence parallelism where tp > 1), dp the rest; None if that breaks a
+    validation rule."""
+    tp, pp, ep, etp = degrees["tp"], degrees["pp"], degrees["ep"], degrees.get("etp", 1)
+    if world % (tp * pp) or world % (etp * ep * pp):
         return None
     dp = world // (tp * pp)
     per_step = PROXY_MICRO_BATCH * dp
     batch = -(-PROXY_GLOBAL_BATCH // per_step) * per_step
     data = proxy.model_dump(exclude_unset=True)
     data["parallelism"].update(
-        world_size=world, tp=tp, pp=pp, ep=ep, etp=1, cp=1,
+        world_size=world, tp=tp, pp=pp, ep=ep, etp=etp, cp=1,
         sequence_parallel=degrees["sp"] and tp > 1, global_batch_size=batch,
     )  # fmt: skip
     if pp == 1:
@@ -65,9 +69,14 @@ def derive_proxy_layout(bp: Blueprint, world_size: int, width: int = 256) -> Pro
         return ProxyLayout((proxy, []))
     par = bp.parallelism
     has_moe = bool(expert_layer_types(bp.model))
-    wanted = {"pp": par.pp, "tp": par.tp, "ep": par.ep if has_moe else 1}
-    degrees: dict[str, Any] = {"pp": 1, "tp": 1, "ep": 1, "sp": par.sequence_parallel or has_moe}
-    for name in ("pp", "tp", "ep"):
+    wanted = {
+        "pp": par.pp,
+        "tp": par.tp,
+        "ep": par.ep if has_moe else 1,
+        "etp": par.expert_tp if has_moe else 1,
+    }
+    degrees: dict[str, Any] = {**dict.fromkeys(DEGREES, 1), "sp": par.sequence_parallel or has_moe}
+    for name in DEGREES:
         for value in _divisors_down(wanted[name]):
             if proxy_with_layout(proxy, world_size, {**degrees, name: value}) is not None:
                 degrees[name] = value
@@ -76,15 +85,13 @@ def derive_proxy_layout(bp: Blueprint, world_size: int, width: int = 256) -> Pro
     assert chosen is not None  # all-ones on world_size ranks is pure data parallelism
     changes = [
         f"{name} {wanted[name]} -> {degrees[name]}"
-        for name in ("pp", "tp", "ep")
+        for name in DEGREES
         if degrees[name] != wanted[name]
     ]
     if par.world_size != world_size:
         changes.insert(0, f"world_size {par.world_size} -> {world_size}")
     if par.cp > 1:
         changes.append(f"cp {par.cp} -> 1 (not run by factory's runtime)")
-    if has_moe and par.expert_tp > 1:
-        changes.append(f"etp {par.expert_tp} -> 1 (not run by factory's runtime)")
     if chosen.parallelism.global_batch_size != PROXY_GLOBAL_BATCH:
         changes.append(
             f"global_batch_size {PROXY_GLOBAL_BATCH} -> {chosen.parallelism.global_batch_size} "

@@ -27,14 +27,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 import factory
 from factory.distributed.local import run_ranks
 from factory.distributed.mesh import build_meshes
-from factory.distributed.parallelize import apply_expert_parallel
+from factory.distributed.parallelize import apply_expert_parallel, parallelize
 from factory.layers.moe.expert_parallel import gather_rows, reduce_scatter_rows
 from factory.layers.moe.module import MoE
 from factory.planner.layout import resolve_layout
 
 BATCH, SEQ, TIMEOUT = 2, 64, 180
 TOL = 1e-5
-EP2, ETP2, EP2_ETP2 = (2, 2, 1), (2, 1, 2), (4, 2, 2)
+EP2, ETP2, EP2_ETP2, EDP2_ETP2 = (2, 2, 1), (2, 1, 2), (4, 2, 2), (4, 1, 2)
 """Layouts as (world, ep, etp); tp is 1, so every rank routes its own micro-batch."""
 
 
@@ -174,6 +174,40 @@ def _gradient_differences(split_model: Any, ref_model: Any) -> dict[str, Any]:
     return result
 
 
+def _sharded_data_parallel_case(rank: int, layout: tuple[int, int, int]) -> dict[str, float]:
+    """The whole layout (``parallelize``: ETP, then FSDP2 over DP for the dense layers and over
+    EDP for the experts, gradients summed) against the reference on the whole batch: every
+    gradient, made whole, is the reference's."""
+    world = layout[0]
+    bp = _blueprint(layout)
+    split_model = factory.compile(bp, precision="off", seed=0).model.train()
+    ref_model = factory.compile(bp, precision="off", seed=0).model.train()
+    parallelize(split_model, build_meshes(resolve_layout(bp), "cpu"))
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, bp.model.vocab_size, (world * BATCH, SEQ), generator=gen)
+    shape = (world * BATCH, SEQ, bp.model.vocab_size)
+    probes = [torch.randn(shape, generator=gen) for _ in range(1 + bp.model.mtp_depth)]
+    rows = slice(rank * BATCH, (rank + 1) * BATCH)
+    got = _run(split_model, ids, probes, rows)
+    want = _run(ref_model, ids, probes, slice(None))
+    heads = zip(got["heads"], want["heads"], strict=True)
+    routed = zip(got["routed"], want["routed"], strict=True)
+    reference = dict(ref_model.named_parameters())
+    grads, experts_sharded = 0.0, 0
+    for name, param in split_model.named_parameters():
+        ref = reference[name]
+        assert (param.grad is None) == (ref.grad is None), name
+        if param.grad is not None:
+            grads = max(grads, _relative(param.grad.full_tensor(), ref.grad))
+            experts_sharded += ".mixer.experts." in name and param.device_mesh.ndim == 3
+    return {
+        "outputs": max(_maxdiff(g, w[rows]) for g, w in heads),
+        "routed": max(_relative(g, w[rows]) for g, w in routed),
+        "grads": grads,
+        "experts_on_edp_ep_etp": experts_sharded,
+    }
+
+
 def _experts_linear_hook(layout: tuple[int, int, int]) -> list[tuple[str, tuple[int, ...]]]:
     """The layer's ``experts.linear`` runs the expert GEMMs on the local shards."""
     bp = _blueprint(layout)
@@ -270,6 +304,7 @@ def _ep_etp_worker(rank: int, world: int) -> dict[str, Any]:
         "dropless": _case(rank, EP2_ETP2, skew=False, capacity_factor=None),
         "skew": _case(rank, EP2_ETP2, skew=True, capacity_factor=None),
         "capacity": _case(rank, EP2_ETP2, skew=False, capacity_factor=1.0),
+        "fsdp": _sharded_data_parallel_case(rank, EDP2_ETP2),
     }
 
 
@@ -389,3 +424,13 @@ def test_ep_times_etp_capacity_factor_per_rank(ep_etp: list[dict[str, Any]]) -> 
     results = [r["capacity"] for r in ep_etp]
     _check_matches(results, EP2_ETP2_BLOCKS)
     assert all(r["dropped"] for r in results)
+
+
+def test_etp_under_fsdp_over_the_expert_data_parallel_ranks(ep_etp: list[dict[str, Any]]) -> None:
+    """DP=4 for the dense layers, ETP=2 x EDP=2 for the experts, each FSDP2-sharded over its
+    data-parallel group: the 6 expert tensors live on the (edp, ep, etp) mesh and every
+    gradient, summed and made whole, is the one-process gradient."""
+    for r in ep_etp:
+        f = r["fsdp"]
+        assert f["experts_on_edp_ep_etp"] == 3 * 2, f
+        assert f["outputs"] < TOL and f["routed"] < TOL and f["grads"] < TOL, f

@@ -9,7 +9,8 @@ tensor from the model spec, and ``tests/test_distributed_memory.py`` checks the
 plan against what the ranks really hold:
 
 * tensor parallelism splits a tensor the spec splits (``tp``) over TP;
-* routed-expert tensors split over EP (whole experts; ETP is 1);
+* routed-expert tensors split over EP (whole experts) and ETP (each expert's ffn:
+  up and gate by columns, down by rows), whatever TP the dense layers use;
 * FSDP2 (``distributed_optimizer``) shards every trainable tensor again over
   its data-parallel group: DP for dense tensors, EDP for experts; DDP does not;
 * a frozen tensor (the aux-loss-free expert bias) is held whole by every rank,

@@ -190,7 +190,7 @@ class AllToAllDispatcher:
         gathered = received
         if self.etp_size > 1:
             gathered = received.new_empty(self.etp_size * received.numel())
-            dist.all_gather_into_tensor(gathered, received, group=self.etp_group)
+            dist.all_gather_single(gathered, received, group=self.etp_group)
         by_rank = (self.ep_size, self.num_local)
         sizes = torch.cat([
             kept_per_expert.view(by_rank).sum(1),
