@@ -4,8 +4,9 @@ Tensor parallelism first (DTensor plans from the model spec's sharding rules),
 then expert parallelism (every layer whose type routes tokens to experts shards
 them over the expert grid's EP and ETP groups, as its layer type says:
 ``LayerType.expert_parallel_problems`` and ``apply_expert_parallel``), then FSDP2 /
-DDP over the data-parallel groups, which wraps the already-distributed parameters. Every rank must hold the same
-initialised full model before this (``factory.compile`` with the same seed).
+DDP over the data-parallel groups, which wraps the already-distributed parameters.
+Every rank must hold the same initialised full model before this (``factory.compile``
+with the same seed).
 
 Pipeline stages are cut before this (``factory.distributed.pipeline_stages``) and
 each stage is parallelized on its own; the training runtime puts them behind one

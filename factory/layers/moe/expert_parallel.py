@@ -73,16 +73,9 @@ from factory.spec.tensors import TensorSpec
 __all__ = [
     "AllToAllDispatcher",
     "gather_rows",
-    "local_experts",
     "reduce_scatter_rows",
     "shard_experts",
 ]
-
-
-def local_experts(ep_size: int, ep_rank: int, num_experts: int) -> range:
-    """The global indices of the experts EP rank ``ep_rank`` holds."""
-    per_rank = num_experts // ep_size
-    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
 
 
 def gather_rows(rows: torch.Tensor, peer_rows: list[int], group: dist.ProcessGroup) -> torch.Tensor:
