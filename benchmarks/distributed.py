@@ -34,9 +34,11 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "DP=2 (DDP)": (2, {"distributed_optimizer": False}),
     "EP=2": (2, {"ep": 2}),
     "TP=2 + SP": (2, {"tp": 2, "sequence_parallel": True, "etp": 1}),
+    "ETP=2": (2, {"etp": 2}),
     "PP=2 (1F1B)": (2, {"pp": 2}),
     "DP=4 (FSDP2)": (4, {}),
     "DP=2 x EP=2": (4, {"ep": 2}),
+    "EP=2 x ETP=2": (4, {"ep": 2, "etp": 2}),
 }
 
 

@@ -11,8 +11,9 @@ factory's runtime launches (``factory.jobs.launch``): context (cp: a blueprint
 asking for it wants long sequences checked, and the proxy keeps its seq_len),
 pipeline (pp, 1 under context parallelism, which the runtime does not run across
 stages), tensor (tp, with sequence parallelism as the source has it, and required
-with MoE), expert (ep). ETP is 1 (the runtime does not split experts); dp is
-what is left of W. When the proxy's global batch of 8 sequences cannot feed dp
+with MoE), expert (ep), expert tensor (etp, which must also divide the proxy's
+expert width); dp is what is left of W. When the proxy's global batch of 8
+sequences cannot feed dp
 replicas, it grows to the least multiple that can.
 """
 
@@ -27,6 +28,9 @@ from factory.schemas.blueprint import Blueprint
 
 __all__ = ["ProxyLayout", "derive_proxy_layout", "proxy_with_layout"]
 
+DEGREES = ("cp", "pp", "tp", "ep", "etp")
+"""The degrees the proxy keeps where it can, in the order they are chosen."""
+
 
 class ProxyLayout(tuple[Blueprint, list[str]]):
     """(the proxy blueprint, what changed in the layout, one sentence each)."""
@@ -37,18 +41,19 @@ def _divisors_down(n: int) -> list[int]:
 
 
 def proxy_with_layout(proxy: Blueprint, world: int, degrees: dict[str, Any]) -> Blueprint | None:
-    """``proxy`` on ``world`` ranks with ``degrees`` (``pp``, ``tp``, ``ep``, ``cp`` (default 1),
-    ``sp``: sequence parallelism where tp > 1), dp the rest; None if that breaks a
-    validation rule."""
-    tp, pp, ep, cp = degrees["tp"], degrees["pp"], degrees["ep"], degrees.get("cp", 1)
-    if world % (tp * pp * cp) or world % (ep * pp):
+    """``proxy`` on ``world`` ranks with ``degrees`` (``pp``, ``tp``, ``ep``, ``cp`` and ``etp``
+    (1 when absent), ``sp``: sequence parallelism where tp > 1), dp the rest; None if that
+    breaks a validation rule."""
+    tp, pp, ep = degrees["tp"], degrees["pp"], degrees["ep"]
+    cp, etp = degrees.get("cp", 1), degrees.get("etp", 1)
+    if world % (tp * pp * cp) or world % (etp * ep * pp):
         return None
     dp = world // (tp * pp * cp)
     per_step = PROXY_MICRO_BATCH * dp
     batch = -(-PROXY_GLOBAL_BATCH // per_step) * per_step
     data = proxy.model_dump(exclude_unset=True)
     data["parallelism"].update(
-        world_size=world, tp=tp, pp=pp, ep=ep, etp=1, cp=cp,
+        world_size=world, tp=tp, pp=pp, ep=ep, etp=etp, cp=cp,
         sequence_parallel=degrees["sp"] and tp > 1, global_batch_size=batch,
     )  # fmt: skip
     if pp == 1:
@@ -68,11 +73,15 @@ def derive_proxy_layout(bp: Blueprint, world_size: int, width: int = 256) -> Pro
         return ProxyLayout((proxy, []))
     par = bp.parallelism
     has_moe = bool(expert_layer_types(bp.model))
-    wanted = {"cp": par.cp, "pp": par.pp, "tp": par.tp, "ep": par.ep if has_moe else 1}
-    degrees: dict[str, Any] = {
-        "cp": 1, "pp": 1, "tp": 1, "ep": 1, "sp": par.sequence_parallel or has_moe,
-    }  # fmt: skip
-    for name in ("cp", "pp", "tp", "ep"):
+    wanted = {
+        "cp": par.cp,
+        "pp": par.pp,
+        "tp": par.tp,
+        "ep": par.ep if has_moe else 1,
+        "etp": par.expert_tp if has_moe else 1,
+    }
+    degrees: dict[str, Any] = {**dict.fromkeys(DEGREES, 1), "sp": par.sequence_parallel or has_moe}
+    for name in DEGREES:
         if name == "pp" and degrees["cp"] > 1:
             continue  # the runtime does not run context parallelism across pipeline stages
         for value in _divisors_down(wanted[name]):
@@ -83,13 +92,11 @@ def derive_proxy_layout(bp: Blueprint, world_size: int, width: int = 256) -> Pro
     assert chosen is not None  # all-ones on world_size ranks is pure data parallelism
     changes = [
         f"{name} {wanted[name]} -> {degrees[name]}"
-        for name in ("cp", "pp", "tp", "ep")
+        for name in DEGREES
         if degrees[name] != wanted[name]
     ]
     if par.world_size != world_size:
         changes.insert(0, f"world_size {par.world_size} -> {world_size}")
-    if has_moe and par.expert_tp > 1:
-        changes.append(f"etp {par.expert_tp} -> 1 (not run by factory's runtime)")
     if chosen.parallelism.global_batch_size != PROXY_GLOBAL_BATCH:
         changes.append(
             f"global_batch_size {PROXY_GLOBAL_BATCH} -> {chosen.parallelism.global_batch_size} "

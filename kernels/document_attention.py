@@ -26,6 +26,7 @@ Equal to SDPA with the block-diagonal causal mask up to float rounding
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +66,7 @@ def _document_spans(document_ids: torch.Tensor | None, rows: int, length: int) -
     starts: list[list[int]] = [[0] for _ in range(rows)]
     for row, position in changes:
         starts[row].append(position + 1)
-    return [row_starts + [length] for row_starts in starts]
+    return [[*row_starts, length] for row_starts in starts]
 
 
 def attention_blocks(
@@ -78,7 +79,7 @@ def attention_blocks(
     blocks = []
     for row, bounds in enumerate(spans):
         which = None if document_ids is None else row
-        for doc_start, doc_end in zip(bounds[:-1], bounds[1:], strict=True):
+        for doc_start, doc_end in itertools.pairwise(bounds):
             for run in runs:
                 first, last = max(run.start, doc_start), min(run.start + run.length, doc_end)
                 if first >= last:
@@ -108,15 +109,15 @@ class _BlockAttention(torch.autograd.Function):
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
         for block in blocks:
             rows = _rows(block)
-            o, l = _FORWARD(
+            o, block_lse = _FORWARD(
                 q[rows, :, block.q], k[rows, :, block.k], v[rows, :, block.k], 0.0,
                 block.causal, scale=scale,
             )  # fmt: skip
             seen = lse[rows, :, block.q]
-            merged = torch.logaddexp(seen, l)
+            merged = torch.logaddexp(seen, block_lse)
             kept = out[rows, :, block.q]
             kept.mul_(torch.exp(seen - merged)[..., None])
-            kept.add_(o.float() * torch.exp(l - merged)[..., None])
+            kept.add_(o.float() * torch.exp(block_lse - merged)[..., None])
             lse[rows, :, block.q] = merged
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)

@@ -53,6 +53,20 @@ CASES = [
         "error",
     ),
     (
+        "parallelism.etp_experts",
+        {"parallelism.etp": 8, "model.moe.expert_intermediate_size": 100},
+        "parallelism.etp",
+        ("etp=8", "(100)"),
+        "error",
+    ),
+    (
+        "parallelism.etp_experts",
+        {"parallelism.tp": 8, "model.moe.expert_intermediate_size": 100},
+        "parallelism.etp",
+        ("etp=8", "(100)", "defaults to tp"),
+        "error",
+    ),
+    (
         "parallelism.pipeline",
         {"model.pattern": "M*M|E-M|*ME", "parallelism.pp": 2},
         "parallelism.pp",
@@ -218,6 +232,8 @@ def test_every_parallel_rule_has_a_firing_case():
     [
         # Nano-like folding: TP2 for dense layers, EP8 with ETP1 for experts, SP on.
         {"parallelism.tp": 2, "parallelism.ep": 8, "parallelism.etp": 1},
+        # Megatron's default: ETP follows TP (2), the 128-wide experts split in two, EP 4.
+        {"parallelism.tp": 2, "parallelism.ep": 4},
         # Four '|' segments on pp=2 give vpp=2; 4 microbatches per step.
         {"model.pattern": FOUR_STAGES, "parallelism.pp": 2, "parallelism.vpp": 2},
         {"parallelism.cp": 2, "model.mamba.groups": 4},
@@ -245,6 +261,22 @@ def test_valid_layouts_are_silent(overrides):
 def test_kv_heads_may_be_replicated_when_tp_exceeds_them():
     """TP=4 over 2 KV heads replicates each KV head twice: allowed."""
     assert findings("parallelism.tp_attention", make(**{"parallelism.tp": 4})) == []
+
+
+def test_language_module_etp_must_divide_the_expert_width():
+    bp = make(
+        **{
+            MODULES: {"language": {"num_ranks": 8, "etp": 8}},
+            "model.moe.expert_intermediate_size": 100,
+        }
+    )
+    assert_fires("parallelism.modules", bp, "parallelism.modules.language.etp", "etp=8", "(100)")
+
+
+def test_etp_without_routed_experts_splits_nothing():
+    """A dense model's etp (it defaults to tp) is never checked: Megatron ignores it."""
+    bp = make(**{"parallelism.etp": 8, "model.moe": DELETE, "model.pattern": "M*M-"})
+    assert findings("parallelism.etp_experts", bp) == []
 
 
 def test_language_module_ep_needs_moe():

@@ -86,6 +86,8 @@ def _held(rank: int, world: int, bp: Blueprint) -> dict[str, int]:
         pytest.param(2, {"distributed_optimizer": False}, id="dp2-ddp"),
         pytest.param(2, {"ep": 2}, id="ep2"),
         pytest.param(4, {"ep": 2}, id="dp2xep2-folded"),
+        pytest.param(2, {"etp": 2}, id="etp2"),
+        pytest.param(4, {"etp": 2}, id="edp2xetp2-folded"),
         pytest.param(2, {"pp": 2}, id="pp2"),
         pytest.param(2, {"cp": 2}, id="cp2"),
     ],

@@ -107,6 +107,9 @@ def _compare(run: Path, reference: Path) -> None:
         pytest.param(2, {"distributed_optimizer": False}, id="dp2-ddp"),
         pytest.param(2, {"ep": 2}, id="ep2"),
         pytest.param(2, _TP, id="tp2-sp"),
+        pytest.param(2, {"etp": 2}, id="etp2"),
+        # ETP defaults to TP: each expert's ffn split over the TP group, which routes by SP.
+        pytest.param(2, {"tp": 2, "sequence_parallel": True}, id="tp2-sp-etp2"),
         pytest.param(2, {"pp": 2}, id="pp2-1f1b"),
         pytest.param(2, {"pp": 2, "vpp": 2}, id="pp2-interleaved"),
         pytest.param(2, {"cp": 2}, id="cp2"),
@@ -123,18 +126,31 @@ def test_a_layout_trains_as_one_process_does(
     assert (tmp_path / "ranks" / "rank_00001.jsonl").is_file()
 
 
+@pytest.mark.parametrize(
+    ("four", "resumes"),
+    [
+        pytest.param({"ep": 2}, [(2, {"ep": 2}), (1, {})], id="dp2xep2"),
+        pytest.param({"ep": 2, "etp": 2}, [(2, {"etp": 2}), (1, {})], id="ep2xetp2"),
+    ],
+)
 def test_a_checkpoint_of_4_ranks_resumes_on_2_and_on_1(
-    shards: Path, reference: Path, tmp_path: Path
+    four: dict[str, Any],
+    resumes: list[tuple[int, dict[str, Any]]],
+    shards: Path,
+    reference: Path,
+    tmp_path: Path,
 ) -> None:
-    """DP=2 x EP=2 folded on 4 ranks trains as one process does; its step-2 checkpoint (DCP,
-    sharded 4 ways) resumes on 2 ranks (EP=2) and on one process, and the losses and the final
-    weights continue as the uninterrupted one-process run's."""
-    four = tmp_path / "four"
-    run_ranks(_train_rank, 4, _blueprint(4, ep=2), four, shards, timeout=300)
-    _compare(four, reference)
-    for world, parallelism in ((2, {"ep": 2}), (1, {})):
+    """A layout of 4 ranks trains as one process does; its step-2 checkpoint (DCP, sharded 4
+    ways) resumes on 2 ranks of another layout and on one process, and the losses and the
+    final weights continue as the uninterrupted one-process run's. DP=2 x EP=2 folded resumes
+    on EP=2; DP=4 with the experts at EP=2 x ETP=2 (each expert's ffn split in two) resumes
+    on ETP=2 alone (every expert on both ranks, half its ffn on each)."""
+    run_four = tmp_path / "four"
+    run_ranks(_train_rank, 4, _blueprint(4, **four), run_four, shards, timeout=300)
+    _compare(run_four, reference)
+    for world, parallelism in resumes:
         run = tmp_path / f"resumed-on-{world}"
-        shutil.copytree(four, run)
+        shutil.copytree(run_four, run)
         shutil.rmtree(run / "checkpoints" / f"step_{STEPS:08d}")
         shutil.rmtree(run / "model")
         (run / "train.json").unlink()

@@ -31,3 +31,19 @@ def test_one_rank_is_the_plain_proxy_and_four_ranks_grow_the_batch_only_if_neede
     proxy, changes = derive_proxy_layout(dense, 8)
     assert proxy.parallelism.global_batch_size == 16  # 8 replicas x micro-batch 2
     assert "global_batch_size 8 -> 16 (dp 8)" in changes
+
+
+def test_the_proxy_keeps_expert_tensor_parallelism_where_its_experts_divide() -> None:
+    """Nano at EP 2 x ETP 2 on 4 ranks keeps both (the proxy's 176-wide experts split in two),
+    and the runtime launches it; ETP 16 on 2 ranks becomes the largest that fits, 2."""
+    data = factory.load_blueprint("nano").model_dump(exclude_unset=True)
+    data["parallelism"].update(ep=2, etp=2)
+    proxy, changes = derive_proxy_layout(Blueprint.model_validate(data), 4)
+    par = proxy.parallelism
+    assert (par.tp, par.ep, par.expert_tp, par.pp) == (2, 2, 2, 1)
+    assert proxy.model.moe.expert_intermediate_size % 2 == 0
+    assert changes == ["world_size 32 -> 4", "tp 4 -> 2"]
+    check_launch(proxy, 4)
+    data["parallelism"].update(ep=1, etp=16)
+    proxy, changes = derive_proxy_layout(Blueprint.model_validate(data), 2)
+    assert proxy.parallelism.expert_tp == 2 and "etp 16 -> 2" in changes

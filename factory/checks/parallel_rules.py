@@ -119,11 +119,32 @@ def ep_experts(bp: Blueprint) -> Iterator[Finding]:
 
 def _expert_split(bp: Blueprint, ep: int, path: str) -> Iterator[Finding]:
     """Findings on splitting ``bp``'s routed experts over ``ep`` ranks, at ``path``."""
-    kinds = [kind for kind in expert_layer_types(bp.model) if _configured(kind, bp)]
+    kinds = _routing_kinds(bp)
     if not kinds and ep > 1:
         yield Finding(path, f"ep={ep} needs layers with routed experts (MoE)")
     for message in dict.fromkeys(m for kind in kinds for m in kind.ep_rules(bp.model, ep)):
         yield Finding(path, message)
+
+
+def _routing_kinds(bp: Blueprint) -> list[LayerType]:
+    """The configured layer types of ``bp`` that route tokens to experts."""
+    return [kind for kind in expert_layer_types(bp.model) if _configured(kind, bp)]
+
+
+@rule("parallelism.etp_experts")
+def etp_experts(bp: Blueprint) -> Iterator[Finding]:
+    """ETP splits each routed expert's matrices, as the expert layers' types say."""
+    par = bp.parallelism
+    defaulted = " (etp defaults to tp)" if par.etp is None else ""
+    yield from _expert_tp_split(bp, par.expert_tp, "parallelism.etp", defaulted)
+
+
+def _expert_tp_split(bp: Blueprint, etp: int, path: str, note: str = "") -> Iterator[Finding]:
+    """Findings on splitting each of ``bp``'s routed experts over ``etp`` ranks, at ``path``
+    (ETP without routed experts splits nothing: Megatron ignores it, and it defaults to TP)."""
+    kinds = _routing_kinds(bp)
+    for message in dict.fromkeys(m for kind in kinds for m in kind.etp_rules(bp.model, etp)):
+        yield Finding(path, message + note)
 
 
 @rule("parallelism.pipeline")
@@ -301,6 +322,7 @@ def modules(bp: Blueprint) -> Iterator[Finding]:
             )
         if name == "language":
             yield from _expert_split(bp, mod.ep, f"{base}.ep")
+            yield from _expert_tp_split(bp, mod.etp, f"{base}.etp")
     yield from _module_tiling(bp)
 
 

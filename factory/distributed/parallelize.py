@@ -2,12 +2,11 @@
 
 Tensor parallelism first (DTensor plans from the model spec's sharding rules),
 then expert parallelism (every layer whose type routes tokens to experts shards
-them over the EP group, as its layer type says: ``LayerType.expert_parallel_problems``
-and ``apply_expert_parallel``), then context parallelism (every layer takes its
-type's ``context_parallel`` style over the CP group; weights are not split), then
-FSDP2 / DDP over the data-parallel and context-parallel ranks together, which wraps
-the already-distributed parameters. Every rank must hold the same
-initialised full model before this (``factory.compile`` with the same seed).
+them over the expert grid's EP and ETP groups, as its layer type says:
+``LayerType.expert_parallel_problems`` and ``apply_expert_parallel``), then context
+parallelism (every layer takes its type's ``context_parallel`` style over the CP
+group; weights are not split), then FSDP2 / DDP over the data-parallel and
+context-parallel ranks together, which wraps the already-distributed parameters.
 
 Pipeline stages are cut before this (``factory.distributed.pipeline_stages``) and
 each stage is parallelized on its own; the training runtime puts them behind one
@@ -34,8 +33,8 @@ def parallelize(model: nn.Module, meshes: Meshes, distributed_optimizer: bool = 
     layout = meshes.layout
     if layout.tp > 1:
         apply_tensor_parallel(model, meshes.dense["tp"], layout.sequence_parallel)
-    if layout.ep > 1:
-        apply_expert_parallel(model, meshes.expert["ep"])
+    if layout.ep * layout.etp > 1:
+        apply_expert_parallel(model, meshes.expert["ep", "etp"])
     if layout.cp > 1:
         apply_context_parallel(model, meshes.dense["cp"], layout.tp)
     # Context-parallel ranks hold the same weights and different tokens: their gradients
@@ -73,18 +72,25 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, tp: int = 1) -
     model.sequence_split = split
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> None:
     """Shard every routing layer's experts of ``model`` (main stack and MTP; a whole model or
-    a pipeline stage of one) over the 1-D ``ep_mesh`` (``meshes.expert["ep"]``).
+    a pipeline stage of one) over the 2-D ``expert_mesh`` (``meshes.expert["ep", "etp"]``):
+    experts over ``ep``, each expert's matrices over ``etp``, as the spec splits them.
 
-    Expects the initialised full model on every rank, identical across the EP group
-    (``factory.compile`` with one seed does that). Call before FSDP, which then shards the
+    Expects the model on the meta device (``factory.compile(deferred=True)``; its shards are
+    filled afterwards) or the initialised full model on every rank, identical across the
+    expert grid (``factory.compile`` with one seed does that). Call before FSDP, which then shards the
     local experts over the expert-data-parallel ranks. Raises ValueError, leaving the model
     untouched, when any layer cannot be split (an expert count that is not a multiple of
-    the EP size, a layer already expert-parallel).
+    the EP size, an expert width that is not a multiple of the ETP size, a layer already
+    expert-parallel).
     """
-    if ep_mesh.ndim != 1:
-        raise ValueError(f"ep_mesh must be 1-D (meshes.expert['ep']), got {ep_mesh.ndim} dims")
+    if expert_mesh.mesh_dim_names != ("ep", "etp"):
+        raise ValueError(
+            "expert_mesh must be the expert grid's 2-D (ep, etp) mesh "
+            f"(meshes.expert['ep', 'etp']), got dims {expert_mesh.mesh_dim_names}"
+        )
+    ep, etp = expert_mesh["ep"].size(), expert_mesh["etp"].size()
     layers = [
         (layer, block.mixer)
         for layer in model_spec(model.cfg).layers
@@ -93,9 +99,15 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
     problems = [
         f"{layer.prefix}.mixer: {problem}"
         for layer, mixer in layers
-        for problem in layer.type.expert_parallel_problems(mixer, ep_mesh.size())
+        for problem in layer.type.expert_parallel_problems(mixer, ep, etp)
     ]
     if problems:  # every layer is checked before any changes
         raise ValueError("; ".join(problems))
     for layer, mixer in layers:
-        layer.type.apply_expert_parallel(mixer, ep_mesh)
+        under = f"{layer.prefix}.mixer."
+        routed = {
+            t.name.removeprefix(under): t
+            for t in layer.tensors
+            if t.expert_dim is not None and t.name.startswith(under)
+        }
+        layer.type.apply_expert_parallel(mixer, expert_mesh, routed)

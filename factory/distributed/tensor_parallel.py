@@ -2,10 +2,11 @@
 
 Each parameter is placed by its spec :class:`~factory.spec.tensors.Split`: split,
 a ``Shard(dim)`` DTensor over the TP mesh; else a ``Replicate()`` one. Routed
-experts stay plain per-rank tensors (ETP = 1: each TP rank routes its own tokens
-to whole experts, so their gradients are partial sums for the expert-data-parallel
-group ``edp``, which holds the TP ranks, to reduce: FSDP over edp), as does the
-untrained expert bias (``update_expert_biases`` adds to it in place).
+experts are left to the expert grid (``parallelize.apply_expert_parallel``: EP and
+ETP; with ETP = 1 each TP rank routes its own tokens to whole experts, so their
+gradients are partial sums for the expert-data-parallel group ``edp``, which holds
+the TP ranks, to reduce: FSDP over edp), and the untrained expert bias stays a
+plain tensor (``update_expert_biases`` adds to it in place).
 
 - A dense mixer (attention, Mamba, MLP) gets the block's normed input gathered on
   every rank; its column (and Mamba's head-split) linears compute this rank's heads

@@ -9,8 +9,6 @@ yet is refused here, naming the field and the value that would work:
 * ``WORLD_SIZE`` must equal ``parallelism.world_size`` (the layout is the
   blueprint's, not the launcher's);
 * context parallelism across pipeline stages (``cp > 1`` with ``pp > 1``);
-* expert tensor parallelism (``etp > 1``): routed experts are split across EP
-  ranks whole (ETP = 1, what the Nemotron 3 recipes use);
 * per-module (heterogeneous) layouts.
 
 This module does not import torch.
@@ -69,12 +67,6 @@ def check_launch(bp: Blueprint, world_size: int) -> None:
             path="parallelism.cp",
         )
     has_moe = bool(expert_layer_types(bp.model))
-    if has_moe and par.expert_tp > 1:
-        raise LaunchRefused(
-            f"parallelism.etp={par.expert_tp} (it defaults to tp): factory's runtime keeps "
-            "each routed expert whole on one EP rank; use --set parallelism.etp=1",
-            path="parallelism.etp",
-        )
     if has_moe and par.tp > 1 and not par.sequence_parallel:
         raise LaunchRefused(
             f"tp={par.tp} with MoE layers needs sequence parallelism (each TP rank routes its "

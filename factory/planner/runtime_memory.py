@@ -14,7 +14,8 @@ plan against what the ranks really hold:
 * context parallelism splits no tensor: its ranks are data-parallel replicas of
   the weights (FSDP2 shards over DP and CP together);
 * tensor parallelism splits a tensor the spec splits (``tp``) over TP;
-* routed-expert tensors split over EP (whole experts; ETP is 1);
+* routed-expert tensors split over EP (whole experts) and ETP (each expert's ffn:
+  up and gate by columns, down by rows), whatever TP the dense layers use;
 * FSDP2 (``distributed_optimizer``) shards every trainable tensor again over
   its data-parallel group: DP for dense tensors, EDP for experts; DDP does not;
 * a frozen tensor (the aux-loss-free expert bias) is held whole by every rank,

@@ -16,7 +16,7 @@ which symbols exist without an import cycle.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
@@ -216,6 +216,12 @@ class LayerType:
         reports them as ``parallelism.ep_experts``."""
         return []
 
+    def etp_rules(self, model: ModelConfig, etp: int) -> list[str]:
+        """Why ``etp`` expert-tensor-parallel ranks cannot split each of this layer's routed
+        experts (empty when they can; only asked of a layer that ``routes_experts``).
+        ``factory validate`` reports them as ``parallelism.etp_experts``."""
+        return []
+
     def apply_context_parallel(self, mixer: nn.Module, split: SequenceSplit) -> None:
         """Make the built ``mixer`` compute its rank's chunks of every sequence over ``split``'s
         group, in its ``context_parallel`` style: a token-wise mixer needs nothing; one that
@@ -236,13 +242,19 @@ class LayerType:
         for each of :meth:`tp_whole_linears`, the (start, width) of the columns it keeps."""
         return {}
 
-    def expert_parallel_problems(self, mixer: nn.Module, ep: int) -> list[str]:
-        """Why the built ``mixer`` cannot split its experts over ``ep`` ranks (none: a layer
-        without experts is left alone by expert parallelism)."""
+    def expert_parallel_problems(self, mixer: nn.Module, ep: int, etp: int) -> list[str]:
+        """Why the built ``mixer`` cannot split its experts over ``ep`` expert-parallel ranks,
+        each expert over ``etp`` expert-tensor-parallel ones (none: a layer without experts
+        is left alone by expert parallelism)."""
         return []
 
-    def apply_expert_parallel(self, mixer: nn.Module, ep_mesh: DeviceMesh) -> None:
-        """Keep this EP rank's experts of ``mixer`` and exchange tokens over ``ep_mesh``."""
+    def apply_expert_parallel(
+        self, mixer: nn.Module, expert_mesh: DeviceMesh, tensors: Mapping[str, TensorSpec]
+    ) -> None:
+        """Keep this rank's block of ``mixer``'s routed experts and exchange tokens over
+        ``expert_mesh`` (the expert grid's 2-D ``(ep, etp)`` mesh). ``tensors`` are the
+        mixer's routed-expert tensors by their names under it: their ``expert_dim`` splits
+        over ``ep``, their ``tp`` split over ``etp``."""
 
     def torch_side(self, module: str = "module") -> ModuleType:
         """A module of this layer type's folder that needs torch (``module.py``: the

@@ -1,44 +1,63 @@
-"""Expert parallelism of one MoE layer: each EP rank holds E/EP experts; tokens travel to them.
+"""Expert and expert-tensor parallelism of one MoE layer (MoE parallel folding).
 
-:func:`shard_experts` (called for every MoE layer by
-``factory.distributed.parallelize.apply_expert_parallel``) shards every routed-expert
-parameter along the expert dimension over the EP mesh (a ``Shard(0)`` DTensor: EP rank ``j`` holds
-experts ``j*L .. (j+1)*L - 1`` with ``L = E/EP``) and installs an
-:class:`AllToAllDispatcher` as the layer's ``MoE.dispatcher``. This is the
-all-to-all token dispatcher of Megatron-Core and torchtitan, over our own
-``route_tokens``/``grouped_mlp``.
+The routed experts see the expert grid ``(pp, edp, ep, etp)`` of
+``factory.distributed.mesh``. :func:`shard_experts` (called for every MoE layer by
+``factory.distributed.parallelize.apply_expert_parallel``) makes every routed-expert
+parameter a DTensor over the 2-D ``(ep, etp)`` mesh, split as the model spec says:
+``Shard(0)`` over EP (EP rank ``j`` holds experts ``j*L .. (j+1)*L - 1`` with
+``L = E/EP``) and the spec's tensor-parallel split over ETP (``up_proj`` and
+``gate_proj`` by columns, ``Shard(1)``, ``down_proj`` by rows, ``Shard(2)``, each
+projection on its own, so a rank's gate and up columns pair up). It installs an
+:class:`AllToAllDispatcher` as the layer's ``MoE.dispatcher``: Megatron-Core's
+``MoEAlltoAllTokenDispatcher`` with its ``TEGroupedMLP``, over our own
+``route_tokens`` and ``RoutedExperts``.
 
 One MoE layer's forward on one rank:
 
 1. Routing, aux loss, capacity dropping and the ``[E]`` load vector run on this
    rank's tokens alone, exactly as without EP (``MoE.forward``). The capacity
    is therefore per rank, as in Megatron.
-2. Counts: the kept pairs per (destination rank, its local expert) go through
-   one ``all_to_all_single`` of ``E`` integers, so every rank learns how many
-   pairs each source sends to each of its local experts; the split sizes are
-   read to the host together (one sync).
-3. Dispatch: ``route_tokens`` already sorted the pairs by expert, and rank
-   ``j``'s experts are contiguous, so the kept pairs in sorted order are grouped
-   by destination: one ``index_select`` builds the send buffer and one
-   autograd-aware all-to-all with uneven splits moves it.
-4. Experts: the received rows are ordered (source rank, local expert, token);
-   as k=1 routings over the L local experts they run through the layer's
-   ``RoutedExperts`` (``grouped_mlp`` on the local weight shards, with the
-   layer's ``linear`` hook), called as a module so FSDP's hooks gather the
-   expert-data-parallel shards first.
-5. Combine: the reverse all-to-all returns each output to its pair's rank in
-   send order; dropped pairs count 0; the weighted sum over the k slots runs in
-   fp32 exactly as ``grouped_mlp`` forms it.
+2. Counts: the kept pairs per (destination EP rank, its local expert) go through
+   one ``all_to_all_single`` of ``E`` integers over EP, then what each rank
+   receives (``EP*L`` integers) is all-gathered over ETP, so every rank knows
+   how many rows each ETP peer will bring for each local expert; all split sizes
+   are read to the host together (one sync).
+3. Dispatch over EP: ``route_tokens`` already sorted the pairs by expert, and
+   EP rank ``j``'s experts are contiguous, so the kept pairs in sorted order are
+   grouped by destination: one ``index_select`` builds the send buffer and one
+   autograd-aware all-to-all with uneven splits moves it to the EP peers with
+   the same ETP rank.
+4. All-gather over ETP (uneven): each ETP rank sends its received rows to every
+   ETP peer (an all-to-all of its rows repeated once per peer; gloo has no
+   uneven all-gather), so every ETP rank of an expert holds the union of its
+   peers' rows, ordered (ETP rank, EP source, local expert, token).
+5. Experts: those rows, as k=1 routings over the L local experts, run through
+   the layer's ``RoutedExperts`` (``grouped_mlp`` and its paths on the local
+   weight shards, with the layer's ``linear`` hook), called as a module so FSDP's
+   hooks gather the expert-data-parallel shards first. With ETP the column ``up``
+   (and ``gate``), the activation and the row ``down`` make this rank's share of
+   the ffn, a partial sum of each row's output; the GEMMs do no communication.
+6. Reduce-scatter over ETP (uneven): each peer's block of partial sums goes back
+   to it (an all-to-all) and each rank adds the ``ETP`` blocks it receives, in
+   rank order: its own rows' outputs, summed over the whole ffn.
+7. Combine: the reverse all-to-all over EP returns each output to its pair's
+   rank in send order; dropped pairs count 0; the weighted sum over the k slots
+   runs in fp32 exactly as ``grouped_mlp`` forms it.
 
-Backward: an all-to-all's gradient is the reverse all-to-all, so each rank's
-expert gradient sums over the tokens routed to its experts from every EP rank,
-while the dense parameters' gradients stay local (reducing those over the data
-ranks is FSDP's or DDP's job, as without EP). Every rank of the EP group runs
-the same layers in the same order (the collectives pair up), including ranks
-that send or receive nothing.
+Backward: an all-to-all's gradient is the reverse all-to-all, so the all-gather
+of step 4 differentiates to a reduce-scatter (the repeated copies' gradients
+add up) and the reduce-scatter of step 6 to an all-gather. Each rank's expert
+gradient is exact for its shard: it sums over every row its experts saw from
+every EP and ETP peer; the dense parameters' gradients stay local (reducing
+those, and the experts' over the expert-data-parallel group, is FSDP's or DDP's
+job). Every rank of the expert group runs the same layers in the same order
+(the collectives pair up), including ranks that send or receive nothing.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -49,23 +68,59 @@ from torch.distributed.tensor import DTensor, Shard
 
 from factory.kernels.moe_dispatch import Dispatch, route_tokens
 from factory.layers.moe.module import RoutedExperts
+from factory.spec.tensors import TensorSpec
 
-__all__ = ["AllToAllDispatcher", "local_experts", "shard_experts"]
+__all__ = [
+    "AllToAllDispatcher",
+    "gather_rows",
+    "reduce_scatter_rows",
+    "shard_experts",
+]
 
 
-def local_experts(ep_size: int, ep_rank: int, num_experts: int) -> range:
-    """The global indices of the experts EP rank ``ep_rank`` holds."""
-    per_rank = num_experts // ep_size
-    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+def gather_rows(rows: torch.Tensor, peer_rows: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    """All-gather-v over ``group``: every peer's ``rows`` (``peer_rows[j]`` of them from peer
+    ``j``), concatenated in rank order. An all-to-all sending this rank's rows to each peer,
+    so its gradient is a reduce-scatter-v: the reverse all-to-all, then the sum over the
+    copies."""
+    copies = len(peer_rows)
+    return all_to_all_single_autograd(
+        rows.repeat(copies, 1), peer_rows, [rows.shape[0]] * copies, group
+    )
+
+
+def reduce_scatter_rows(
+    rows: torch.Tensor, peer_rows: list[int], rank: int, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """Reduce-scatter-v over ``group``: ``rows`` holds a partial sum for every peer's rows
+    (``peer_rows[j]`` for peer ``j``, in rank order); returns this rank's ``peer_rows[rank]``
+    rows summed over the peers, in rank order. Its gradient is an all-gather-v."""
+    copies, own = len(peer_rows), peer_rows[rank]
+    received = all_to_all_single_autograd(rows, [own] * copies, peer_rows, group)
+    return received.reshape(copies, own, rows.shape[1]).sum(0)
+
+
+class _Splits(NamedTuple):
+    """Row counts of one layer's exchange, as seen by this rank."""
+
+    send: list[int]
+    """Rows sent to each EP rank."""
+    receive: list[int]
+    """Rows received from each EP rank."""
+    peers: list[int]
+    """Rows each ETP peer (this rank included) brings to the gathered block."""
+    per_expert: torch.Tensor
+    """[ETP * EP * L] rows of the gathered block per (ETP peer, EP source, local expert)."""
 
 
 class AllToAllDispatcher:
-    """``MoE.dispatcher`` for one EP group: exchanges the kept (token, slot) pairs with the
+    """``MoE.dispatcher`` for one expert group: exchanges the kept (token, slot) pairs with the
     ranks holding their experts and combines the returned outputs (module docstring)."""
 
-    def __init__(self, ep_mesh: DeviceMesh, num_experts: int) -> None:
-        self.group = ep_mesh.get_group()
-        self.ep_size = ep_mesh.size()
+    def __init__(self, expert_mesh: DeviceMesh, num_experts: int) -> None:
+        self.ep_group, self.etp_group = expert_mesh.get_group("ep"), expert_mesh.get_group("etp")
+        self.ep_size, self.etp_size = expert_mesh["ep"].size(), expert_mesh["etp"].size()
+        self.etp_rank = expert_mesh.get_local_rank("etp")
         self.num_experts = num_experts
         self.num_local = num_experts // self.ep_size
 
@@ -90,48 +145,83 @@ class AllToAllDispatcher:
             sent = (dispatch.rank_in_expert < capacity).nonzero().squeeze(1)
             kept_per_expert = dispatch.tokens_per_expert.clamp(max=capacity)
         sources = dispatch.token_index if sent is None else dispatch.token_index[sent]
+        splits = self._exchange_counts(kept_per_expert)
 
-        # received[s * L + l]: pairs source rank s sends to this rank's local expert l.
-        received = torch.empty_like(kept_per_expert)
-        dist.all_to_all_single(received, kept_per_expert.contiguous(), group=self.group)
-        shape = (self.ep_size, self.num_local)
-        splits = torch.stack([kept_per_expert.view(shape).sum(1), received.view(shape).sum(1)])
-        send_splits, recv_splits = splits.tolist()
-
-        inbound = all_to_all_single_autograd(
-            x.index_select(0, sources), recv_splits, send_splits, self.group
-        )
-        local_expert = torch.arange(self.num_local, device=x.device).repeat(self.ep_size)
+        rows = x.index_select(0, sources)
+        if self.ep_size > 1:
+            rows = all_to_all_single_autograd(rows, splits.receive, splits.send, self.ep_group)
+        if self.etp_size > 1:
+            rows = gather_rows(rows, splits.peers, self.etp_group)
+        local_expert = torch.arange(self.num_local, device=x.device)
+        local_expert = local_expert.repeat(self.etp_size * self.ep_size)
         local_dispatch = route_tokens(
-            local_expert.repeat_interleave(received)[:, None], self.num_local
+            local_expert.repeat_interleave(splits.per_expert)[:, None], self.num_local
         )
         # Through the module, not grouped_mlp on its weights: FSDP's hooks gather them.
-        out = experts(inbound, local_dispatch, None)
-        returned = all_to_all_single_autograd(out, send_splits, recv_splits, self.group)
+        out = experts(rows, local_dispatch, None)
+        if self.etp_size > 1:
+            out = reduce_scatter_rows(out, splits.peers, self.etp_rank, self.etp_group)
+        if self.ep_size > 1:
+            out = all_to_all_single_autograd(out, splits.send, splits.receive, self.ep_group)
 
         pairs = num_tokens * dispatch.top_k
         if sent is not None:  # dropped pairs were not sent: they contribute 0
-            returned = returned.new_zeros(pairs, d_in).index_copy(0, sent, returned)
-        pair_out = returned.index_select(0, dispatch.inverse_order)
+            out = out.new_zeros(pairs, d_in).index_copy(0, sent, out)
+        pair_out = out.index_select(0, dispatch.inverse_order)
         # The same fp32 (fp64 for fp64) weighted sum over slots as grouped_mlp's.
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         pair_out = pair_out.to(acc).reshape(num_tokens, dispatch.top_k, d_in)
         return (pair_out * weights.to(acc)[..., None]).sum(dim=1).to(x.dtype)
 
+    def _exchange_counts(self, kept_per_expert: torch.Tensor) -> _Splits:
+        """Step 2 of the module docstring: the row counts of every exchange of this layer."""
+        received = kept_per_expert.contiguous()
+        if self.ep_size > 1:
+            # received[s * L + l]: pairs EP rank s sends to this rank's local expert l.
+            received = torch.empty_like(received)
+            dist.all_to_all_single(received, kept_per_expert.contiguous(), group=self.ep_group)
+        gathered = received
+        if self.etp_size > 1:
+            gathered = received.new_empty(self.etp_size * received.numel())
+            dist.all_gather_single(gathered, received, group=self.etp_group)
+        by_rank = (self.ep_size, self.num_local)
+        sizes = torch.cat([
+            kept_per_expert.view(by_rank).sum(1),
+            received.view(by_rank).sum(1),
+            gathered.view(self.etp_size, -1).sum(1),
+        ]).tolist()  # fmt: skip
+        ep = self.ep_size
+        return _Splits(sizes[:ep], sizes[ep : 2 * ep], sizes[2 * ep :], gathered)
 
-def shard_experts(moe: nn.Module, ep_mesh: DeviceMesh) -> None:
-    """Keep this EP rank's slice of ``moe``'s routed experts (a ``Shard(0)`` DTensor of the
-    whole stack) and install the :class:`AllToAllDispatcher` that brings it its tokens.
 
-    Expects the initialised full layer, identical across the EP group: each rank keeps
-    its own slice with no communication.
+def shard_experts(
+    moe: nn.Module, expert_mesh: DeviceMesh, tensors: Mapping[str, TensorSpec]
+) -> None:
+    """Keep this rank's block of ``moe``'s routed experts (each a DTensor of the whole tensor
+    over the 2-D ``(ep, etp)`` ``expert_mesh``: ``Shard(expert_dim)`` over EP, the spec's
+    tensor-parallel split over ETP) and install the :class:`AllToAllDispatcher` that brings
+    it its tokens. ``tensors`` are the routed-expert tensors by their names under ``moe``.
+
+    Expects the initialised full layer, identical across the expert group: each rank keeps
+    its own block with no communication.
     """
-    ep_size, ep_rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    for attr, param in list(moe.experts.named_parameters(recurse=False)):
-        # clone: a view would keep the full [E, ...] storage alive on every rank.
-        shard = param.detach().chunk(ep_size, dim=0)[ep_rank].clone()
+    for name, spec in tensors.items():
+        if spec.expert_dim is None or spec.tp is None:
+            raise ValueError(f"{spec.name}: a routed-expert tensor needs its expert dimension "
+                             "and its tensor-parallel split in the spec")  # fmt: skip
+        owner_name, _, attr = name.rpartition(".")
+        owner = moe.get_submodule(owner_name)
+        param = owner._parameters[attr]
+        placements = (Shard(spec.expert_dim), Shard(spec.tp.dim))
+        block = param.detach()
+        for dim_name, placement in zip(("ep", "etp"), placements, strict=True):
+            ranks, rank = expert_mesh[dim_name].size(), expert_mesh.get_local_rank(dim_name)
+            block = block.chunk(ranks, dim=placement.dim)[rank]
+        # A contiguous copy: a view would keep the full tensor alive on every rank.
+        block = block.clone(memory_format=torch.contiguous_format)
         sharded = DTensor.from_local(
-            shard, ep_mesh, [Shard(0)], run_check=False, shape=param.shape, stride=param.stride()
-        )
-        setattr(moe.experts, attr, nn.Parameter(sharded, requires_grad=param.requires_grad))
-    moe.dispatcher = AllToAllDispatcher(ep_mesh, moe.cfg.num_experts)
+            block, expert_mesh, placements, run_check=False, shape=param.shape,
+            stride=param.stride(),
+        )  # fmt: skip
+        owner.register_parameter(attr, nn.Parameter(sharded, requires_grad=param.requires_grad))
+    moe.dispatcher = AllToAllDispatcher(expert_mesh, moe.cfg.num_experts)

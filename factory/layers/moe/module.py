@@ -114,9 +114,10 @@ class RoutedExperts(nn.Module):
     def forward(
         self, x: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor | None
     ) -> torch.Tensor:
-        """Under expert parallelism the weights are ``Shard(0)`` DTensors and ``dispatch`` routes
-        over this rank's experts only, so the GEMMs take the local shards (``to_local`` hands
-        the gradient back to the DTensor). The dispatcher calls this module rather than
+        """Under expert (and expert-tensor) parallelism the weights are DTensors over the
+        ``(ep, etp)`` mesh and ``dispatch`` routes over this rank's experts only, so the GEMMs
+        take the local shards (``to_local`` hands the gradient back to the DTensor); with ETP
+        the output is this rank's partial sum over its share of the ffn. The dispatcher calls this module rather than
         reading its weights so that module hooks (FSDP's gather and reshard) still run."""
         gate = _local(self.gate_proj) if self.gate_proj is not None else None
         up, down = _local(self.up_proj), _local(self.down_proj)

@@ -5,12 +5,14 @@ aux-loss-free expert bias that only ranks experts, optional group-limited
 routing. LatentMoE runs the routed experts in ``latent_size`` between a d ->
 latent and a latent -> d projection, both replicated on every tensor-parallel
 rank as Megatron does; the router always sees the full width. Expert
-parallelism splits the routed experts' first dimension.
+parallelism splits the routed experts' first dimension, expert tensor parallelism
+each expert's ffn (up and gate by columns, down by rows); the latent projections
+and the shared expert are not routed experts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from factory.layers.mlp.spec import megatron_activation_fields, mlp_tensors, swiglu_factor
@@ -339,20 +341,40 @@ class MixtureOfExperts(LayerType):
         experts = self.config(model).num_experts
         return [f"ep={ep} must divide num_experts ({experts})"] if experts % ep else []
 
-    def expert_parallel_problems(self, mixer: nn.Module, ep: int) -> list[str]:
-        experts, problems = mixer.cfg.num_experts, []
+    def etp_rules(self, model: ModelConfig, etp: int) -> list[str]:
+        """ETP splits each expert's ffn: up (and gate) by columns, down by rows, so it must
+        divide expert_intermediate_size (Megatron's grouped linears ``divide`` it)."""
+        ff = self.config(model).expert_intermediate_size
+        if ff % etp == 0:
+            return []
+        return [
+            f"etp={etp} must divide model.moe.expert_intermediate_size ({ff}): each routed "
+            f"expert's up/gate columns and down rows split over the expert-tensor-parallel ranks"
+        ]
+
+    def expert_parallel_problems(self, mixer: nn.Module, ep: int, etp: int) -> list[str]:
+        cfg, problems = mixer.cfg, []
+        experts, ff = cfg.num_experts, cfg.expert_intermediate_size
         if experts % ep:
             problems.append(
                 f"{experts} routed experts cannot be split evenly over {ep} expert-parallel "
                 f"ranks ({experts} % {ep} = {experts % ep}); choose an EP size that divides "
                 f"{experts}"
             )
+        if ff % etp:
+            problems.append(
+                f"routed experts of width {ff} cannot be split evenly over {etp} "
+                f"expert-tensor-parallel ranks ({ff} % {etp} = {ff % etp}); choose an ETP size "
+                f"that divides {ff}"
+            )
         if mixer.dispatcher is not None:
             problems.append("already expert-parallel")
         return problems
 
-    def apply_expert_parallel(self, mixer: nn.Module, ep_mesh: DeviceMesh) -> None:
-        self.torch_side("expert_parallel").shard_experts(mixer, ep_mesh)
+    def apply_expert_parallel(
+        self, mixer: nn.Module, expert_mesh: DeviceMesh, tensors: Mapping[str, TensorSpec]
+    ) -> None:
+        self.torch_side("expert_parallel").shard_experts(mixer, expert_mesh, tensors)
 
     def shrink(self, section: dict[str, Any], source: MoEConfig, proxy: ProxyScale) -> None:
         """32 experts if there were >= 32 (else all); top_k scaled with them but at least 2
