@@ -131,6 +131,7 @@ def test_a_layout_trains_as_one_process_does(
     [
         pytest.param({"ep": 2}, [(2, {"ep": 2}), (1, {})], id="dp2xep2"),
         pytest.param({"ep": 2, "etp": 2}, [(2, {"etp": 2}), (1, {})], id="ep2xetp2"),
+        pytest.param({**_TP, "ep": 2}, [(2, {"cp": 2}), (1, {})], id="tp2xep2xetp2"),
     ],
 )
 def test_a_checkpoint_of_4_ranks_resumes_on_2_and_on_1(
@@ -144,7 +145,10 @@ def test_a_checkpoint_of_4_ranks_resumes_on_2_and_on_1(
     ways) resumes on 2 ranks of another layout and on one process, and the losses and the
     final weights continue as the uninterrupted one-process run's. DP=2 x EP=2 folded resumes
     on EP=2; DP=4 with the experts at EP=2 x ETP=2 (each expert's ffn split in two) resumes
-    on ETP=2 alone (every expert on both ranks, half its ffn on each)."""
+    on ETP=2 alone (every expert on both ranks, half its ffn on each); TP=2 x DP=2 with the
+    experts at EP=2 x ETP=2 resumes without tensor parallelism (CP=2, then one process): the
+    weights, moments and masters of Mamba's packed projections, rank-major under TP, are
+    stored in canonical order."""
     run_four = tmp_path / "four"
     run_ranks(_train_rank, 4, _blueprint(4, **four), run_four, shards, timeout=300)
     _compare(run_four, reference)

@@ -71,8 +71,10 @@ from factory.spec.tensors import Role, TensorSpec
 __all__ = [
     "apply_tensor_parallel",
     "canonical_order",
+    "canonical_orders",
     "check_tensor_parallel",
     "reduce_partial_gradients",
+    "reordered",
 ]
 
 
@@ -351,6 +353,24 @@ def canonical_order(module: nn.Module, name: str) -> tuple[int, torch.Tensor] | 
     return _CANONICAL_ORDERS.get(module, {}).get(name)
 
 
+def canonical_orders(model: nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+    """:func:`canonical_order` of each of ``model``'s rank-major parameters, by full name."""
+    return {
+        f"{prefix}.{name}" if prefix else name: order
+        for prefix, module in model.named_modules()
+        for name, order in _CANONICAL_ORDERS.get(module, {}).items()
+    }
+
+
+@torch.no_grad()
+def reordered(value: torch.Tensor, like: DTensor, dim: int, index: torch.Tensor) -> DTensor:
+    """``value`` (a DTensor of any placement, or a full tensor) with its entries along ``dim``
+    taken at ``index``, placed as ``like``. Gathers the tensor over its mesh."""
+    full = value.full_tensor() if isinstance(value, DTensor) else value
+    placed = full.index_select(dim, index.to(full.device))
+    return distribute_tensor(placed, like.device_mesh, like.placements, src_data_rank=None)
+
+
 _CANONICAL_ORDERS: weakref.WeakKeyDictionary[nn.Module, dict[str, tuple[int, torch.Tensor]]]
 _CANONICAL_ORDERS = weakref.WeakKeyDictionary()
 
@@ -358,18 +378,13 @@ _CANONICAL_ORDERS = weakref.WeakKeyDictionary()
 def _canonical_state_dict(module: nn.Module, name: str, dim: int, order: torch.Tensor) -> None:
     """Show the rank-major parameter ``name`` of ``module`` in canonical order in state dicts,
     and take the canonical order (a DTensor of any placement, or a full tensor) when loading.
-    Both gather the tensor over its mesh."""
+    Both gather the tensor over its mesh. (The optimizer's state of the parameter is
+    reordered alike: ``factory.runtime.optimizer``.)"""
     _CANONICAL_ORDERS.setdefault(module, {})[name] = (dim, order)
 
-    @torch.no_grad()
     def reorder(index: torch.Tensor, mod: nn.Module, state_dict: dict, prefix: str) -> None:
         if (key := prefix + name) in state_dict:
-            value, like = state_dict[key], mod._parameters[name]
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            placed = full.index_select(dim, index.to(full.device))
-            state_dict[key] = distribute_tensor(
-                placed, like.device_mesh, like.placements, src_data_rank=None
-            )
+            state_dict[key] = reordered(state_dict[key], mod._parameters[name], dim, index)
 
     module.register_state_dict_post_hook(
         lambda mod, sd, prefix, *_: reorder(order.argsort(), mod, sd, prefix)

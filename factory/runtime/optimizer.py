@@ -9,7 +9,10 @@
 
 Checkpoints store the optimizer state under parameter names (``state_dict``),
 not under PyTorch's positional indices, so that a checkpoint stays readable
-when the set of ranks holding the parameters changes.
+when the set of ranks holding the parameters changes. A parameter that tensor
+parallelism holds in rank-major order (Mamba's packed projections) has its
+moments and master stored in canonical order, as its weights are, so that a
+checkpoint resumes at any TP size.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from factory.distributed.tensor_parallel import canonical_orders, reordered
 from factory.schemas.training import OptimizerConfig
 
 __all__ = ["MasterOptimizer"]
@@ -48,6 +52,7 @@ class MasterOptimizer:
             [g for g in groups if g["params"]], lr=config.lr, betas=config.betas, eps=config.eps
         )
         self._name_of = {id(m): n for n, m in zip(self.names, self.masters, strict=True)}
+        self._rank_major = {n: o for n, o in canonical_orders(model).items() if n in named}
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -72,14 +77,9 @@ class MasterOptimizer:
 
     def state_dict(self) -> dict[str, Any]:
         """Adam moments and step per parameter name, plus the fp32 masters of non-fp32
-        parameters (the fp32 ones are the model's own tensors)."""
+        parameters (the fp32 ones are the model's own tensors), in canonical order."""
         state = {self._name_of[id(m)]: dict(s) for m, s in self.optimizer.state.items() if s}
-        masters = {
-            n: m
-            for n, m, p in zip(self.names, self.masters, self.params, strict=True)
-            if m is not p
-        }
-        return {"state": state, "masters": masters}
+        return self._reorder({"state": state, "masters": self._own_masters()}, inverse=True)
 
     def empty_state_dict(self) -> dict[str, Any]:
         """A state dict of the right shapes to load a checkpoint into (DCP loads in place)."""
@@ -91,16 +91,12 @@ class MasterOptimizer:
             }
             for name, master in zip(self.names, self.masters, strict=True)
         }
-        masters = {
-            n: m
-            for n, m, p in zip(self.names, self.masters, self.params, strict=True)
-            if m is not p
-        }
-        return {"state": state, "masters": masters}
+        return {"state": state, "masters": self._own_masters()}
 
     @torch.no_grad()
     def load_state_dict(self, loaded: dict[str, Any]) -> None:
         """Install a state dict from :meth:`empty_state_dict` after DCP filled it."""
+        loaded = self._reorder(loaded, inverse=False)
         by_name = dict(zip(self.names, self.masters, strict=True))
         for name, master in loaded["masters"].items():
             by_name[name].copy_(master)
@@ -109,3 +105,26 @@ class MasterOptimizer:
         for param, master in zip(self.params, self.masters, strict=True):
             if master is not param:
                 param.copy_(master)
+
+    def _own_masters(self) -> dict[str, torch.Tensor]:
+        return {
+            n: m
+            for n, m, p in zip(self.names, self.masters, self.params, strict=True)
+            if m is not p
+        }
+
+    def _reorder(self, state_dict: dict[str, Any], inverse: bool) -> dict[str, Any]:
+        """``state_dict`` with each rank-major parameter's tensors reordered: to canonical order
+        (``inverse``) or back to the parameter's. Collective over tensor parallelism."""
+        if not self._rank_major:
+            return state_dict
+        state = {name: dict(entry) for name, entry in state_dict["state"].items()}
+        masters = dict(state_dict["masters"])
+        for name, (dim, order) in self._rank_major.items():
+            index = order.argsort() if inverse else order
+            entries = [(state[name], key) for key in state.get(name, {})]
+            for holder, key in [*entries, (masters, name)]:
+                value = holder.get(key)
+                if value is not None and value.ndim > dim:  # not Adam's step count
+                    holder[key] = reordered(value, value, dim, index)
+        return {"state": state, "masters": masters}

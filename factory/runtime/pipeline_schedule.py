@@ -354,6 +354,15 @@ class PipelinedModel(nn.Module):
         for _, param in self.named_parameters():
             yield param
 
+    def named_modules(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Module]]:
+        """The stages' modules under the full model's names, each once."""
+        seen: set[str] = set()
+        for stage in self.runner.stages:
+            for name, module in stage.named_modules():
+                if name not in seen:
+                    seen.add(name)
+                    yield name, module
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         merged: dict[str, Any] = {}
         for stage in self.runner.stages:
