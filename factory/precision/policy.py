@@ -36,6 +36,7 @@ __all__ = [
     "excluded_gemm_names",
     "flops_share",
     "generalized_gemm_names",
+    "index_free",
     "quantizable_gemm_names",
     "resolve_policy",
     "split_block",
@@ -103,13 +104,18 @@ def excluded_gemm_names(model: ModelConfig) -> list[str]:
     return [spec.embedding.module, spec.head.module, *routers]
 
 
+def index_free(name: str) -> str:
+    """``name`` with every layer index written ``*`` ('backbone.layers.*.mixer.out_proj')."""
+    return _INDEX.sub("*", name)
+
+
 def generalized_gemm_names(model: ModelConfig) -> list[str]:
     """Distinct index-free spellings of the GEMM names, for did-you-mean suggestions: the full
     form ('backbone.layers.*.mixer.out_proj') and the short one people write
     ('*.mixer.out_proj')."""
     out: dict[str, None] = {}
     for name in quantizable_gemm_names(model):
-        full = _INDEX.sub("*", name)
+        full = index_free(name)
         out[full] = None
         if "*" in full:
             out["*" + full.split("*", 1)[1]] = None
