@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from factory.distributed.local import run_ranks
-from factory.distributed.tensor_parallel import apply_tensor_parallel
+from factory.distributed.tensor_parallel import apply_tensor_parallel, check_tensor_parallel
 from factory.graph.hybrid_lm import HybridLM
 from factory.graph.init import initialize
 from factory.layers.model_spec import model_spec
@@ -245,6 +245,9 @@ def _moe_worker(rank: int, world: int) -> dict[str, Any]:
     shares = [(torch.arange(BATCH)[:, None] * SEQ + torch.arange(SEQ).chunk(world)[r]).reshape(-1)
               for r in range(world)]  # fmt: skip
     local, every = shares[rank], torch.cat(shares)
+    with pytest.raises(ValueError) as short:  # 12 tokens a rank: not whole 16-token blocks
+        split.get_submodule(prefix)(x[:, : SEQ // world - 4])
+    out["short"] = str(short.value)
     specs = {t.module: t for t in model_spec(bp.model).tensors() if t.gemm is not None}
     for name in ref_logs:
         positions = {"tokens": local}
@@ -294,3 +297,23 @@ def test_routing_mixer_linears_quantize_as_one_process_under_sequence_parallel()
         bad = {name: result[name] for name in names if result[name]}
         assert not bad, bad
         assert result["output"] <= SUM_ORDER_TOL, result["output"]
+        assert "12 tokens of each sequence" in result["short"], result["short"]
+
+
+def test_refuses_splits_that_cut_blocks_or_linears_it_cannot_split() -> None:
+    """The runtime says what ``precision.tp_blocks`` says: the tiny blueprint's 16 Mamba
+    heads give each of 2 ranks 8 dt rows, half an NVFP4 block; and a linear that is neither
+    nn.Linear nor QuantizedLinear (Transformer Engine's) is refused, not run on local views."""
+    net = _quantized(_blueprint("nvfp4 16x16 rht", {}, {}))
+    with pytest.raises(ValueError) as cut:
+        check_tensor_parallel(net, 2, sequence_parallel=True)
+    assert "in_proj.weight: its heads split gives each of tp=2 ranks 8 of 16" in str(cut.value)
+    dense = _quantized(_blueprint("fp8 tensorwise", DENSE, {}))
+    dense.backbone.layers[2].mixer.up_proj = _Opaque()
+    with pytest.raises(ValueError) as opaque:
+        check_tensor_parallel(dense, 2, sequence_parallel=False)
+    assert "mixer.up_proj is a _Opaque" in str(opaque.value), str(opaque.value)
+
+
+class _Opaque(nn.Module):
+    """Stands in for a linear tensor parallelism cannot split (Transformer Engine's)."""

@@ -58,8 +58,9 @@ def quantized_split_problems(model: nn.Module, split: list[TensorSpec], tp: int)
         if module is None or t.gemm is None or t.tp is None:
             continue
         if not isinstance(module, nn.Linear):
-            problems.append(f"{t.module} is a {type(module).__name__}: tensor parallelism runs "
-                            "the emulated quantized linears (--precision emulate)")  # fmt: skip
+            problems.append(f"{t.module} is a {type(module).__name__}: tensor parallelism splits "
+                            "nn.Linear and the emulated QuantizedLinear (precision 'emulate'), "
+                            "not Transformer Engine's linears")  # fmt: skip
             continue
         if not isinstance(module, QuantizedLinear):
             continue
