@@ -27,6 +27,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -110,17 +111,18 @@ class LocalQuantizedGemm(ParallelStyle):
         module.split = self.split
         # After outer's input hook and before its output hook: they see DTensors.
         module.register_forward_pre_hook(self._localize)
-        module.register_forward_hook(partial(self._distribute, device_mesh), prepend=True,
-                                     always_call=True)  # fmt: skip
+        distribute = partial(self._distribute, device_mesh)
+        module.register_forward_hook(distribute, prepend=True, always_call=True)
         return module
 
     def _localize(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         x, *rest = args
+        # Read at call time: FSDP2 swaps its unsharded parameters in before the forward. An
+        # instance attribute wins over nn.Module's parameter lookup (as in _LocalViews).
         for name, param in module._parameters.items():
-            # Read at call time: FSDP2 swaps its unsharded parameter in before the forward.
             if param is not None:
-                module.__dict__[name] = None if name == "bias" and self._bias_after else (
-                    param.to_local())  # fmt: skip
+                local = None if name == "bias" and self._bias_after else param.to_local()
+                module.__dict__[name] = local
         return (x.to_local(grad_placements=(_normalized(self.input_grad, x.ndim),)), *rest)
 
     def _distribute(
@@ -128,8 +130,8 @@ class LocalQuantizedGemm(ParallelStyle):
     ) -> DTensor:
         for name in list(module._parameters):
             module.__dict__.pop(name, None)
-        out = DTensor.from_local(output, mesh, (_normalized(self.output, output.ndim),),
-                                 run_check=False)  # fmt: skip
+        placement = _normalized(self.output, output.ndim)
+        out = DTensor.from_local(output, mesh, (placement,), run_check=False)
         bias = module._parameters.get("bias")
         return out + bias if self._bias_after and bias is not None else out
 
@@ -160,12 +162,13 @@ def track_token_positions(mixer: nn.Module, gathered: list[nn.Module], mesh: Dev
 
 def _observe_tokens(
     linears: list[tuple[QuantizedLinear, bool]],
-    group: Any,
+    group: dist.ProcessGroup,
     tp: int,
     rank: int,
     mixer: nn.Module,
     args: tuple[Any, ...],
 ) -> None:
+    """The routing mixer's forward pre-hook: ``args[0]`` is this rank's ``[B, S/tp, d]``."""
     batch, local = args[0].shape[:2]
     sequence = local * tp
     starts = torch.arange(batch)[:, None] * sequence + torch.arange(local)[None, :]
