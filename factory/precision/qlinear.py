@@ -164,12 +164,11 @@ class QuantizedExpertLinear:
     def __init__(self, quantizers: dict[str, GemmQuantizer]) -> None:
         self.quantizers = quantizers
         self.quantize_forward = self.quantize_backward = True
-        self.split = WHOLE_GEMM
-        """Each expert's tokens over the tensor-parallel group (whole on one process)."""
 
     def __call__(self, name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Each rank's own tokens: under TP (ETP = 1) a rank routes its tokens to whole experts,
+        so their GEMMs quantize per rank, as under data parallelism (``docs/distributed.md``)."""
         quantizer = self.quantizers.get(name)
         if quantizer is None or not (self.quantize_forward or self.quantize_backward):
             return torch.bmm(x, w.transpose(1, 2))
-        forward, backward = self.quantize_forward, self.quantize_backward
-        return quantized_matmul(x, w, quantizer, forward, backward, self.split)
+        return quantized_matmul(x, w, quantizer, self.quantize_forward, self.quantize_backward)

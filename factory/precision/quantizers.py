@@ -200,9 +200,9 @@ class NVFP4Quantizer(GemmQuantizer):
             pad = -dy_t.shape[-1] % _TILE  # rotate whole 16-token tiles; zero tokens add nothing
             dy_t = hadamard.rht(F.pad(dy_t, (0, pad)), self.signs)
             x_t = hadamard.rht(F.pad(x_t, (0, pad)), self.signs)
-        x_part = split.part("in", "tokens")
-        return self._grad_q(dy_t, split.part("out", "tokens")), nvfp4.fake_quantize(
-            x_t, (1, 16), part=x_part
+        return (
+            self._grad_q(dy_t, split.part("out", "tokens")),
+            nvfp4.fake_quantize(x_t, (1, 16), part=split.part("in", "tokens")),
         )
 
 
