@@ -14,6 +14,8 @@ What lives here:
   tile-wise to weight-gradient GEMM inputs.
 * ``factory.kernels.fp8`` and ``factory.kernels.mor``: FP8 (current, delayed,
   blockwise), MXFP8, and Mixture-of-Representations selection.
+* ``factory.kernels.tensor_parts``: the whole tensor behind a quantizer's operand
+  (its amax, sums and stochastic-rounding numbers), for tensors split over ranks.
 
 This ``__init__`` imports nothing on purpose: the submodules need torch, and
 importing the package must stay free of torch so that light tools can list it.

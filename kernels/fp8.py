@@ -39,6 +39,8 @@ from typing import Literal
 
 import torch
 
+from factory.kernels.tensor_parts import WHOLE, TensorPart
+
 __all__ = [
     "FP8_DTYPE",
     "FP8_MAX",
@@ -115,11 +117,18 @@ class FP8Tensor:
         return (self.data.to(torch.float32) * self.scale_per_element()).to(dtype)
 
 
-def quantize_tensorwise(x: torch.Tensor, fmt: FP8Format = "e4m3") -> FP8Tensor:
-    """Current per-tensor scaling: ``scale = amax(|x|) / FP8_MAX[fmt]``."""
+def quantize_tensorwise(
+    x: torch.Tensor, fmt: FP8Format = "e4m3", part: TensorPart = WHOLE
+) -> FP8Tensor:
+    """Current per-tensor scaling: ``scale = amax(|x|) / FP8_MAX[fmt]``, the amax of the whole
+    tensor when ``x`` is ``part`` of one (``factory.kernels.tensor_parts``)."""
     x = as_finite_fp32(x, fmt)
-    amax = x.abs().max() if x.numel() else torch.zeros((), dtype=torch.float32)
-    return quantize_with_scale(x, _scale_from_amax(amax, fmt), fmt)
+    return quantize_with_scale(x, _scale_from_amax(part.max(_amax(x)), fmt), fmt)
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """``max(|x|)`` as a 0-d fp32 tensor, 0 for an empty tensor."""
+    return x.abs().max() if x.numel() else torch.zeros((), dtype=torch.float32)
 
 
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor | float, fmt: FP8Format) -> FP8Tensor:
@@ -167,11 +176,11 @@ class DelayedScaling:
         self.history: deque[float] = deque(maxlen=history_len)
         self.scale = torch.ones((), dtype=torch.float32)
 
-    def quantize(self, x: torch.Tensor) -> FP8Tensor:
-        """Quantize with the scale from earlier calls, then record ``x``'s amax."""
+    def quantize(self, x: torch.Tensor, part: TensorPart = WHOLE) -> FP8Tensor:
+        """Quantize with the scale from earlier calls, then record ``x``'s amax (the whole
+        tensor's when ``x`` is ``part`` of one)."""
         out = quantize_with_scale(x, self.scale, self.fmt)
-        xf = x.to(torch.float32)
-        self.history.append(float(xf.abs().max()) if xf.numel() else 0.0)
+        self.history.append(float(part.max(_amax(x.to(torch.float32)))))
         amax = max(self.history) if self.amax_compute == "max" else self.history[-1]
         if amax > 0:
             amax_t = torch.tensor(amax * 2.0**self.margin, dtype=torch.float32)

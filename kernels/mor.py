@@ -44,6 +44,7 @@ from factory.kernels.fp8 import (
     quantize_blockwise,
     quantize_tensorwise,
 )
+from factory.kernels.tensor_parts import WHOLE, TensorPart
 
 __all__ = ["MoRResult", "MoRStats", "choose", "quantization_error"]
 
@@ -67,20 +68,23 @@ class MoRResult:
     errors: torch.Tensor
 
 
-def quantization_error(x: torch.Tensor, q: torch.Tensor, metric: Metric = "rel_l2") -> torch.Tensor:
-    """Error of ``q`` against ``x`` reduced over the last two dims of ``[..., a, b]`` inputs.
+def quantization_error(
+    x: torch.Tensor, q: torch.Tensor, metric: Metric = "rel_l2", part: TensorPart = WHOLE
+) -> torch.Tensor:
+    """Error of ``q`` against ``x`` reduced over the last two dims of ``[..., a, b]`` inputs;
+    over the whole tensor when ``x`` is ``part`` of one (its sums are summed over the parts).
 
     Returns 0 where ``x`` is all zero.
     """
     diff = (q - x).abs()
     if metric == "rel_l2":
-        num = diff.square().sum(dim=(-2, -1)).sqrt()
-        den = x.square().sum(dim=(-2, -1)).sqrt()
+        num = part.sum(diff.square().sum(dim=(-2, -1))).sqrt()
+        den = part.sum(x.square().sum(dim=(-2, -1))).sqrt()
     elif metric == "mean_rel":
         nonzero = x != 0
         rel = torch.where(nonzero, diff / torch.where(nonzero, x.abs(), 1.0), 0.0)
-        num = rel.sum(dim=(-2, -1))
-        den = nonzero.sum(dim=(-2, -1)).to(x.dtype)
+        num = part.sum(rel.sum(dim=(-2, -1)))
+        den = part.sum(nonzero.sum(dim=(-2, -1)).to(x.dtype))
     else:
         raise ValueError(f"metric must be 'rel_l2' or 'mean_rel', got {metric!r}")
     return torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)
@@ -93,13 +97,18 @@ def choose(
     block: int = 128,
     fmt: FP8Format = "e4m3",
     metric: Metric = "rel_l2",
+    part: TensorPart = WHOLE,
 ) -> MoRResult:
-    """Pick FP8 or BF16 for ``x`` as a whole or per ``1 x block`` block of the last dim."""
+    """Pick FP8 or BF16 for ``x`` as a whole or per ``1 x block`` block of the last dim.
+
+    With ``granularity="tensor"``, ``x`` may be ``part`` of a tensor split over processes:
+    the amax and the error are the whole tensor's, so every part makes the same choice
+    (blocks need nothing from the other parts)."""
     xf = as_finite_fp32(x, fmt)
     bf16 = xf.to(torch.bfloat16).to(torch.float32)
     if granularity == "tensor":
-        q = quantize_tensorwise(xf, fmt).dequantize()
-        err = quantization_error(xf.reshape(1, -1), q.reshape(1, -1), metric)
+        q = quantize_tensorwise(xf, fmt, part).dequantize()
+        err = quantization_error(xf.reshape(1, -1), q.reshape(1, -1), metric, part)
         keep = err <= threshold
         out = q if bool(keep) else bf16
         return MoRResult(out, float(keep), keep, err)

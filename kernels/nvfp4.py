@@ -33,9 +33,12 @@ Conventions (``docs/precision.md``, 'NVFP4 arithmetic'):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from factory.kernels.tensor_parts import WHOLE, TensorPart
 
 __all__ = [
     "E2M1_VALUES",
@@ -137,19 +140,22 @@ def _round_rn(y: torch.Tensor) -> torch.Tensor:
     return torch.round(a / step) * step
 
 
-def _round_sr(y: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def _round_sr(
+    y: torch.Tensor, generator: torch.Generator | None, part: TensorPart = WHOLE
+) -> torch.Tensor:
     """E2M1 magnitude of |y| under stochastic rounding (``docs/precision.md``,
     'Stochastic rounding').
 
     |y| is clamped to 6, then rounded up to the next grid value with probability
     ``(|y| - lo) / (hi - lo)``, otherwise down to ``lo``, so ``E[q] = clamp(|y|, 0, 6)``.
-    At exactly 6 the probability is 0, so nothing rounds past the grid.
+    At exactly 6 the probability is 0, so nothing rounds past the grid. The random
+    numbers are ``part``'s: one process's draws for these elements.
     """
     a = y.abs().clamp(max=6.0)
     step = _grid_step(a)
     units = a / step
     lo = torch.floor(units)
-    u = torch.rand(a.shape, generator=generator, dtype=_F32)
+    u = part.uniform(a.shape, generator)
     return (lo + (u < units - lo).to(_F32)) * step
 
 
@@ -160,9 +166,10 @@ def _magnitude_codes(mag: torch.Tensor) -> torch.Tensor:
 
 
 def _encode(
-    xf: torch.Tensor, tile: tuple[int, int]
+    xf: torch.Tensor, tile: tuple[int, int], part: TensorPart = WHOLE
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """TE's scale arithmetic for [B, rows, cols] fp32 with one global amax per matrix.
+    """TE's scale arithmetic for [B, rows, cols] fp32 with one global amax per matrix: the
+    whole matrix's when ``xf`` is a part of it (``part.max``).
 
     Returns the scaled elements ``y = x * enc_b`` (not yet rounded), the E4M3 block
     scales [B, rows/tr, cols/16] and the fp32 amaxes [B].
@@ -170,8 +177,7 @@ def _encode(
     if not bool(torch.isfinite(xf).all()):
         raise ValueError("nvfp4.quantize: input contains non-finite values (NaN or inf)")
     absx = xf.abs()
-    b = xf.shape[0]
-    amax = absx.reshape(b, -1).amax(dim=1) if xf.numel() else torch.zeros(b, dtype=_F32)
+    amax = part.max(_amax(absx))
     s_enc = global_encode_scale(amax)
     s_dec = _ONE / s_enc
     block_amax = _tiled(absx, tile[0]).amax(dim=(2, 4))
@@ -181,6 +187,12 @@ def _encode(
     enc_b = torch.minimum(_ONE / (s_b.to(_F32) * s_dec[:, None, None]), _FLT_MAX)
     y = (_tiled(xf, tile[0]) * enc_b[:, :, None, :, None]).reshape(xf.shape)
     return y, s_b, amax
+
+
+def _amax(absx: torch.Tensor) -> torch.Tensor:
+    """The amax of each matrix of [B, rows, cols] absolute values (0 for an empty one)."""
+    b = absx.shape[0]
+    return absx.reshape(b, -1).amax(dim=1) if absx.numel() else torch.zeros(b, dtype=_F32)
 
 
 def _check_tile(tile: tuple[int, int]) -> tuple[int, int]:
@@ -228,6 +240,7 @@ def fake_quantize(
     tile: tuple[int, int] = (1, 16),
     stochastic: bool = False,
     generator: torch.Generator | None = None,
+    part: TensorPart = WHOLE,
 ) -> torch.Tensor:
     """``quantize(x).dequantize()`` without packing, for the emulated GEMMs: fp32, x's shape.
 
@@ -244,19 +257,23 @@ def fake_quantize(
     bit for bit (given the same random numbers when ``stochastic``), except that
     an exact ``-0.0`` input stays ``-0.0`` where :func:`quantize`'s code 0
     decodes to ``+0.0``; the two compare equal.
+
+    ``part`` says whose amax and random numbers these are: ``x`` may be a part of
+    a tensor split over processes (``factory.kernels.tensor_parts``).
     """
     tile = _check_tile(tile)
     if x.ndim < 2:
         raise ValueError(f"fake_quantize expects [..., rows, cols], got shape {tuple(x.shape)}")
     *lead, rows, cols = x.shape
-    if x.numel() == 0:  # e.g. an expert that got no tokens
+    xf = x.detach().to(_F32).reshape(math.prod(lead), rows, cols)  # -1 is ambiguous if empty
+    if x.numel() == 0:  # e.g. an expert that got no tokens; its part still joins the amax
+        part.max(_amax(xf))
         return torch.zeros(x.shape, dtype=_F32)
-    xf = x.detach().to(_F32).reshape(-1, rows, cols)
     pad_rows, pad_cols = -rows % tile[0], -cols % _BLOCK
     if pad_rows or pad_cols:
         xf = torch.nn.functional.pad(xf, (0, pad_cols, 0, pad_rows))
-    y, s_b, amax = _encode(xf, tile)
-    mag = _round_sr(y, generator) if stochastic else _round_rn(y)
+    y, s_b, amax = _encode(xf, tile, part)
+    mag = _round_sr(y, generator, part) if stochastic else _round_rn(y)
     values = mag.copysign(y)
     out = _decode(values, s_b.to(_F32), amax, tile)
     return out[:, :rows, :cols].reshape(*lead, rows, cols)

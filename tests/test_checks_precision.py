@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 from blueprint_factory import assert_fires, findings, make
 
+import factory
 from factory.checks import RULES
+from factory.loading.blueprint import preset_names
+from factory.schemas import Blueprint
 
 PRECISION_RULES = sorted(name for name in RULES if name.startswith("precision."))
 HP = "precision.high_precision"
@@ -83,6 +86,32 @@ CASES = [
         "warning",
     ),
     (
+        "precision.tp_blocks",  # Mamba's dt segment: 16 heads, 8 rows per rank
+        {"precision.recipe": "nvfp4", "parallelism.tp": 2},
+        "parallelism.tp",
+        ("backbone.layers.*.mixer.in_proj.weight", "8 of the 16 rows", "16-element nvfp4"),
+        "error",
+    ),
+    (
+        "precision.tp_blocks",  # B and C: 2 groups x 16 states, 16 rows per rank
+        {"precision.recipe": "mxfp8", "parallelism.tp": 2, "model.mamba.heads": 64},
+        "parallelism.tp",
+        ("in_proj.weight", "16 of the 32 rows of a packed segment", "32-element mxfp8"),
+        "error",
+    ),
+    (
+        "precision.tp_blocks",
+        {
+            "precision.overrides": {"*shared_experts*": "nvfp4"},
+            "parallelism.tp": 2,
+            "parallelism.sequence_parallel": True,
+            "data.seq_len": 1040,
+        },
+        "data.seq_len",
+        ("shared_experts.up_proj", "520 tokens", "16-token nvfp4", "multiple of 32"),
+        "error",
+    ),
+    (
         "precision.switch_to_bf16_unused",
         {"precision.switch_to_bf16": {"after_fraction": 0.9}},
         "precision.switch_to_bf16",
@@ -127,6 +156,22 @@ def test_every_precision_rule_has_a_firing_case():
             "precision.switch_to_bf16": {"after_fraction": 0.5},
         },
         {"model.pattern": "M*ME/*E", "precision.overrides": {"mtp.layers.0.eh_proj": "bf16"}},
+        # TP over whole blocks: 32 Mamba heads (16 dt rows a rank), 512 tokens a rank.
+        {
+            "parallelism.gpu": "gb200",
+            "precision.recipe": "nvfp4",
+            "parallelism.tp": 2,
+            "parallelism.sequence_parallel": True,
+            "model.mamba.heads": 32,
+        },
+        # Per-tensor scales split anywhere: the amax is reduced over the ranks.
+        {"precision.recipe": "fp8", "parallelism.tp": 2, "data.seq_len": 1040},
+        # MoR's 1x8 blocks fit every split of the base at tp=2.
+        {
+            "precision.recipe": "mor",
+            "precision.mor": {"granularity": "block", "block_size": 8},
+            "parallelism.tp": 2,
+        },
     ],
 )
 def test_valid_policies_are_silent(overrides):
@@ -144,3 +189,17 @@ def test_glob_on_a_router_gate_says_it_is_never_quantised():
     bp = make(**{"precision.overrides": {"*.mixer.gate": "fp8"}})
     finding = assert_fires("precision.override_globs", bp, "precision.overrides['*.mixer.gate']")
     assert "backbone.layers.3.mixer.gate" in finding.message
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_presets_split_whole_blocks(name: str) -> None:
+    """Super and Ultra run NVFP4 (MXFP8 Mamba out_proj) at tp=2 with sequence parallelism."""
+    assert findings("precision.tp_blocks", factory.load_blueprint(name)) == []
+
+
+def test_super_at_tp_16_would_cut_mamba_dt_rows() -> None:
+    data = factory.load_blueprint("super").model_dump(exclude_unset=True)
+    data["parallelism"].update(tp=16, world_size=128)
+    bp = Blueprint.model_validate(data)
+    found = assert_fires("precision.tp_blocks", bp, "parallelism.tp", "8 of the 128 rows")
+    assert "backbone.layers.*.mixer.in_proj.weight" in found.message

@@ -40,6 +40,9 @@ def test_high_precision_beats_overrides_and_later_globs_win() -> None:
             "precision.recipe=fp8",
             "precision.high_precision.first=1",
             "precision.overrides={'*.mixer.in_proj': mxfp8, 'backbone.layers.2.*': nvfp4}",
+            # Nano's tp=4 would give each rank 16 of the 64 dt rows of in_proj, half an MXFP8
+            # block (precision.tp_blocks).
+            "parallelism.tp=2",
         ],
     )
     table = {row.name: row for row in resolve_policy(bp)}

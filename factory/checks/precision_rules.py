@@ -1,9 +1,11 @@
-"""Rules on the ``precision`` section against the model and pipeline.
+"""Rules on the ``precision`` section against the model, pipeline and tensor parallelism.
 
 The high-precision layer counts follow Megatron's ``--first-last-layers-bf16``
 (``docs/precision.md``); override globs are checked against the model spec's
 GEMM names so that a typo cannot silently leave a layer in the default
-format.
+format. Tensor parallelism quantizes each rank's part of a split linear with
+the whole tensor's statistics, which equals one process only when every part is
+whole blocks of its recipe (``docs/distributed.md``, 'Quantized linears under TP').
 """
 
 from __future__ import annotations
@@ -14,13 +16,18 @@ from fnmatch import fnmatchcase
 from factory.checks.registry import Finding, rule
 from factory.dotted_paths import join_path
 from factory.errors import did_you_mean
+from factory.layers.model_spec import model_spec
 from factory.precision.policy import (
     excluded_gemm_names,
     generalized_gemm_names,
+    index_free,
     quantizable_gemm_names,
+    resolve_policy,
+    split_block,
     uses_low_precision,
 )
 from factory.schemas.blueprint import Blueprint
+from factory.spec.tensors import TensorSpec
 
 __all__: list[str] = []
 
@@ -117,3 +124,74 @@ def hardware_support(bp: Blueprint) -> Iterator[Finding]:
             f"{gpu} GPUs have no {_BLACKWELL_ONLY[recipe]} tensor cores",
             "warning",
         )
+
+
+@rule("precision.tp_blocks")
+def tp_blocks(bp: Blueprint) -> Iterator[Finding]:
+    """Tensor parallelism gives each rank whole blocks of every quantized linear it splits."""
+    par = bp.parallelism
+    if par.tp == 1 or not uses_low_precision(bp):
+        return
+    blocks = _split_blocks(bp)
+    seen = set()
+    for layer in model_spec(bp.model).layers:
+        whole = set(layer.type.tp_whole_linears(bp.model, par.tp))
+        for t in layer.tensors:
+            recipe, block = blocks.get(t.gemm_name, ("bf16", 1)) if t.gemm else ("bf16", 1)
+            if block == 1 or t.expert_dim is not None:
+                continue
+            findings = []
+            if t.tp is not None and t.module.rpartition(".")[2] not in whole:
+                findings += _feature_split(t, par.tp, f"{block}-element {recipe}", block)
+            if layer.type.routes_experts and par.sequence_parallel:
+                findings += _token_split(bp, t, f"{block}-token {recipe}", block)
+            for finding in findings:  # once for all the layers alike
+                if finding.message not in seen:
+                    seen.add(finding.message)
+                    yield finding
+
+
+def _split_blocks(bp: Blueprint) -> dict[str, tuple[str, int]]:
+    """GEMM name -> its recipe and the recipe's block (1: per-tensor scales, or bf16)."""
+    p = bp.precision
+    options = {"fp8": p.fp8, "mor": p.mor, "nvfp4": p.nvfp4}
+    return {
+        row.name: (row.recipe, split_block(row.recipe, options.get(row.recipe)))
+        for row in resolve_policy(bp)
+    }
+
+
+def _feature_split(t: TensorSpec, tp: int, blocks: str, block: int) -> list[Finding]:
+    """Each rank's share of every segment ``t`` splits must be whole blocks."""
+    assert t.tp is not None
+    what = "rows" if t.tp.dim == 0 else "columns"
+    packed = " of a packed segment" if len(t.tp.segments) > 1 else ""
+    return [
+        Finding(
+            "parallelism.tp",
+            f"{index_free(t.name)}: tp={tp} gives each rank {width // tp} of the {width} {what}"
+            f"{packed}, not whole {blocks} blocks, so the ranks cannot quantize it as one "
+            "process does; choose a tp that leaves whole blocks, or keep it in bf16 with "
+            "precision.overrides",
+        )
+        for width in t.tp.segments or (t.shape[t.tp.dim],)
+        if width % tp == 0 and (width // tp) % block
+    ]
+
+
+def _token_split(bp: Blueprint, t: TensorSpec, blocks: str, block: int) -> list[Finding]:
+    """A linear of a routing layer other than its routed experts (the shared expert, LatentMoE's
+    projections) sees each rank's share of every sequence under sequence parallelism, and
+    quantizes the tokens in blocks too (wgrad's blocks, and the Hadamard transform's tiles)."""
+    par = bp.parallelism
+    share = bp.data.seq_len // (par.cp * par.tp)
+    if not share or share % block == 0:
+        return []
+    return [
+        Finding(
+            "data.seq_len",
+            f"{index_free(t.module)}: sequence parallelism gives each of tp={par.tp} ranks "
+            f"{share} tokens of every sequence (seq_len {bp.data.seq_len}), not whole {blocks} "
+            f"blocks; make seq_len a multiple of {par.cp * par.tp * block}",
+        )
+    ]

@@ -30,9 +30,13 @@ plain tensor (``update_expert_biases`` adds to it in place).
   during their forward. A replicated one that sees only this rank's tokens gets a
   ``Partial`` gradient, summed by FSDP2 or :func:`reduce_partial_gradients`.
 
+- A quantized linear (the emulated precision policy) gets a plain linear's style, run on
+  local tensors with its quantizer told which GEMM dimension is split, so that it
+  quantizes as one process does (``factory.distributed.quantized_tp``).
+
 Call :func:`apply_tensor_parallel` on every TP rank holding the same full weights
-(``factory.compile``, one seed, ``precision="off"``), before expert and data
-parallelism (``factory.distributed.parallelize``).
+(``factory.compile``, one seed), before expert and data parallelism
+(``factory.distributed.parallelize``).
 """
 
 from __future__ import annotations
@@ -63,9 +67,15 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import Placement
 
+from factory.distributed.quantized_tp import (
+    local_quantized_gemm,
+    quantized_split_problems,
+    track_token_positions,
+)
 from factory.graph.hybrid_lm import held_submodule
 from factory.layers.model_spec import model_spec
 from factory.nn.outputs import RoutedOutput
+from factory.precision.qlinear import QuantizedLinear
 from factory.spec.tensors import Role, TensorSpec
 
 __all__ = [
@@ -93,15 +103,19 @@ def check_tensor_parallel(model: nn.Module, tp: int, sequence_parallel: bool) ->
         whole |= {f"{layer.prefix}.mixer.{name}" for name in names}
     if tp > 1 and not sequence_parallel and any(t.expert_dim is not None for t in spec.tensors()):
         problems.append(f"sequence parallel is required with TP and MoE (tp={tp})")
-    for t in spec.tensors():
-        if t.tp is None or t.expert_dim is not None or t.module in whole:
-            continue
+    split = [
+        t for t in spec.tensors()
+        if t.tp is not None and t.expert_dim is None and t.module not in whole
+    ]  # fmt: skip
+    for t in split:
+        assert t.tp is not None
         problems += [
             f"{t.name}: its {t.tp.kind} split of width {width} (dim {t.tp.dim}) is not "
             f"divisible by tp={tp}"
             for width in t.tp.segments or (t.shape[t.tp.dim],)
             if width % tp
         ]
+    problems += quantized_split_problems(model, split, tp)
     if problems:
         raise ValueError(
             f"cannot split the model over tp={tp}: " + "; ".join(dict.fromkeys(problems))
@@ -187,13 +201,7 @@ def _distribute(
             continue
         local, placement, split = param.detach(), Replicate(), tensor.tp
         if split is not None and id(module) not in kv_columns:
-            # Rank-major: rank 0's chunk of every segment, then rank 1's, ...
-            widths = split.segments or (param.shape[split.dim],)
-            starts = list(itertools.accumulate(widths, initial=0))
-            order = torch.cat([
-                torch.arange(start + r * width // tp, start + (r + 1) * width // tp)
-                for r in range(tp) for start, width in zip(starts, widths, strict=False)
-            ])  # fmt: skip
+            order = _rank_major(tensor, tp)
             local = local.index_select(split.dim, order.chunk(tp)[rank])
             placement = Shard(split.dim)
             if split.segments:
@@ -201,6 +209,18 @@ def _distribute(
         shared = DTensor.from_local(local, mesh, (placement,), run_check=False)
         module.register_parameter(name, nn.Parameter(shared, requires_grad=param.requires_grad))
     return ties
+
+
+def _rank_major(tensor: TensorSpec, tp: int) -> torch.Tensor:
+    """The one-process index of each element of a split tensor's global (DTensor) order along
+    its split dim: rank 0's chunk of every segment, then rank 1's, ..."""
+    assert tensor.tp is not None
+    widths = tensor.tp.segments or (tensor.shape[tensor.tp.dim],)
+    starts = list(itertools.accumulate(widths, initial=0))
+    return torch.cat([
+        torch.arange(start + r * width // tp, start + (r + 1) * width // tp)
+        for r in range(tp) for start, width in zip(starts, widths, strict=False)
+    ])  # fmt: skip
 
 
 def _plan(
@@ -230,6 +250,9 @@ def _plan(
         in_routing = mixer is not None and id(mixer) in routing_ids
         style = _style(module, weight, mixer, in_routing, stream, kv_columns)
         if style is not None:
+            if isinstance(module, QuantizedLinear):
+                positions = _rank_major(weight, mesh.size()).chunk(mesh.size())
+                style = local_quantized_gemm(style, module, mesh, positions[mesh.get_local_rank()])
             parallelize_module(module, mesh, style)
             if in_routing:
                 # A routing mixer runs on this rank's tokens: its split linears form a
@@ -259,6 +282,8 @@ def _plan(
         parallelize_module(owner, mesh, _LocalViews(params, partial_grads=local_tokens))
     for mixer in routing:
         mixer.register_forward_hook(partial(_sum_routed_tokens, mesh.get_group()))
+        gathered = [p for p in token_mlps.values() if mixer_of.get(id(p)) is mixer]
+        track_token_positions(mixer, gathered, mesh)
 
 
 def _style(
@@ -274,9 +299,10 @@ def _style(
     split, embedding = weight.tp, weight.role is Role.EMBEDDING
     if not embedding and (split is None or not isinstance(module, nn.Linear)):
         return None
-    if type(module) is not (kind := nn.Embedding if embedding else nn.Linear):
+    kinds = (nn.Embedding,) if embedding else (nn.Linear, QuantizedLinear)
+    if type(module) not in kinds:
         raise ValueError(f"{weight.module} is a {type(module).__name__}: tensor parallelism "
-                         f"splits plain {kind.__name__} modules (precision='off')")  # fmt: skip
+                         f"splits {' and '.join(k.__name__ for k in kinds)} modules")  # fmt: skip
     column = split is not None and split.kind in ("column", "heads", "vocab")
     if id(module) in kv_columns:
         return _ReplicatedColumns(*kv_columns[id(module)])

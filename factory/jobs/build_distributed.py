@@ -2,9 +2,10 @@
 
 The layout is data parallel over 2 ranks, with the experts split over them
 (expert parallelism, folded onto the data-parallel ranks) when the blueprint has
-MoE layers. Tensor parallelism is left out: factory's runtime runs it with the
-precision policy off, and the check trains with the blueprint's policy, as the
-smoke run does, so the two runs' losses can be compared step by step.
+MoE layers. The check trains with the blueprint's precision policy, as the smoke
+run does, so the two runs' losses can be compared step by step. Tensor
+parallelism is not part of it (its equality with one process under the policy
+is ``tests/test_distributed_train.py``'s).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from fnmatch import fnmatchcase
 from factory.layers.model_spec import model_spec
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.model import ModelConfig
+from factory.schemas.precision import FP8Options, MoROptions, NVFP4Options
 from factory.spec.tensors import Role
 
 __all__ = [
@@ -35,11 +36,18 @@ __all__ = [
     "excluded_gemm_names",
     "flops_share",
     "generalized_gemm_names",
+    "index_free",
     "quantizable_gemm_names",
     "resolve_policy",
+    "split_block",
     "uses_low_precision",
 ]
 
+
+_NVFP4_BLOCK, _MXFP8_BLOCK, _FP8_BLOCKWISE_BLOCK = 16, 32, 128
+"""Elements per scale along a GEMM dimension: NVFP4's 1x16 blocks, 16x16 weight tiles and
+16-token Hadamard tiles; OCP MX's 32-element blocks; blockwise FP8's 1x128 / 128x128 blocks
+(``docs/precision.md``, 'Formats')."""
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
 
@@ -64,6 +72,22 @@ def uses_low_precision(bp: Blueprint) -> bool:
     return bool(bp.precision.low_precision_recipes)
 
 
+def split_block(recipe: str, options: FP8Options | MoROptions | NVFP4Options | None = None) -> int:
+    """Elements that share a scale along a GEMM dimension in ``recipe`` (with its options
+    section): a tensor-parallel rank quantizes its share of a split dimension as one process
+    does only if the share is whole blocks. 1 where the scale is per tensor (any split works:
+    the amax is reduced over the group) and for bf16."""
+    if recipe == "nvfp4":
+        return _NVFP4_BLOCK
+    if recipe == "mxfp8":
+        return _MXFP8_BLOCK
+    if isinstance(options, FP8Options) and options.scaling == "blockwise":
+        return _FP8_BLOCKWISE_BLOCK
+    if isinstance(options, MoROptions) and options.granularity == "block":
+        return options.block_size
+    return 1
+
+
 def quantizable_gemm_names(model: ModelConfig) -> list[str]:
     return [tensor.gemm_name for _, tensor in model_spec(model).gemms()]
 
@@ -80,13 +104,18 @@ def excluded_gemm_names(model: ModelConfig) -> list[str]:
     return [spec.embedding.module, spec.head.module, *routers]
 
 
+def index_free(name: str) -> str:
+    """``name`` with every layer index written ``*`` ('backbone.layers.*.mixer.out_proj')."""
+    return _INDEX.sub("*", name)
+
+
 def generalized_gemm_names(model: ModelConfig) -> list[str]:
     """Distinct index-free spellings of the GEMM names, for did-you-mean suggestions: the full
     form ('backbone.layers.*.mixer.out_proj') and the short one people write
     ('*.mixer.out_proj')."""
     out: dict[str, None] = {}
     for name in quantizable_gemm_names(model):
-        full = _INDEX.sub("*", name)
+        full = index_free(name)
         out[full] = None
         if "*" in full:
             out["*" + full.split("*", 1)[1]] = None

@@ -14,6 +14,11 @@ weights and their gradients stay in the parameters' dtype (fp32 in training, as
 in the paper, §4.1). ``fwd``/``bwd`` switch quantization of the forward GEMM and
 of the two backward GEMMs independently (``switch_to_bf16`` with scope
 ``forward`` keeps the backward quantized).
+
+Under tensor parallelism the modules run on this rank's local tensors and carry a
+:class:`~factory.precision.splits.GemmSplit` (``factory.distributed.tensor_parallel``
+sets it), which every quantizer call receives: split operands are quantized with the
+whole tensor's statistics, as one process would.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from factory.precision.quantizers import GemmQuantizer
+from factory.precision.splits import WHOLE_GEMM, GemmSplit
 
 __all__ = ["QuantizedExpertLinear", "QuantizedLinear", "quantized_matmul"]
 
@@ -38,14 +44,16 @@ class _QuantizedMatmul(torch.autograd.Function):
         quantizer: GemmQuantizer,
         fwd: bool,
         bwd: bool,
+        split: GemmSplit,
+        source: torch.Tensor | None,
     ) -> torch.Tensor:
         xf = x.to(_F32)
-        w_fprop = quantizer.fprop_weight(w) if fwd else None
-        x_fprop = quantizer.input(xf) if fwd else None
+        w_fprop = quantizer.fprop_weight(w, split, source) if fwd else None
+        x_fprop = quantizer.input(xf, split) if fwd else None
         y = (x_fprop if fwd else xf) @ (w_fprop if fwd else w.to(_F32)).transpose(-1, -2)
         # x_fprop is kept only for recipes whose wgrad reuses it (per-tensor FP8).
         ctx.save_for_backward(x, w, w_fprop, x_fprop if quantizer.reuses_casts else None)
-        ctx.quantizer, ctx.bwd = quantizer, bwd
+        ctx.quantizer, ctx.bwd, ctx.split = quantizer, bwd, split
         return y.to(x.dtype)
 
     @staticmethod
@@ -54,23 +62,24 @@ class _QuantizedMatmul(torch.autograd.Function):
     ) -> tuple[torch.Tensor | None, ...]:
         x, w, w_fprop, x_fprop = ctx.saved_tensors
         q: GemmQuantizer = ctx.quantizer
+        split: GemmSplit = ctx.split
         xf, wf, dyf = x.to(_F32), w.to(_F32), dy.to(_F32)
         dx = dw = dy_q = None
         if ctx.needs_input_grad[0]:
             if ctx.bwd:
-                dy_q = q.grad(dyf)
-                dx = dy_q @ q.dgrad_weight(wf, w_fprop)
+                dy_q = q.grad(dyf, split)
+                dx = dy_q @ q.dgrad_weight(wf, w_fprop, split)
             else:
                 dx = dyf @ wf
             dx = dx.to(x.dtype)
         if ctx.needs_input_grad[1]:
             if ctx.bwd:
-                dy_t, x_t = q.wgrad(dyf, xf, dy_q, x_fprop)
+                dy_t, x_t = q.wgrad(dyf, xf, dy_q, x_fprop, split)
                 dw = dy_t @ x_t.transpose(-1, -2)
             else:
                 dw = dyf.transpose(-1, -2) @ xf
             dw = dw.to(w.dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 def quantized_matmul(
@@ -79,17 +88,23 @@ def quantized_matmul(
     quantizer: GemmQuantizer,
     fwd: bool = True,
     bwd: bool = True,
+    split: GemmSplit = WHOLE_GEMM,
+    source: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ wᵀ`` with quantized operands; ``x [.., M, K]``, ``w [N, K]`` or ``[B, N, K]``.
 
     With a 2-D ``w``, every leading dim of ``x`` is folded into M (tokens): the
-    scales of a linear layer cover the whole micro-batch, as in TE.
+    scales of a linear layer cover the whole micro-batch, as in TE. ``split`` says
+    which of the GEMM's dimensions are this rank's part of a tensor-parallel split;
+    ``source`` is the parameter ``w`` is a local view of, which keys the weight cast
+    cache (``GemmQuantizer.fprop_weight``).
     """
     if w.ndim == 2:
         lead = x.shape[:-1]
-        y = _QuantizedMatmul.apply(x.reshape(-1, x.shape[-1]), w, quantizer, fwd, bwd)
+        flat = x.reshape(-1, x.shape[-1])
+        y = _QuantizedMatmul.apply(flat, w, quantizer, fwd, bwd, split, source)
         return y.reshape(*lead, w.shape[0])
-    return _QuantizedMatmul.apply(x, w, quantizer, fwd, bwd)
+    return _QuantizedMatmul.apply(x, w, quantizer, fwd, bwd, split, source)
 
 
 class QuantizedLinear(nn.Linear):
@@ -103,6 +118,8 @@ class QuantizedLinear(nn.Linear):
     quantizer: GemmQuantizer
     quantize_forward: bool
     quantize_backward: bool
+    split: GemmSplit
+    """Where its GEMM's dimensions lie over the tensor-parallel group (whole on one process)."""
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, quantizer: GemmQuantizer) -> QuantizedLinear:
@@ -113,14 +130,23 @@ class QuantizedLinear(nn.Linear):
         module.bias = linear.bias
         module.quantizer = quantizer
         module.quantize_forward = module.quantize_backward = True
+        module.split = WHOLE_GEMM
         module.train(linear.training)
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.quantize_forward or self.quantize_backward):
             return F.linear(x, self.weight, self.bias)
+        # Under tensor parallelism self.weight is a local view of the registered parameter,
+        # which is the one the weight cast cache must follow.
         y = quantized_matmul(
-            x, self.weight, self.quantizer, self.quantize_forward, self.quantize_backward
+            x,
+            self.weight,
+            self.quantizer,
+            self.quantize_forward,
+            self.quantize_backward,
+            self.split,
+            source=self._parameters["weight"],
         )
         return y + self.bias if self.bias is not None else y
 
@@ -140,6 +166,8 @@ class QuantizedExpertLinear:
         self.quantize_forward = self.quantize_backward = True
 
     def __call__(self, name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Each rank's own tokens: under TP (ETP = 1) a rank routes its tokens to whole experts,
+        so their GEMMs quantize per rank, as under data parallelism (``docs/distributed.md``)."""
         quantizer = self.quantizers.get(name)
         if quantizer is None or not (self.quantize_forward or self.quantize_backward):
             return torch.bmm(x, w.transpose(1, 2))

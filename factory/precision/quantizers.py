@@ -16,6 +16,10 @@ Every method takes and returns fp32 tensors with leading batch dims (one matrix
 per expert in a grouped GEMM, each with its own scales) and returns
 *dequantized* values: the emulated GEMM is then a plain fp32 matmul, which
 equals the hardware's per-block scaled accumulation up to fp32 summation order.
+Each also takes the GEMM's :class:`~factory.precision.splits.GemmSplit`: under
+tensor parallelism an operand may be this rank's part of a split tensor, and is
+quantized with the whole tensor's statistics and random numbers
+(``factory.precision.splits``); one process passes nothing.
 ``wgrad`` returns the transposed operands ``dyᵀ [.., N, M']`` and ``xᵀ [.., K, M']``;
 ``M'`` may exceed M by zero padding (the Hadamard transform needs whole tiles),
 which leaves ``dyᵀ @ x`` unchanged.
@@ -34,6 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from factory.kernels import fp8, hadamard, mor, nvfp4
+from factory.kernels.tensor_parts import TensorPart
+from factory.precision.policy import split_block
+from factory.precision.splits import WHOLE_GEMM, GemmSplit
 from factory.schemas.precision import FP8Options, MoROptions, NVFP4Options
 
 __all__ = [
@@ -71,13 +78,17 @@ class GemmQuantizer:
     _cached_version: int = -1
     _cached_weight: torch.Tensor | None = None
 
-    def fprop_weight(self, w: torch.Tensor) -> torch.Tensor:
+    def fprop_weight(
+        self, w: torch.Tensor, split: GemmSplit = WHOLE_GEMM, source: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``weight(w)``, cast once per weight update: later micro-batches of the same step
         reuse it (as TE casts weights on the first micro-batch only). The cache holds the
-        tensor itself, so the in-place optimizer step, which bumps its version, is seen."""
-        if w is not self._cached_source or w._version != self._cached_version:
-            self._cached_weight = self.weight(w.detach().to(torch.float32))
-            self._cached_source, self._cached_version = w, w._version
+        tensor itself (or ``source``, the parameter ``w`` is a local view of under tensor
+        parallelism), so the in-place optimizer step, which bumps its version, is seen."""
+        source = w if source is None else source
+        if source is not self._cached_source or source._version != self._cached_version:
+            self._cached_weight = self.weight(w.detach().to(torch.float32), split)
+            self._cached_source, self._cached_version = source, source._version
         assert self._cached_weight is not None
         return self._cached_weight
 
@@ -85,11 +96,17 @@ class GemmQuantizer:
         """Drop the cached cast: the next ``fprop_weight`` casts again."""
         self._cached_source, self._cached_version, self._cached_weight = None, -1, None
 
-    def input(self, x: torch.Tensor) -> torch.Tensor:
+    def input(self, x: torch.Tensor, split: GemmSplit = WHOLE_GEMM) -> torch.Tensor:
         raise NotImplementedError
 
-    def weight(self, w: torch.Tensor) -> torch.Tensor:
+    def weight(self, w: torch.Tensor, split: GemmSplit = WHOLE_GEMM) -> torch.Tensor:
         raise NotImplementedError
+
+    @property
+    def split_block(self) -> int:
+        """Elements one scale covers along a GEMM dimension: a tensor-parallel rank must hold
+        whole blocks (``factory.precision.policy.split_block``)."""
+        return split_block(self.recipe, getattr(self, "options", None))
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to quantize exactly as this one would have (random
@@ -99,11 +116,13 @@ class GemmQuantizer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
 
-    def dgrad_weight(self, w: torch.Tensor, w_fprop: torch.Tensor | None) -> torch.Tensor:
+    def dgrad_weight(
+        self, w: torch.Tensor, w_fprop: torch.Tensor | None, split: GemmSplit = WHOLE_GEMM
+    ) -> torch.Tensor:
         """The weight operand of dgrad; ``w_fprop`` is fprop's quantized weight if it ran."""
-        return w_fprop if w_fprop is not None else self.weight(w)
+        return w_fprop if w_fprop is not None else self.weight(w, split)
 
-    def grad(self, dy: torch.Tensor) -> torch.Tensor:
+    def grad(self, dy: torch.Tensor, split: GemmSplit = WHOLE_GEMM) -> torch.Tensor:
         raise NotImplementedError
 
     def wgrad(
@@ -112,6 +131,7 @@ class GemmQuantizer:
         x: torch.Tensor,
         dy_q: torch.Tensor | None = None,
         x_q: torch.Tensor | None = None,
+        split: GemmSplit = WHOLE_GEMM,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(dyᵀ, xᵀ)`` quantized along the tokens. ``dy_q`` / ``x_q`` are this GEMM's
         dgrad / fprop casts when they ran: a recipe whose transposed cast equals the
@@ -145,23 +165,27 @@ class NVFP4Quantizer(GemmQuantizer):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.generator.set_state(state["generator"])
 
-    def _grad_q(self, g: torch.Tensor) -> torch.Tensor:
+    def _grad_q(self, g: torch.Tensor, part: TensorPart) -> torch.Tensor:
         sr = self.options.stochastic_rounding
-        return nvfp4.fake_quantize(g, (1, 16), stochastic=sr, generator=self.generator)
+        return nvfp4.fake_quantize(g, (1, 16), stochastic=sr, generator=self.generator, part=part)
 
-    def input(self, x: torch.Tensor) -> torch.Tensor:
-        return nvfp4.fake_quantize(x, (1, 16))
+    def input(self, x: torch.Tensor, split: GemmSplit = WHOLE_GEMM) -> torch.Tensor:
+        return nvfp4.fake_quantize(x, (1, 16), part=split.part("tokens", "in"))
 
-    def weight(self, w: torch.Tensor) -> torch.Tensor:
-        return nvfp4.fake_quantize(w, (16, 16) if self.weight_2d else (1, 16))
+    def weight(self, w: torch.Tensor, split: GemmSplit = WHOLE_GEMM) -> torch.Tensor:
+        tile = (16, 16) if self.weight_2d else (1, 16)
+        return nvfp4.fake_quantize(w, tile, part=split.part("out", "in"))
 
-    def dgrad_weight(self, w: torch.Tensor, w_fprop: torch.Tensor | None) -> torch.Tensor:
+    def dgrad_weight(
+        self, w: torch.Tensor, w_fprop: torch.Tensor | None, split: GemmSplit = WHOLE_GEMM
+    ) -> torch.Tensor:
         if self.weight_2d:  # a 16x16 tile is its own transpose: reuse fprop's values
-            return super().dgrad_weight(w, w_fprop)
-        return _t(nvfp4.fake_quantize(_t(w), (1, 16)))  # 1x16 blocks along N instead
+            return super().dgrad_weight(w, w_fprop, split)
+        # 1x16 blocks along N instead
+        return _t(nvfp4.fake_quantize(_t(w), (1, 16), part=split.part("in", "out")))
 
-    def grad(self, dy: torch.Tensor) -> torch.Tensor:
-        return self._grad_q(dy)
+    def grad(self, dy: torch.Tensor, split: GemmSplit = WHOLE_GEMM) -> torch.Tensor:
+        return self._grad_q(dy, split.part("tokens", "out"))
 
     def wgrad(
         self,
@@ -169,13 +193,17 @@ class NVFP4Quantizer(GemmQuantizer):
         x: torch.Tensor,
         dy_q: torch.Tensor | None = None,
         x_q: torch.Tensor | None = None,
+        split: GemmSplit = WHOLE_GEMM,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         dy_t, x_t = _t(dy), _t(x)
         if self.options.hadamard:
             pad = -dy_t.shape[-1] % _TILE  # rotate whole 16-token tiles; zero tokens add nothing
             dy_t = hadamard.rht(F.pad(dy_t, (0, pad)), self.signs)
             x_t = hadamard.rht(F.pad(x_t, (0, pad)), self.signs)
-        return self._grad_q(dy_t), nvfp4.fake_quantize(x_t, (1, 16))
+        return (
+            self._grad_q(dy_t, split.part("out", "tokens")),
+            nvfp4.fake_quantize(x_t, (1, 16), part=split.part("in", "tokens")),
+        )
 
 
 class FP8Quantizer(GemmQuantizer):
@@ -233,23 +261,27 @@ class FP8Quantizer(GemmQuantizer):
             delayed.history.extend(entry["history"])
             delayed.scale = entry["scale"].clone()
 
-    def _q(self, x: torch.Tensor, role: str, block: tuple[int, int]) -> torch.Tensor:
+    def _q(
+        self, x: torch.Tensor, role: str, block: tuple[int, int], part: TensorPart
+    ) -> torch.Tensor:
+        """Blockwise scales need nothing from other ranks (splits hold whole blocks); the
+        per-tensor amaxes are ``part``'s whole tensor's."""
         fmt = self.bwd_fmt if role == "grad" else self.fwd_fmt
         scaling = self.options.scaling
         if scaling == "tensorwise":
-            return _per_matrix(lambda m: fp8.quantize_tensorwise(m, fmt).dequantize(), x)
+            return _per_matrix(lambda m: fp8.quantize_tensorwise(m, fmt, part).dequantize(), x)
         if scaling == "blockwise":
             return _per_matrix(lambda m: fp8.quantize_blockwise(m, block, fmt).dequantize(), x)
-        return self.delayed[role].quantize(x).dequantize()
+        return self.delayed[role].quantize(x, part).dequantize()
 
-    def input(self, x: torch.Tensor) -> torch.Tensor:
-        return self._q(x, "input", (1, 128))
+    def input(self, x: torch.Tensor, split: GemmSplit = WHOLE_GEMM) -> torch.Tensor:
+        return self._q(x, "input", (1, 128), split.part("tokens", "in"))
 
-    def weight(self, w: torch.Tensor) -> torch.Tensor:
-        return self._q(w, "weight", (128, 128))
+    def weight(self, w: torch.Tensor, split: GemmSplit = WHOLE_GEMM) -> torch.Tensor:
+        return self._q(w, "weight", (128, 128), split.part("out", "in"))
 
-    def grad(self, dy: torch.Tensor) -> torch.Tensor:
-        return self._q(dy, "grad", (1, 128))
+    def grad(self, dy: torch.Tensor, split: GemmSplit = WHOLE_GEMM) -> torch.Tensor:
+        return self._q(dy, "grad", (1, 128), split.part("tokens", "out"))
 
     def wgrad(
         self,
@@ -257,11 +289,15 @@ class FP8Quantizer(GemmQuantizer):
         x: torch.Tensor,
         dy_q: torch.Tensor | None = None,
         x_q: torch.Tensor | None = None,
+        split: GemmSplit = WHOLE_GEMM,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.options.scaling == "blockwise":
-            return self._q(_t(dy), "grad", (1, 128)), self._q(_t(x), "input", (1, 128))
-        dy_q = dy_q if dy_q is not None else self.grad(dy)
-        x_q = x_q if x_q is not None else self.input(x)
+            return (
+                self._q(_t(dy), "grad", (1, 128), split.part("out", "tokens")),
+                self._q(_t(x), "input", (1, 128), split.part("in", "tokens")),
+            )
+        dy_q = dy_q if dy_q is not None else self.grad(dy, split)
+        x_q = x_q if x_q is not None else self.input(x, split)
         return _t(dy_q), _t(x_q)
 
 
@@ -269,17 +305,17 @@ class _OneCastQuantizer(GemmQuantizer):
     """A recipe that casts every operand the same way, blocked along its last dim: ``_q``.
     wgrad casts the transposes afresh, so its blocks run along the tokens."""
 
-    def _q(self, x: torch.Tensor) -> torch.Tensor:
+    def _q(self, x: torch.Tensor, part: TensorPart) -> torch.Tensor:
         raise NotImplementedError
 
-    def input(self, x: torch.Tensor) -> torch.Tensor:
-        return self._q(x)
+    def input(self, x: torch.Tensor, split: GemmSplit = WHOLE_GEMM) -> torch.Tensor:
+        return self._q(x, split.part("tokens", "in"))
 
-    def weight(self, w: torch.Tensor) -> torch.Tensor:
-        return self._q(w)
+    def weight(self, w: torch.Tensor, split: GemmSplit = WHOLE_GEMM) -> torch.Tensor:
+        return self._q(w, split.part("out", "in"))
 
-    def grad(self, dy: torch.Tensor) -> torch.Tensor:
-        return self._q(dy)
+    def grad(self, dy: torch.Tensor, split: GemmSplit = WHOLE_GEMM) -> torch.Tensor:
+        return self._q(dy, split.part("tokens", "out"))
 
     def wgrad(
         self,
@@ -287,8 +323,11 @@ class _OneCastQuantizer(GemmQuantizer):
         x: torch.Tensor,
         dy_q: torch.Tensor | None = None,
         x_q: torch.Tensor | None = None,
+        split: GemmSplit = WHOLE_GEMM,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._q(_t(dy)), self._q(_t(x))
+        return self._q(_t(dy), split.part("out", "tokens")), self._q(
+            _t(x), split.part("in", "tokens")
+        )
 
 
 class MXFP8Quantizer(_OneCastQuantizer):
@@ -298,11 +337,14 @@ class MXFP8Quantizer(_OneCastQuantizer):
 
     recipe = "mxfp8"
 
-    def _q(self, x: torch.Tensor) -> torch.Tensor:
+    def _q(self, x: torch.Tensor, part: TensorPart) -> torch.Tensor:
+        """Every scale is a block's own: a split holding whole blocks needs nothing else."""
         return fp8.quantize_mxfp8(x, "e4m3").dequantize()
 
-    def dgrad_weight(self, w: torch.Tensor, w_fprop: torch.Tensor | None) -> torch.Tensor:
-        return _t(self._q(_t(w)))
+    def dgrad_weight(
+        self, w: torch.Tensor, w_fprop: torch.Tensor | None, split: GemmSplit = WHOLE_GEMM
+    ) -> torch.Tensor:
+        return _t(self._q(_t(w), split.part("in", "out")))
 
 
 @dataclass
@@ -323,10 +365,10 @@ class MoRQuantizer(_OneCastQuantizer):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.stats = mor.MoRStats(**state)
 
-    def _q(self, x: torch.Tensor) -> torch.Tensor:
+    def _q(self, x: torch.Tensor, part: TensorPart) -> torch.Tensor:
         def one(m: torch.Tensor) -> torch.Tensor:
             o = self.options
-            result = mor.choose(m, o.threshold, o.granularity, o.block_size, "e4m3")
+            result = mor.choose(m, o.threshold, o.granularity, o.block_size, "e4m3", part=part)
             self.stats.update(result)
             return result.out
 
