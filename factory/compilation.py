@@ -56,8 +56,9 @@ def compile(
     ``precision`` applies the blueprint's precision table to the graph:
     ``"emulate"`` quantizes in PyTorch (exact emulation, any device), ``"te"``
     maps onto Transformer Engine (CUDA, ``pip install factory[gpu]``), ``"auto"``
-    takes TE where it is installed and the model is on CUDA, else emulation, and
-    ``"off"`` leaves every linear unquantized.
+    takes TE where it is installed, the model is on CUDA and the layout has no tensor
+    parallelism (factory does not split TE's linears yet), else emulation, and ``"off"``
+    leaves every linear unquantized.
 
     ``deferred=True`` builds on the meta device whatever ``device`` is and leaves the
     values to the caller, who lays the model out first and then gives each rank only its
@@ -97,7 +98,8 @@ def _apply_precision(
 ) -> PrecisionRuntime | None:
     if backend == "off" or not uses_low_precision(blueprint):
         return None
-    if backend == "te" or (backend == "auto" and te_backend.usable(device)):
+    te_fits = blueprint.parallelism.tp == 1  # tensor_parallel refuses TE's linears
+    if backend == "te" or (backend == "auto" and te_fits and te_backend.usable(device)):
         return te_backend.apply_te(model, blueprint, seed=seed)
     return apply_precision(model, blueprint, seed=seed)
 

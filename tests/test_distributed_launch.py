@@ -56,6 +56,15 @@ def test_context_parallelism_across_pipeline_stages_is_refused_before_launch(
     assert "parallelism.pp=1" in err
 
 
+def test_transformer_engine_under_tensor_parallelism_is_refused_before_launch(
+    cli: Callable[..., tuple[int, str, str]],
+) -> None:
+    status, _, err = cli("train", "super", "--nproc", "64", "--precision", "te")
+    assert status == 2
+    assert ": parallelism.tp: --precision te with parallelism.tp=2:" in err, err
+    assert "--precision emulate" in err
+
+
 def _ranks_of(marker: str) -> dict[int, int]:
     """pid of each rank of the launch whose environment carries ``marker``."""
     found = {}

@@ -19,6 +19,8 @@ from factory.checks.validate import load_blueprint
 from factory.compilation import Compiled
 from factory.precision import te_backend
 from factory.precision.qlinear import QuantizedExpertLinear, QuantizedLinear
+from factory.proxy import derive_proxy
+from factory.schemas.blueprint import Blueprint
 from factory.schemas.precision import FP8Options, NVFP4Options, PrecisionConfig
 
 EXPERTS = ".experts."
@@ -234,3 +236,18 @@ def test_apply_te_swaps_linears_with_a_te_recipe(
     assert torch.isfinite(logits).all()
     seen = {id(inner): recipe for recipe, inner in fake.calls}
     assert seen == te_linears  # every TE linear ran, under its own format's recipe
+
+
+@pytest.mark.parametrize(("tp", "on_te"), [(1, True), (2, False)])
+def test_auto_on_cuda_takes_te_unless_tensor_parallel(
+    monkeypatch: pytest.MonkeyPatch, tp: int, on_te: bool
+) -> None:
+    """factory does not split TE's linears yet: under TP, auto emulates instead."""
+    _fake_te(monkeypatch)
+    monkeypatch.setattr(te_backend, "usable", lambda device: True)
+    data = derive_proxy(load_blueprint("super")).model_dump(exclude_unset=True)
+    data["parallelism"].update(world_size=tp, tp=tp, sequence_parallel=True)
+    compiled = factory.compile(Blueprint.model_validate(data), device="meta")
+    te_linears = [m for m in compiled.model.modules() if isinstance(m, te_backend.TELinear)]
+    assert bool(te_linears) is on_te
+    assert any(isinstance(m, QuantizedLinear) for m in compiled.model.modules()) is not on_te

@@ -9,6 +9,8 @@ yet is refused here, naming the field and the value that would work:
 * ``WORLD_SIZE`` must equal ``parallelism.world_size`` (the layout is the
   blueprint's, not the launcher's);
 * context parallelism across pipeline stages (``cp > 1`` with ``pp > 1``);
+* Transformer Engine's linears under tensor parallelism (refused by
+  ``factory.jobs.train.prepare_training``, which knows the backend);
 * per-module (heterogeneous) layouts.
 
 This module does not import torch.

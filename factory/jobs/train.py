@@ -173,6 +173,13 @@ def prepare_training(
         _check_launch(bp, world)
     if bp.training.compile and precision != "off" and uses_low_precision(bp):
         raise ValueError(f"{PRECISION_OFF}; run with --precision off or training.compile: false")
+    if precision == "te" and bp.parallelism.tp > 1 and uses_low_precision(bp):
+        raise CannotLaunch(
+            f"--precision te with parallelism.tp={bp.parallelism.tp}: factory does not split "
+            "Transformer Engine's linears yet; use --precision emulate (auto does under TP), "
+            "or --set parallelism.tp=1",
+            "parallelism.tp",
+        )
     if precision == "te":
         try:
             require_te()
