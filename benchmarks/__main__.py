@@ -28,6 +28,10 @@ BENCHMARKS = {
         "benchmarks.distributed",
         "CPU proxy tokens/s and communication share per parallel layout on 1, 2, 4 processes",
     ),
+    "long_context": (
+        "benchmarks.long_context",
+        "document-masked attention at 8k/32k/128k (mask vs FlexAttention vs blocks); CP=2 at 32k",
+    ),
     "build": (
         "benchmarks.build",
         "factory build nano|super|ultra end to end, seconds per stage (goal: < 5 min each)",

@@ -83,7 +83,7 @@ def _step(compiled: Any, ranks: Any, micro: list[Any], optimizer: Any, mtp: floa
     optimizer.step()
 
 
-def _measure(rank: int, world: int, bp: Any, steps: int, warmup: int) -> dict[str, float]:
+def measure_step(rank: int, world: int, bp: Any, steps: int, warmup: int) -> dict[str, float]:
     import numpy as np
     from torch.profiler import ProfilerActivity, profile
 
@@ -137,9 +137,9 @@ def main(argv: list[str]) -> int:
         bp = _blueprint(world, parallelism)
         if world == 1:
             torch.set_num_threads(1)  # as each rank of a launch is (OMP_NUM_THREADS=1)
-            result = _measure(0, 1, bp, args.steps, args.warmup)
+            result = measure_step(0, 1, bp, args.steps, args.warmup)
         else:
-            result = run_ranks(_measure, world, bp, args.steps, args.warmup, timeout=900)[0]
+            result = run_ranks(measure_step, world, bp, args.steps, args.warmup, timeout=900)[0]
         tokens = bp.parallelism.global_batch_size * bp.data.seq_len
         print(
             f"{name:16s} {world:5d} {tokens / result['median_s']:9.0f} "
