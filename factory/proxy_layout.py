@@ -23,7 +23,7 @@ from typing import Any
 
 from factory.checks import run_rules
 from factory.layers.model_spec import expert_layer_types
-from factory.proxy import PROXY_GLOBAL_BATCH, PROXY_MICRO_BATCH, derive_proxy
+from factory.proxy import PROXY_GLOBAL_BATCH, derive_proxy
 from factory.schemas.blueprint import Blueprint
 
 __all__ = ["ProxyLayout", "derive_proxy_layout", "proxy_with_layout"]
@@ -49,7 +49,7 @@ def proxy_with_layout(proxy: Blueprint, world: int, degrees: dict[str, Any]) -> 
     if world % (tp * pp * cp) or world % (etp * ep * pp):
         return None
     dp = world // (tp * pp * cp)
-    per_step = PROXY_MICRO_BATCH * dp
+    per_step = proxy.parallelism.micro_batch_size * dp
     batch = -(-PROXY_GLOBAL_BATCH // per_step) * per_step
     data = proxy.model_dump(exclude_unset=True)
     data["parallelism"].update(

@@ -47,3 +47,18 @@ def test_the_proxy_keeps_expert_tensor_parallelism_where_its_experts_divide() ->
     data["parallelism"].update(ep=1, etp=16)
     proxy, changes = derive_proxy_layout(Blueprint.model_validate(data), 2)
     assert proxy.parallelism.expert_tp == 2 and "etp 16 -> 2" in changes
+
+
+def test_a_blueprint_with_context_parallelism_keeps_its_long_sequences() -> None:
+    """Nano at CP=2 and 32k tokens on 2 ranks (the issue's command): CP takes both ranks, so TP
+    goes; the proxy keeps the sequences and trains one per micro-batch."""
+    data = factory.load_blueprint("nano").model_dump(exclude_unset=True)
+    data["parallelism"]["cp"] = 2
+    data["data"]["seq_len"] = 32768
+    proxy, changes = derive_proxy_layout(Blueprint.model_validate(data), 2)
+    par = proxy.parallelism
+    assert (par.cp, par.tp, par.ep, par.pp) == (2, 1, 2, 1)
+    assert proxy.data.seq_len == 32768 and proxy.model.max_seq_len >= 32768
+    assert (par.micro_batch_size, par.global_batch_size) == (1, 8)
+    assert changes == ["world_size 32 -> 2", "tp 4 -> 1", "ep 8 -> 2"]
+    check_launch(proxy, 2)
