@@ -22,7 +22,7 @@ from factory.distributed.data_parallel import apply_data_parallel
 from factory.distributed.mesh import Meshes
 from factory.distributed.tensor_parallel import apply_tensor_parallel
 from factory.graph.hybrid_lm import held_submodule
-from factory.layers.model_spec import model_spec
+from factory.layers.model_spec import LayerSpec, model_spec
 from factory.nn.sequence_split import SequenceSplit
 
 __all__ = ["apply_context_parallel", "apply_expert_parallel", "parallelize"]
@@ -55,11 +55,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, tp: int = 1) -
     its layer type's context-parallel style (``LayerType.apply_context_parallel``). Raises
     ValueError, leaving the model untouched, when a layer cannot split (``cp_rules``)."""
     split = SequenceSplit(cp_mesh.get_group())
-    layers = [
-        (layer, block.mixer)
-        for layer in model_spec(model.cfg).layers
-        if (block := held_submodule(model, layer.prefix)) is not None
-    ]
+    layers = _held_mixers(model)
     problems = [
         f"{layer.prefix}.mixer: {problem}"
         for layer, _ in layers
@@ -91,11 +87,7 @@ def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> None:
             f"(meshes.expert['ep', 'etp']), got dims {expert_mesh.mesh_dim_names}"
         )
     ep, etp = expert_mesh["ep"].size(), expert_mesh["etp"].size()
-    layers = [
-        (layer, block.mixer)
-        for layer in model_spec(model.cfg).layers
-        if (block := held_submodule(model, layer.prefix)) is not None
-    ]
+    layers = _held_mixers(model)
     problems = [
         f"{layer.prefix}.mixer: {problem}"
         for layer, mixer in layers
@@ -111,3 +103,12 @@ def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh) -> None:
             if t.expert_dim is not None and t.name.startswith(under)
         }
         layer.type.apply_expert_parallel(mixer, expert_mesh, routed)
+
+
+def _held_mixers(model: nn.Module) -> list[tuple[LayerSpec, nn.Module]]:
+    """Each layer of ``model``'s spec that this model (or pipeline stage) holds, with its mixer."""
+    return [
+        (layer, block.mixer)
+        for layer in model_spec(model.cfg).layers
+        if (block := held_submodule(model, layer.prefix)) is not None
+    ]
