@@ -8,6 +8,7 @@ they are all registered. Bad input never shows a traceback: it prints
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 
@@ -58,6 +59,36 @@ def _show_click_error(exc: Exception) -> int:
     return int(getattr(exc, "exit_code", EXIT_USAGE))
 
 
+EXIT_FAILED = 1
+"""A command that could not finish for a reason outside the user's input (disk, permissions)."""
+
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
+
+
+def _show_os_error(exc: OSError) -> int:
+    """The machine said no (a full disk, a permission, a vanished file): name the path."""
+    paths = [str(p) for p in (exc.filename, exc.filename2) if p is not None]
+    where = " -> ".join(paths) or "a file"
+    cause = exc.strerror or str(exc)
+    if exc.errno in _DISK_FULL:
+        cause = f"the disk is full ({cause})"
+    print(_one_line(f"factory: {where}: {cause}"), file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _show_bug(exc: BaseException) -> int:
+    """An error factory did not foresee: one line, the traceback only on request."""
+    message = str(exc).strip().splitlines()
+    first = message[0] if message else ""
+    print(_one_line(f"factory: internal error: {type(exc).__name__}: {first}"), file=sys.stderr)
+    print("factory: set FACTORY_DEBUG=1 for the traceback", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _one_line(text: str) -> str:
+    return text if text.isprintable() else text.encode("unicode_escape").decode()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
     try:
@@ -71,14 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     except (typer.Abort, KeyboardInterrupt):
         print("aborted", file=sys.stderr)
         return 130
-    except Exception as exc:  # a usage mistake (exit 2, as click), or a bug: no traceback
+    except (SystemExit, GeneratorExit):
+        raise
+    # Libraries raise BaseException subclasses too (torch's CheckpointException): same boundary.
+    except BaseException as exc:
         if isinstance(exc, _click_errors()):
-            return _show_click_error(exc)
+            return _show_click_error(exc)  # type: ignore[arg-type]
         if os.environ.get("FACTORY_DEBUG"):
             raise
-        print(f"factory: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        print("factory: set FACTORY_DEBUG=1 for the traceback", file=sys.stderr)
-        return 1
+        if isinstance(exc, OSError):
+            return _show_os_error(exc)
+        return _show_bug(exc)
     return result if isinstance(result, int) else 0
 
 
