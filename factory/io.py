@@ -1,4 +1,9 @@
-"""Atomic writes: a reader sees the old file or the new one, never half of one."""
+"""Atomic writes: a reader sees the old file or the new one, never half of one.
+
+A write that fails names its file: ``write()`` and ``fsync()`` on a full disk
+raise ``OSError(ENOSPC)`` with no file name, and :func:`naming` gives it one,
+so the CLI can say which file could not be written.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "staged_directory"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "naming", "staged_directory"]
+
+
+@contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """Re-raise an ``OSError`` that names no file (a write, an fsync) as one naming ``path``."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or exc.errno is None:
+            raise
+        raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path)) from exc
 
 
 def _umask() -> int:
@@ -33,7 +49,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as handle:
+        with naming(path), os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())

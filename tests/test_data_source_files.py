@@ -154,3 +154,25 @@ def test_expand_source_paths_finds_nothing(tmp_path: Path) -> None:
     assert expand_source_paths(tmp_path / "*.parquet") == []
     assert expand_source_paths(tmp_path / "notes.txt") == []
     assert expand_source_paths(tmp_path) == []
+
+
+@pytest.mark.parametrize("content", [b"PAR1 but no footer" * 20, b""], ids=["random", "empty"])
+def test_a_corrupt_parquet_is_quarantined_like_a_corrupt_gzip(
+    tmp_path: Path, content: bytes
+) -> None:
+    path = tmp_path / "bad.parquet"
+    path.write_bytes(content)
+    records, bad = _read(path)
+    assert not records and [(q.key, q.reason) for q in bad] == [("src:7:0", "bad_parquet")]
+
+
+def test_a_symlink_loop_is_walked_once_and_each_file_read_once(tmp_path: Path) -> None:
+    (tmp_path / "data" / "sub").mkdir(parents=True)
+    for name in ("a.jsonl", "sub/b.jsonl"):
+        (tmp_path / "data" / name).write_bytes(b"")
+    (tmp_path / "data" / "loop").symlink_to(".")  # followed, it nests 40 levels deep
+    (tmp_path / "data" / "z.jsonl").symlink_to("a.jsonl")
+    expected = [tmp_path / "data" / "a.jsonl", tmp_path / "data" / "sub" / "b.jsonl"]
+    assert expand_source_paths(tmp_path / "data") == expected
+    # A glob that reaches one file by two names gives it once, under the first name.
+    assert expand_source_paths(tmp_path / "data" / "*.jsonl") == expected[:1]

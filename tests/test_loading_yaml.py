@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from factory.errors import BlueprintError
+from factory.loading.blueprint import read_blueprint
 from factory.loading.yaml_source import read_yaml_text
 
 
@@ -109,3 +114,86 @@ def test_oversized_files_are_not_read(tmp_path, monkeypatch) -> None:
     path.write_text("a: 123456789\n", encoding="utf-8")
     with pytest.raises(BlueprintError, match="larger than 8 bytes"):
         yaml_source.read_yaml(path)
+
+
+RECIPE_WITH_MERGE_KEY = """\
+name: r
+sources:
+  - name: a
+    path: a.jsonl
+    category: math
+    weight: 1
+    steps: [{kind: text}]
+    <<: {weight: 2}
+"""
+
+BLUEPRINT_WITH_MERGE_KEY = "meta:\n  name: b\n  <<: {description: x}\n"
+
+
+def test_a_merge_key_in_a_recipe_points_to_anchors_not_extends(tmp_path: Path, cli) -> None:
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE_WITH_MERGE_KEY)
+    status, _, err = cli("data", "build", str(recipe), "--out", str(tmp_path / "o"))
+    assert status == 2
+    (line,) = err.splitlines()
+    assert line.startswith(f"{recipe}:8: sources[0]: YAML merge keys ('<<') are not supported")
+    assert "&name" in line and "*name" in line
+    assert "use 'extends'" not in line and "has no 'extends'" in line
+
+
+def test_a_merge_key_in_a_blueprint_points_to_extends(tmp_path: Path, cli) -> None:
+    blueprint = tmp_path / "b.yaml"
+    blueprint.write_text(BLUEPRINT_WITH_MERGE_KEY)
+    with pytest.raises(BlueprintError) as info:
+        read_blueprint(blueprint)
+    (diagnostic,) = info.value.diagnostics
+    assert (diagnostic.file, diagnostic.line, diagnostic.path) == (str(blueprint), 3, "meta")
+    assert "build on another blueprint with 'extends'" in diagnostic.message
+    assert "&name" in diagnostic.message
+    # 'factory validate' reads the file before it knows which kind it is: both ways are named.
+    status, _, err = cli("validate", str(blueprint))
+    assert status == 2
+    (line,) = err.splitlines()
+    assert line.startswith(f"{blueprint}:3: meta: YAML merge keys ('<<') are not supported")
+    assert "&name" in line and "a blueprint may also use 'extends'" in line
+
+
+def _not_a_file(tmp_path: Path, kind: str) -> Path:
+    """A named pipe (no writer: reading it would block for ever), a folder, or a device."""
+    if kind == "fifo":
+        path = tmp_path / "pipe.yaml"
+        os.mkfifo(path)
+        return path
+    if kind == "folder":
+        path = tmp_path / "folder.yaml"
+        path.mkdir()
+        return path
+    return Path("/dev/null")
+
+
+@pytest.mark.parametrize(
+    ("kind", "what"),
+    [("fifo", "a named pipe (FIFO)"), ("folder", "a folder"), ("device", "a device")],
+)
+@pytest.mark.parametrize("command", ["recipe", "blueprint"])
+def test_a_recipe_or_blueprint_that_is_not_a_regular_file_is_refused_up_front(
+    tmp_path: Path, cli, kind: str, what: str, command: str
+) -> None:
+    path = _not_a_file(tmp_path, kind)
+    if command == "recipe":
+        args = ("data", "build", str(path), "--out", str(tmp_path / "o"))
+    else:
+        args = ("validate", str(path))
+    # A worker thread, so a regression that blocks on the FIFO fails the test instead of hanging it.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        future = pool.submit(cli, *args)
+        try:
+            status, _, err = future.result(timeout=60)
+        except concurrent.futures.TimeoutError:
+            with open(path, "wb"):  # a writer lets the blocked reader finish
+                pass
+            pytest.fail(f"reading {kind} {path} blocked")
+    assert status == 2
+    (line,) = err.splitlines()
+    assert line == f"{path}: <root>: {what}, not a YAML file"
+    assert not (tmp_path / "o").exists()

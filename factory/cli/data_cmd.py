@@ -12,9 +12,11 @@ from rich.console import Console
 from rich.table import Table
 
 import factory
+from factory.cli.output import EXIT_INVALID
 from factory.cli.root import app
+from factory.data.build_refusals import BuildRefused, nothing_survived
 from factory.data.shards.energon_index import META_DIR, check_energon_index
-from factory.data.shards.manifest import verify
+from factory.data.shards.manifest import ManifestError, verify
 from factory.data.token_shares import inspect_table, write_share_plot
 from factory.progress import RichProgress
 
@@ -58,10 +60,18 @@ def build_cmd(
             help="Ray cluster address (ray only); --out must be a path every node sees.",
         ),
     ] = None,
+    allow_empty: Annotated[
+        bool,
+        typer.Option(
+            "--allow-empty",
+            help="Publish a build that no document survives (0 shards) instead of refusing it.",
+        ),
+    ] = False,
 ) -> None:
     """Curate a recipe's sources into webdataset shards (resumable: rerun after a crash).
 
-    Both executors write the same bytes."""
+    Both executors write the same bytes. One build at a time per --out; a rerun re-checks
+    the shards it keeps. A build with no surviving document exits 2 (see --allow-empty)."""
     if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", str(out)):
         raise typer.BadParameter(
             "object-store URLs are not supported: builds publish files by rename; mount the "
@@ -70,14 +80,26 @@ def build_cmd(
         )
     if address is not None and executor is not Executor.ray:
         raise typer.BadParameter("--address needs --executor ray", param_hint="--address")
-    with RichProgress(Console(stderr=True)) as progress:
-        manifest = factory.data.build(  # imports numpy when it runs
-            recipe,
-            out,
-            workers=workers,
-            progress=progress,
-            executor=executor.value,
-            address=address,
+    try:
+        with RichProgress(Console(stderr=True)) as progress:
+            manifest = factory.data.build(  # imports numpy when it runs
+                recipe,
+                out,
+                workers=workers,
+                progress=progress,
+                executor=executor.value,
+                address=address,
+                allow_empty=allow_empty,
+            )
+    except BuildRefused as exc:
+        typer.echo(f"factory: {exc}", err=True)
+        raise typer.Exit(EXIT_INVALID) from None
+    if not manifest["shards"]:
+        typer.secho(
+            f"warning: {out}: built 0 shards, {nothing_survived(manifest)}; "
+            "training on this folder will refuse it",
+            err=True,
+            fg="yellow",
         )
     tokens = sum(s["after"]["tokens"] for s in manifest["sources"].values())
     typer.echo(
@@ -89,8 +111,13 @@ def build_cmd(
 @data_app.command("verify")
 def verify_cmd(directory: Annotated[Path, typer.Argument(help="A built data folder.")]) -> None:
     """Re-hash every shard against manifest.json and re-derive Energon's index from the tars;
-    exit 1 and name each bad shard and each missing or stale index file."""
-    bad = verify(directory)
+    exit 1 and name each bad shard and each missing or stale index file; exit 2 for a folder
+    without a readable manifest."""
+    try:
+        bad = verify(directory)
+    except ManifestError as exc:
+        typer.echo(f"factory: {exc}", err=True)
+        raise typer.Exit(EXIT_INVALID) from None
     for name in bad:
         typer.echo(f"bad shard: {name}", err=True)
     # Only folders built with Energon output have .nv-meta; its index must match
@@ -109,6 +136,11 @@ def inspect_cmd(
     png: Annotated[Path | None, typer.Option("--png", help="Where to draw token shares.")] = None,
 ) -> None:
     """Token shares per category and per source: a table, and a PNG (default DIR/shares.png)."""
+    try:
+        rows = inspect_table(directory)
+    except ManifestError as exc:
+        typer.echo(f"factory: {exc}", err=True)
+        raise typer.Exit(EXIT_INVALID) from None
 
     table = Table(title=f"{directory}: token shares")
     for column, justify in (
@@ -120,7 +152,7 @@ def inspect_cmd(
         ("share", "right"),
     ):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
-    for level, name, category, documents, tokens, share in inspect_table(directory):
+    for level, name, category, documents, tokens, share in rows:
         table.add_row(level, name, category, f"{documents:,}", f"{tokens:,}", f"{share:.1%}")
     Console().print(table)
     target = png or directory / "shares.png"

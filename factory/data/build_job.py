@@ -10,12 +10,19 @@ Layout of the output folder::
     shards/shard-NNNNNN.tar   webdataset shards (tokens, loss mask, cu_seqlens, json)
     .nv-meta/                 Megatron-Energon metadata
     megatron/                 optional indexed .bin/.idx
-    quarantine.jsonl          malformed input lines, with their reasons
+    quarantine.jsonl          malformed input lines: key, reason and input file
     manifest.json             recipe hash, counts per step, drop reasons, shard hashes
     .work/                    intermediates (kept for resume; safe to delete afterwards)
+    .build.lock               one build at a time (``build_lock``); empty when none runs
 
 Everything written is a function of the recipe, its seed and the inputs, so a
-build with any worker count, or one killed and rerun, ends byte-identical.
+build with any worker count, or one killed and rerun, ends byte-identical. A
+rerun re-hashes the shards it would skip and rewrites any that changed.
+
+A build that fails on the machine (a full disk) raises ``OSError`` naming the
+file it could not write; every file is published by rename, so what a rerun
+finds is whole. A build that no document survives publishes no manifest: it
+raises ``BuildRefused`` unless ``allow_empty`` asks for an empty one.
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from factory.data.build_lock import build_lock
 from factory.data.build_manifest import build_manifest
+from factory.data.build_refusals import empty_build
 from factory.data.executors.local_pool import run_local
 from factory.data.executors.ray_tasks import connect, run_ray
 from factory.data.loaded_recipe import LoadedRecipe, load_recipe, recipe_hash, with_seq_len
@@ -36,7 +45,7 @@ from factory.data.stages.stage_inputs import StageInputs
 from factory.data.stages.unit_files import read_unit_stats
 from factory.data.steps.source_files import expand_source_paths
 from factory.data.steps.tokenize import DocumentTokenizer
-from factory.io import atomic_write_text
+from factory.io import atomic_write_text, naming
 from factory.progress import Progress, silent
 
 __all__ = ["EXECUTORS", "build"]
@@ -100,6 +109,7 @@ def build(
     keep_work: bool = True,
     executor: str = "local",
     address: str | None = None,
+    allow_empty: bool = False,
 ) -> dict[str, Any]:
     """Build (or finish building) the shards of ``recipe`` in ``out``; return the manifest.
 
@@ -116,15 +126,26 @@ def build(
     on the cluster at ``address`` (or ``RAY_ADDRESS``), or on a Ray instance
     started here with ``workers`` CPUs (all when 1); ``out`` must then be a path
     every node sees. The output is byte-identical to the local executor's.
+
+    One build at a time writes ``out``: a second raises ``BuildRefused``
+    (``build_lock``). So does a build that no document survives, unless
+    ``allow_empty``: then it publishes a manifest with no shards.
     """
     loaded = recipe if isinstance(recipe, LoadedRecipe) else load_recipe(recipe)
     if seq_len is not None:
         loaded = with_seq_len(loaded, seq_len)
     if executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
-    manifest = _build(loaded, out, workers, progress or silent, executor, address)
-    if not keep_work:
-        shutil.rmtree(out / ".work", ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    with build_lock(out):
+        # Whatever failed writing without naming its file (numpy, the index writers) is
+        # at least named by the folder, so the user knows which disk is full.
+        with naming(out):
+            manifest = _build(
+                loaded, out, workers, progress or silent, executor, address, allow_empty
+            )
+        if not keep_work:
+            shutil.rmtree(out / ".work", ignore_errors=True)
     return manifest
 
 
@@ -135,10 +156,10 @@ def _build(
     progress: Progress,
     executor: str,
     address: str | None,
+    allow_empty: bool,
 ) -> dict[str, Any]:
     recipe = loaded.recipe
     digest = recipe_hash(loaded)
-    out.mkdir(parents=True, exist_ok=True)
     tasks = _tasks(loaded, out / ".work")
     _prepare_work(out, _work_stamp(digest, tasks))
     tokenizer_path = loaded.resolve(recipe.tokenizer.path) if recipe.tokenizer.path else None
@@ -150,15 +171,19 @@ def _build(
     else:
         stages = run_local(inputs, workers, progress)
     manifest = build_manifest(loaded, digest, tasks, stages, tokenizer)
-    _write_quarantine(out, tasks)
+    _write_quarantine(out, tasks)  # written even when refusing: it says what went wrong
+    if not manifest["shards"] and not allow_empty:
+        raise empty_build(manifest, loaded.source, out / "quarantine.jsonl")
     write_manifest(out, manifest)
     return manifest
 
 
 def _write_quarantine(out: Path, tasks: list[UnitTask]) -> None:
-    lines = [
-        json.dumps(q, sort_keys=True)
-        for t in tasks
-        for q in read_unit_stats(t.output_path)["quarantine"]
-    ]
+    """One line per quarantined record: its key, its reason, and the input file it came from
+    (the path the recipe's source path resolves to), which the key only numbers."""
+    lines = []
+    for task in tasks:
+        stats = read_unit_stats(task.output_path)
+        for line in stats["quarantine"]:
+            lines.append(json.dumps({**line, "file": stats["input"]}, sort_keys=True))
     atomic_write_text(out / "quarantine.jsonl", "".join(line + "\n" for line in lines))

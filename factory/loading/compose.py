@@ -23,7 +23,12 @@ from omegaconf.errors import OmegaConfBaseException
 
 from factory.dotted_paths import join_path
 from factory.errors import BlueprintError, Diagnostic, SourceMap
-from factory.loading.yaml_source import display_path, first_line, read_yaml
+from factory.loading.yaml_source import (
+    MERGE_KEYS_IN_A_BLUEPRINT,
+    display_path,
+    first_line,
+    read_yaml,
+)
 
 __all__ = ["OVERRIDE_FILE", "compose"]
 
@@ -36,7 +41,7 @@ MAX_EXTENDS_DEPTH = 16
 def _load_tree(path: Path, chain: tuple[Path, ...]) -> tuple[dict[str, Any], SourceMap]:
     """One file merged over everything it extends (depth first)."""
     display = display_path(path)
-    data, source_map = read_yaml(path, display)
+    data, source_map = read_yaml(path, display, MERGE_KEYS_IN_A_BLUEPRINT)
     if not isinstance(data, dict):
         raise BlueprintError(
             [Diagnostic("", "a blueprint must be a mapping of sections", display, 1)]

@@ -10,10 +10,14 @@ nesting: libyaml's composer recurses in C, so ``[[[...]]]`` 100000 deep
 crashes the interpreter outright, and a few thousand exhaust Python's stack
 in everything that walks the data afterwards. A first pass over libyaml's
 event stream (iterative, cheap) measures depth and size before composing.
+Only regular files are read: a FIFO would block the command for ever, and a
+folder or device is never a blueprint or a recipe.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,9 @@ __all__ = [
     "MAX_BYTES",
     "MAX_DEPTH",
     "MAX_NODES",
+    "MERGE_KEYS_IN_A_BLUEPRINT",
+    "MERGE_KEYS_IN_A_RECIPE",
+    "MERGE_KEYS_IN_EITHER",
     "display_path",
     "first_line",
     "read_yaml",
@@ -37,17 +44,33 @@ MAX_NODES = 100_000
 MAX_DEPTH = 32
 """Deepest nesting of mappings and lists; blueprints nest 5 deep and recipes 6."""
 MAX_BYTES = 16 * 2**20
-"""Largest file read; blueprints and recipes are a few KiB (this stops /dev/zero too)."""
+"""Largest file read; blueprints and recipes are a few KiB."""
 
 # libyaml's parser is ~10x faster than PyYAML's pure-Python one; both give marked nodes.
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _CORE = "tag:yaml.org,2002:"
 _ALLOWED_TAGS = {_CORE + t for t in ("str", "int", "float", "bool", "null", "map", "seq")}
 
+# What a '<<' key should have been, by the kind of document it is in: blueprints
+# build on others with 'extends', recipes have no 'extends', and both take anchors.
+_NO_MERGE_KEYS = "YAML merge keys ('<<') are not supported"
+_ALIASES = "an anchor and an alias (&name on a value, *name where it repeats)"
+MERGE_KEYS_IN_A_BLUEPRINT = (
+    f"{_NO_MERGE_KEYS}; build on another blueprint with 'extends', or repeat a value with "
+    f"{_ALIASES}"
+)
+MERGE_KEYS_IN_A_RECIPE = (
+    f"{_NO_MERGE_KEYS} and a data recipe has no 'extends'; repeat a value with {_ALIASES}"
+)
+MERGE_KEYS_IN_EITHER = (
+    f"{_NO_MERGE_KEYS}; repeat a value with {_ALIASES} (a blueprint may also use 'extends')"
+)
+
 
 class _Builder:
-    def __init__(self, file: str) -> None:
+    def __init__(self, file: str, merge_keys: str) -> None:
         self.file = file
+        self.merge_keys = merge_keys
         self.source_map = SourceMap(file)
         self.visited = 0
         self.active: set[int] = set()
@@ -99,9 +122,7 @@ class _Builder:
         out: dict[str, Any] = {}
         for key_node, value_node in node.value:
             if key_node.tag == _CORE + "merge":
-                raise self.fail(
-                    key_node, path, "YAML merge keys ('<<') are not supported; use 'extends'"
-                )
+                raise self.fail(key_node, path, self.merge_keys)
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != _CORE + "str":
                 raise self.fail(
                     key_node, path, f"keys must be plain strings, got {key_node.value!r}"
@@ -142,8 +163,14 @@ def _check_shape(text: str, file: str) -> None:
             raise BlueprintError([Diagnostic("", message, file, line)])
 
 
-def read_yaml_text(text: str, file: str) -> tuple[Any, SourceMap]:
-    """Parse ``text`` (the contents of ``file``) into data and a source map."""
+def read_yaml_text(
+    text: str, file: str, merge_keys: str = MERGE_KEYS_IN_EITHER
+) -> tuple[Any, SourceMap]:
+    """Parse ``text`` (the contents of ``file``) into data and a source map.
+
+    ``merge_keys`` is the message for a ``<<`` key: what the document's kind
+    offers instead (``MERGE_KEYS_IN_A_BLUEPRINT``, ``MERGE_KEYS_IN_A_RECIPE``).
+    """
     try:
         _check_shape(text, file)
         root = yaml.compose(text, Loader=_LOADER)
@@ -162,7 +189,7 @@ def read_yaml_text(text: str, file: str) -> tuple[Any, SourceMap]:
         raise BlueprintError([Diagnostic("", message, file, 0)]) from None
     if root is None:
         raise BlueprintError([Diagnostic("", "the document is empty", file, 1)])
-    builder = _Builder(file)
+    builder = _Builder(file, merge_keys)
     return builder.build(root, ""), builder.source_map
 
 
@@ -174,12 +201,47 @@ def display_path(path: Path) -> str:
         return str(path)
 
 
-def read_yaml(path: Path, display: str | None = None) -> tuple[Any, SourceMap]:
-    """Read and parse a YAML file; unreadable files become diagnostics too."""
+def _file_kind(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    if stat.S_ISFIFO(mode):
+        return "a named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a regular file"
+
+
+def _read_regular_file(path: Path, file: str) -> bytes:
+    """At most ``MAX_BYTES + 1`` bytes of ``path``, refusing anything but a regular file.
+
+    Opened without blocking and checked on the open descriptor: opening a FIFO
+    for reading would wait for a writer for ever, and checking before opening
+    would leave a window for the path to change.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        message = f"{_file_kind(mode)}, not a YAML file"
+        raise BlueprintError([Diagnostic("", message, file, 0)])
+    os.set_blocking(fd, True)
+    with os.fdopen(fd, "rb") as stream:
+        return stream.read(MAX_BYTES + 1)
+
+
+def read_yaml(
+    path: Path, display: str | None = None, merge_keys: str = MERGE_KEYS_IN_EITHER
+) -> tuple[Any, SourceMap]:
+    """Read and parse a YAML file; unreadable files become diagnostics too.
+
+    ``merge_keys`` is as for :func:`read_yaml_text`.
+    """
     file = display or str(path)
     try:
-        with path.open("rb") as stream:
-            raw = stream.read(MAX_BYTES + 1)
+        raw = _read_regular_file(path, file)
     except FileNotFoundError:
         raise BlueprintError([Diagnostic("", "file not found", file, 0)]) from None
     except OSError as exc:
@@ -197,4 +259,4 @@ def read_yaml(path: Path, display: str | None = None) -> tuple[Any, SourceMap]:
         raise BlueprintError(
             [Diagnostic("", f"not UTF-8 (byte {exc.start})", file, line)]
         ) from None
-    return read_yaml_text(text, file)
+    return read_yaml_text(text, file, merge_keys)

@@ -19,6 +19,7 @@ from factory.io import atomic_write_text
 
 __all__ = [
     "MANIFEST_NAME",
+    "ManifestError",
     "read_manifest",
     "sha256_file",
     "shard_entry",
@@ -51,11 +52,34 @@ def write_manifest(out: Path, manifest: dict[str, Any]) -> Path:
     return path
 
 
+class ManifestError(ValueError):
+    """A folder without a readable manifest (the user named the wrong folder, or the build
+    never finished, or the file was damaged); ``str`` is ``path: cause``."""
+
+    def __init__(self, path: Path, cause: str) -> None:
+        self.path = path
+        self.cause = cause
+        super().__init__(f"{path}: {cause}")
+
+
 def read_manifest(out: Path) -> dict[str, Any]:
-    """Load ``out/manifest.json`` (raises ``FileNotFoundError`` if the build never finished)."""
-    manifest = json.loads((Path(out) / MANIFEST_NAME).read_text(encoding="utf-8"))
+    """Load ``out/manifest.json``; ``ManifestError`` names the folder or file and what is wrong."""
+    out = Path(out)
+    if not out.is_dir():
+        raise ManifestError(out, "not a folder" if out.exists() else "no such folder")
+    path = out / MANIFEST_NAME
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        cause = "no manifest: not a data build folder, or its build never finished"
+        raise ManifestError(path, cause) from None
+    except UnicodeDecodeError as exc:
+        raise ManifestError(path, f"not UTF-8 text (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        cause = f"not valid JSON (line {exc.lineno}, column {exc.colno})"
+        raise ManifestError(path, cause) from None
     if not isinstance(manifest, dict):
-        raise ValueError(f"{out}/{MANIFEST_NAME} is not a JSON object")
+        raise ManifestError(path, "not a JSON object")
     return manifest
 
 
@@ -71,12 +95,12 @@ def verify(out: Path) -> list[str]:
     """Re-hash every shard listed in the manifest; return the names that are missing or differ.
 
     An empty list means every listed shard is present and byte-identical to
-    what was recorded. Malformed entries are reported by whatever name they
+    what was recorded; a folder without a readable manifest raises ``ManifestError``. Malformed entries are reported by whatever name they
     carry (or their position) rather than skipped, so nothing passes silently.
     """
     shards = read_manifest(out).get("shards", [])
     if not isinstance(shards, list):
-        raise ValueError(f"{out}/{MANIFEST_NAME}: 'shards' must be a list")
+        raise ManifestError(Path(out) / MANIFEST_NAME, "'shards' must be a list")
     bad: list[str] = []
     for position, entry in enumerate(shards):
         name = entry.get("name") if isinstance(entry, dict) else None

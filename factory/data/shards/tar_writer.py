@@ -32,6 +32,7 @@ from factory.data.shards.sample_format import (
     sample_members,
 )
 from factory.data.shards.tar_reader import BLOCK
+from factory.io import naming
 
 __all__ = ["write_shard"]
 
@@ -103,7 +104,8 @@ def write_shard(path: Path, samples: list[PackedSample], shard_index: int) -> st
     """Write ``samples`` as one webdataset tar at ``path``; return the file's sha256 hex.
 
     An existing file at ``path`` is replaced only once the new one is complete;
-    if anything fails the temporary file is removed and ``path`` is untouched.
+    if anything fails the temporary file is removed and ``path`` is untouched
+    (a full disk raises ``OSError(ENOSPC)`` naming ``path``).
     """
     path = Path(path)
     if len(samples) > MAX_SAMPLES_PER_SHARD:
@@ -118,7 +120,7 @@ def write_shard(path: Path, samples: list[PackedSample], shard_index: int) -> st
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(tmp_name)
     try:
-        with os.fdopen(fd, "wb") as raw:
+        with naming(path), os.fdopen(fd, "wb") as raw:
             raw.write(data)
             raw.flush()
             os.fsync(raw.fileno())

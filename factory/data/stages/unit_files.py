@@ -22,6 +22,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from factory.io import naming
+
 __all__ = [
     "CuratedDoc",
     "UnitWriter",
@@ -79,11 +81,12 @@ class UnitWriter:
         self.offsets.append(self.handle.tell())
         self.hashes.append(doc.content_hash)
         self.signatures.append(doc.signature)
-        pickle.dump(
-            (doc.key, doc.content_hash, doc.signature, doc.ids, doc.mask),
-            self.handle,
-            protocol=pickle.HIGHEST_PROTOCOL,
-        )
+        with naming(self.path):
+            pickle.dump(
+                (doc.key, doc.content_hash, doc.signature, doc.ids, doc.mask),
+                self.handle,
+                protocol=pickle.HIGHEST_PROTOCOL,
+            )
 
     def _sidecar(self) -> dict[str, Any]:
         n = len(self.keys)
@@ -104,6 +107,10 @@ class UnitWriter:
         }
 
     def close(self, stats: dict[str, Any]) -> None:
+        with naming(self.path):
+            self._publish(stats)
+
+    def _publish(self, stats: dict[str, Any]) -> None:
         self.handle.flush()
         os.fsync(self.handle.fileno())
         self.handle.close()
@@ -149,7 +156,8 @@ def save_npy(path: Path, array: np.ndarray) -> None:
     """Publish one array as ``path`` (``.npy``) atomically: a temporary sibling, renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.npy")
-    np.save(tmp, array)
+    with naming(path):
+        np.save(tmp, array)
     os.replace(tmp, path)
 
 
@@ -157,7 +165,8 @@ def save_npz(path: Path, **arrays: np.ndarray) -> None:
     """Publish named arrays as ``path`` (``.npz``) atomically: a temporary sibling, renamed."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}.npz")
-    np.savez(tmp, **arrays)
+    with naming(path):
+        np.savez(tmp, **arrays)
     os.replace(tmp, path)
 
 

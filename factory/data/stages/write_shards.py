@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from factory.data.shards.energon_metadata import write_energon_dataset
+from factory.data.shards.manifest import sha256_file
 from factory.data.shards.megatron_index import IndexedDatasetWriter
 from factory.data.shards.tar_writer import write_shard
 from factory.data.stages.dedup import DedupCounts
@@ -42,14 +43,30 @@ class StagesResult:
     packing: PackingStats
 
 
+def _intact_receipt(shard: Path, receipt_path: Path) -> dict[str, Any] | None:
+    """The receipt of a shard already written and still whole, else None (write it again).
+
+    The shard is re-hashed, not just found: a byte flipped since it was
+    written must not be skipped into a manifest that ``verify`` then rejects.
+    A receipt that is missing or unreadable means the write never finished.
+    """
+    try:
+        receipt = json.loads(receipt_path.read_text(encoding="utf-8"))
+        return receipt if sha256_file(shard) == receipt["sha256"] else None
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
 def write_planned_shard(
     out: Path, work: Path, index: int, unit_order: list[Path], seq_len: int, pad_id: int
 ) -> dict[str, Any]:
-    """Write shard ``index`` from its plan; return its receipt. Skips a shard already written."""
+    """Write shard ``index`` from its plan; return its receipt. Skips a shard already written
+    whose bytes still hash to its receipt."""
     name = f"shards/shard-{index:06d}.tar"
     receipt_path = work / "written" / f"shard-{index:06d}.json"
-    if receipt_path.is_file() and (out / name).is_file():
-        return json.loads(receipt_path.read_text(encoding="utf-8"))
+    receipt = _intact_receipt(out / name, receipt_path)
+    if receipt is not None:
+        return receipt
     planned: list[list[PlannedPiece]] = pickle.loads(plan_path(work, index).read_bytes())
     wanted: dict[int, set[int]] = {}
     for sample in planned:

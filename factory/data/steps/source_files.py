@@ -12,9 +12,16 @@ deterministic reasoning choices in ``formatting`` key on.
 
 One bad jsonl line (bad UTF-8, malformed JSON, a JSON value that is not an
 object) is yielded as a :class:`Quarantined` instead of raising: one corrupt
-line in a 10 GB crawl dump must not cost the other records. A file that cannot
-be opened at all (wrong format, missing) still raises, since that is a recipe
-or storage error rather than a data error.
+line in a 10 GB crawl dump must not cost the other records. A file whose
+bytes are corrupt (a gzip cut short, a parquet file that is not one, or empty)
+is quarantined the same way, from the point where it breaks, so a source's
+corrupt files are counted in the manifest and the build goes on. A file that
+cannot be opened at all (missing, unreadable) still raises, since that is a
+recipe or storage error rather than a data error.
+
+A source folder is walked once per real folder and each real file is read
+once: symbolic links that lead back into a folder already walked (``ln -s .
+loop``) are not followed again, and two paths to one file count as one input.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ class Quarantined:
 
     ``reason`` is one of ``bad_utf8``, ``malformed_json``, ``not_an_object``,
     ``truncated_gzip`` or ``bad_gzip`` (the rest of a compressed file is
-    unreadable); ``raw`` is the (possibly lossy-decoded, clipped) line text,
+    unreadable) or ``bad_parquet`` (the rest of a parquet file is); ``raw`` is the (possibly lossy-decoded, clipped) line text,
     or the decompressor's message, so a human can see what was wrong.
     """
 
@@ -74,19 +81,40 @@ def _is_supported_file(path: Path) -> bool:
     return path.is_file() and path.name.endswith(_FILE_SUFFIXES)
 
 
-def _expand_dir(path: Path) -> list[Path]:
-    """Supported files and datasets dirs under ``path``; hidden entries are skipped."""
+def _expand_dir(path: Path, walked: set[Path]) -> list[Path]:
+    """Supported files and datasets dirs under ``path``; hidden entries are skipped.
+
+    ``walked`` holds the real folders already listed: a link back into one of
+    them (a loop, or a second way into the same tree) is not followed again.
+    Children are visited in sorted order so the same path wins on every machine.
+    """
+    real = path.resolve()
+    if real in walked:
+        return []
+    walked.add(real)
     if is_datasets_dir(path):
         return [path]
     found: list[Path] = []
-    for child in path.iterdir():
+    for child in sorted(path.iterdir(), key=lambda p: p.name):
         if child.name.startswith("."):
             continue
         if child.is_dir():
-            found.extend(_expand_dir(child))
+            found.extend(_expand_dir(child, walked))
         elif _is_supported_file(child):
             found.append(child)
     return found
+
+
+def _one_path_per_file(paths: list[Path]) -> list[Path]:
+    """``paths`` sorted by path string, keeping the first of several that name one real file."""
+    seen: set[Path] = set()
+    unique = []
+    for path in sorted(paths, key=lambda p: p.as_posix()):
+        real = path.resolve()
+        if real not in seen:
+            seen.add(real)
+            unique.append(path)
+    return unique
 
 
 def expand_source_paths(path: Path) -> list[Path]:
@@ -97,7 +125,8 @@ def expand_source_paths(path: Path) -> list[Path]:
     ``datasets`` Dataset is one input, a saved DatasetDict is one input per
     split) or a glob pattern. The result is sorted by path string so that the
     ``file_index`` of each input, and therefore every record key, is the same
-    whatever order the filesystem lists entries in.
+    whatever order the filesystem lists entries in. Each real file or folder
+    appears once, whatever links lead to it.
 
     An empty list means nothing readable is there (a missing path, a glob
     with no match, a file of another kind): the recipe loader reports that
@@ -109,13 +138,14 @@ def expand_source_paths(path: Path) -> list[Path]:
         matches = [Path(m) for m in glob.glob(text, recursive=True)]
     else:
         matches = [path] if path.exists() else []
-    found: set[Path] = set()
-    for match in matches:
+    found: list[Path] = []
+    walked: set[Path] = set()
+    for match in sorted(matches, key=lambda p: p.as_posix()):
         if match.is_dir():
-            found.update(_expand_dir(match))
+            found.extend(_expand_dir(match, walked))
         elif _is_supported_file(match):
-            found.add(match)
-    return sorted(found, key=lambda p: p.as_posix())
+            found.append(match)
+    return _one_path_per_file(found)
 
 
 def iter_records(
@@ -189,14 +219,20 @@ def _iter_jsonl(
 def _iter_parquet(
     path: Path, prefix: str, source: str, category: str
 ) -> Iterator[RawRecord | Quarantined]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     row = 0
-    parquet = pq.ParquetFile(path)
-    for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
-        for data in batch.to_pylist():
-            yield RawRecord(f"{prefix}{row}", source, category, data)
-            row += 1
+    try:
+        parquet = pq.ParquetFile(path)
+        for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS):
+            for data in batch.to_pylist():
+                yield RawRecord(f"{prefix}{row}", source, category, data)
+                row += 1
+    except pa.ArrowException as exc:
+        # Not a parquet file (random bytes, empty) or corrupt part-way: as with a broken
+        # gzip, keep the rows before the break and report the break as one bad record.
+        yield Quarantined(f"{prefix}{row}", "bad_parquet", str(exc))
 
 
 def _iter_datasets_dir(
