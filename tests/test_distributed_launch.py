@@ -116,3 +116,25 @@ def test_a_rank_that_dies_ends_the_launch_naming_it(tmp_path: Path) -> None:
     # Rank 0 says "another rank has died or stopped answering" when its collective fails
     # first; when torchrun's SIGTERM reaches it first it says nothing. Either way, no crash.
     assert "internal error" not in text
+
+
+def test_a_refusal_under_torchrun_is_our_line_once_and_the_root_cause_torchrun_names(
+    tmp_path: Path,
+) -> None:
+    """torchrun ends every launch with a failed worker in its own traceback and summary; the
+    refusal is printed once (rank 0), every rank exits 2, and the summary's root cause carries
+    the same line instead of a link to torchelastic's documentation."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "2", "-m", "factory", "train", "super", "--steps", "1",
+               "--out", str(tmp_path / "run")]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    lines = (done.stdout + done.stderr).splitlines()
+    ours = [n for n, line in enumerate(lines) if "parallelism.world_size: 2 processes" in line]
+    printed = [n for n in ours if not lines[n].startswith(" ")]  # not inside the summary
+    assert len(printed) == 1, "\n".join(lines[-60:])
+    summary = [line for line in lines if line.strip().startswith("traceback")]
+    root_cause = summary[-1].split(":", 1)[1].strip()
+    assert root_cause == lines[printed[0]], "\n".join(lines[-60:])
+    assert "internal error" not in done.stderr
+    assert not (tmp_path / "run").exists()

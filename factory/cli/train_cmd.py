@@ -1,7 +1,13 @@
 """``factory train``: :func:`factory.train` on a blueprint (or its CPU proxy), from the shell.
 
 The job, its output folder and its refusals are documented in
-``factory.jobs.train``; this module parses arguments and prints.
+``factory.jobs.train``; this module parses arguments and prints. Under a
+launch (``--nproc`` or torchrun) rank 0 alone prints a refusal, every rank exits
+with the same status, and torchrun's failure summary repeats the line
+(``factory.jobs.launch.tell_torchrun``). Exit statuses: 0 trained, 1 a run that
+ended early or failed (a monitor's stop, a lost rank, a checkpoint that could
+not be written), 2 a request refused, 128 + the signal's number for a run
+stopped by SIGTERM (143) or SIGINT (130) after its checkpoint.
 """
 
 from __future__ import annotations
@@ -9,8 +15,9 @@ from __future__ import annotations
 import os
 import sys
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -19,17 +26,21 @@ from factory.checks.validate import load
 from factory.cli.output import EXIT_INVALID, print_diagnostics
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
-from factory.jobs.launch import launched_world_size, torchrun_args
+from factory.jobs.launch import launched_world_size, tell_torchrun, torchrun_args
+from factory.jobs.run_lock import HELD_BY_LAUNCHER, RunFolderBusy, held_run_folder
 from factory.jobs.train import (
     CannotLaunch,
     CheckpointPolicy,
+    CheckpointWriteError,
     RankLost,
     TrainRefused,
+    TrainRequest,
     TrainResult,
     prepare_training,
 )
 from factory.precision.backends import PrecisionBackend
 from factory.progress import RichProgress
+from factory.runtime.stop_signals import exit_status
 
 BACKENDS = typing.get_args(PrecisionBackend)
 PRECISION_HELP = f"Backend of the precision policy: {', '.join(BACKENDS)} (factory.compile's)."
@@ -106,32 +117,65 @@ def train(
             loaded.blueprint, proxy=proxy, precision=precision, world_size=world
         )  # type: ignore[arg-type]  # parse_precision checked it
     except CannotLaunch as exc:
-        if main_rank:
-            print_diagnostics([loaded.source_map.diagnostic(exc.path, str(exc))])
-        raise typer.Exit(EXIT_INVALID) from None
+        _refuse(loaded.source_map.diagnostic(exc.path, str(exc)).format(), main_rank)
     except (TrainRefused, ValueError) as exc:  # ValueError: a request that contradicts itself
-        console.print(f"factory train: {exc}", markup=False, soft_wrap=True)
-        raise typer.Exit(EXIT_INVALID) from None
+        _refuse(f"factory train: {exc}", main_rank)
     if relaunch:
-        raise typer.Exit(_torchrun(torchrun_args(world, _without_nproc(sys.argv[1:])), console))
+        raise typer.Exit(_launch(request, out, world, console))
     if request.layout_changes and main_rank:
         console.print("proxy layout: " + "; ".join(request.layout_changes), highlight=False)
     policy = CheckpointPolicy(checkpoint_every, keep, async_checkpoint, resume)
     try:
         with RichProgress(console) as progress:
             result = request.run(out=out, steps=steps, data=data, seed=seed, progress=progress,
-                                 show_steps=sys.stderr.isatty(), checkpoints=policy)  # fmt: skip
+                                 show_steps=sys.stderr.isatty(), checkpoints=policy,
+                                 notice=_notices(console, main_rank))  # fmt: skip
     except TrainRefused as exc:
-        console.print(f"factory train: {exc}", markup=False, soft_wrap=True)
-        raise typer.Exit(EXIT_INVALID) from None
-    except RankLost as exc:
+        _refuse(f"factory train: {exc}", main_rank)
+    except (RankLost, CheckpointWriteError) as exc:  # each rank says what it saw
         console.print(f"factory train: {exc}", markup=False, soft_wrap=True)
         raise typer.Exit(1) from None
     _say_how_it_ended(result, console, main_rank)
 
 
+def _refuse(line: str, main_rank: bool) -> NoReturn:
+    """Exit 2 with ``line`` printed once (by rank 0 of a launch) and handed to torchrun."""
+    if main_rank:
+        print(line, file=sys.stderr)
+    tell_torchrun(line)
+    raise typer.Exit(EXIT_INVALID)
+
+
+def _notices(console: Console, main_rank: bool) -> Callable[[str], None]:
+    def notice(line: str) -> None:
+        if main_rank:
+            console.print(f"factory train: {line}", markup=False, highlight=False, soft_wrap=True)
+
+    return notice
+
+
+def _launch(request: TrainRequest, out: Path | None, world: int, console: Console) -> int:
+    """``--nproc``: hold the run folder, then run torchrun here; its ranks know it is held."""
+    folder = request.run_folder(out)
+    try:
+        with held_run_folder(folder):
+            os.environ[HELD_BY_LAUNCHER] = str(folder)
+            try:
+                return _torchrun(torchrun_args(world, _without_nproc(sys.argv[1:])), console)
+            finally:
+                del os.environ[HELD_BY_LAUNCHER]
+    except RunFolderBusy as exc:
+        print(f"factory train: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+
+
 def _say_how_it_ended(result: TrainResult, console: Console, main_rank: bool) -> None:
     name, records, history = result.blueprint.meta.name, result.records, result.history
+    if history.end == "interrupted":
+        if main_rank:
+            console.print(f"factory train: {history.message}; rerun the same command to resume",
+                          markup=False, highlight=False, soft_wrap=True)  # fmt: skip
+        raise typer.Exit(exit_status(history.signal))
     if not main_rank:
         raise typer.Exit(0 if history.end == "completed" else 1)
     if history.end != "completed":
@@ -168,11 +212,14 @@ def _without_nproc(argv: list[str]) -> list[str]:
 def _torchrun(args: list[str], console: Console) -> int:
     """Run torchrun here (it starts the workers); on a failure say which rank failed first
     instead of torchrun's traceback."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     try:
         run(get_args_parser().parse_args(args))
+    except SignalException as exc:  # torchrun passed it to the ranks, which said how they ended
+        return exit_status(int(exc.sigval))
     except ChildFailedError as exc:
         rank, first = exc.get_first_failure()  # the global rank, and how it ended
         how = f"signal {-first.exitcode}" if first.exitcode < 0 else f"exit {first.exitcode}"

@@ -13,13 +13,21 @@ yet is refused here, naming the field and the value that would work:
   ``factory.jobs.train.prepare_training``, which knows the backend);
 * per-module (heterogeneous) layouts.
 
+torchrun ends a launch whose worker exits non-zero with its own traceback and
+failure summary, whatever the worker printed; :func:`tell_torchrun` puts a
+refusal's one line into that summary (the ``traceback`` field of the root
+cause, instead of a link to torchelastic's documentation), through the error
+file torchrun gives each worker.
+
 This module does not import torch.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -28,7 +36,16 @@ from factory.layers.model_spec import expert_layer_types
 if TYPE_CHECKING:
     from factory.schemas.blueprint import Blueprint
 
-__all__ = ["LaunchRefused", "check_launch", "launched_world_size", "torchrun_command"]
+__all__ = [
+    "LaunchRefused",
+    "check_launch",
+    "launched_world_size",
+    "tell_torchrun",
+    "torchrun_command",
+]
+
+TORCHRUN_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+"""Where torchrun's agent reads a failed worker's error (torchelastic's error-file format)."""
 
 
 class LaunchRefused(ValueError):
@@ -92,3 +109,20 @@ def torchrun_args(nproc: int, factory_args: Sequence[str]) -> list[str]:
 def torchrun_command(nproc: int, factory_args: Sequence[str]) -> list[str]:
     """The same launch as a shell command."""
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(nproc, factory_args)]
+
+
+def tell_torchrun(line: str) -> None:
+    """Leave ``line`` where torchrun's agent reads why this worker failed (nothing when not
+    launched by torchrun, or when the file cannot be written: the line was printed anyway)."""
+    path = os.environ.get(TORCHRUN_ERROR_FILE)
+    if not path:
+        return
+    error = {
+        "message": line,
+        "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))},
+    }
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump({"message": error}, handle)
+    except OSError:
+        pass

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,7 @@ from factory.precision.backends import PRECISION_OFF, PrecisionBackend, require_
 from factory.precision.policy import uses_low_precision
 from factory.progress import Progress, silent
 from factory.proxy_layout import derive_proxy_layout
+from factory.runtime.checkpoint_errors import CheckpointWriteError
 from factory.schemas.blueprint import Blueprint
 
 if TYPE_CHECKING:
@@ -51,6 +53,7 @@ __all__ = [
     "CannotLaunch",
     "CannotResume",
     "CheckpointPolicy",
+    "CheckpointWriteError",
     "ModelTooBig",
     "RankLost",
     "TrainRefused",
@@ -220,6 +223,7 @@ def train(
     progress: Progress | None = None,
     show_steps: bool = False,
     checkpoints: CheckpointPolicy | None = None,
+    notice: Callable[[str], None] | None = None,
 ) -> TrainResult:
     """Train ``blueprint`` (its CPU proxy with ``proxy=True``) and write ``out``.
 
@@ -235,6 +239,7 @@ def train(
         progress=progress,
         show_steps=show_steps,
         checkpoints=checkpoints,
+        notice=notice,
     )
 
 
@@ -259,6 +264,7 @@ class TrainRequest:
         progress: Progress | None = None,
         show_steps: bool = False,
         checkpoints: CheckpointPolicy | None = None,
+        notice: Callable[[str], None] | None = None,
     ) -> TrainResult:
         """Train on this process's share of the layout and write the run folder.
 
@@ -268,15 +274,21 @@ class TrainRequest:
         ``progress`` gets the data build's stages, ``compile``, ``train`` (optimizer steps)
         and ``export``; ``show_steps`` lets the trainer draw its own rich bar with the loss
         per step instead of reporting ``train``. ``checkpoints`` sets the cadence and resume
-        behaviour. Raises :class:`CannotResume` or :class:`BadData` before any step and
-        :class:`RankLost` when another rank dies.
+        behaviour. ``notice`` is told, a line at a time, what the run repaired or skipped
+        (a damaged checkpoint passed over for an older one, a torn line of metrics.jsonl).
+
+        Raises :class:`~factory.jobs.run_lock.RunFolderBusy` while another training holds
+        ``out``, :class:`CannotResume` or :class:`BadData` before any step,
+        :class:`CheckpointWriteError` (an ``OSError``) when a checkpoint cannot be written,
+        and :class:`RankLost` when another rank dies. A SIGTERM or SIGINT ends the run at the
+        next step with a checkpoint: its history ends ``interrupted``, naming the signal.
         """
         # This rank's share of the work imports torch: ``factory.train`` resolves without it.
         from factory.jobs.train_rank import run_rank
 
         return run_rank(
             self,
-            out=(out or Path("runs") / self.blueprint.meta.name).resolve(),
+            out=self.run_folder(out),
             steps=steps,
             data=data,
             seed=self.blueprint.training.seed if seed is None else seed,
@@ -284,4 +296,13 @@ class TrainRequest:
             progress=progress or silent,
             show_steps=show_steps,
             checkpoints=checkpoints or CheckpointPolicy(),
+            notice=notice or _ignore,
         )
+
+    def run_folder(self, out: Path | None) -> Path:
+        """The run folder :meth:`run` writes for ``out`` (default ``runs/NAME``), absolute."""
+        return (out or Path("runs") / self.blueprint.meta.name).resolve()
+
+
+def _ignore(line: str) -> None:
+    """The default notice: the caller did not ask to be told."""

@@ -12,7 +12,12 @@ the same code (``factory.runtime.ranks``):
 3. every rank trains on its data-parallel share (``factory.runtime.trainer``)
    with the standard callbacks, the job's progress reports and the run report;
 4. the trained weights are gathered whole on rank 0, which writes ``train.json``
-   and ``model/``.
+   and ``model/`` (not after a stop signal: the run is to be resumed, and the time
+   before the scheduler's SIGKILL is short).
+
+The run folder is held (``factory.jobs.run_lock``) from before the data build to
+the end: by the launching ``factory train --nproc``, or here by rank 0, whose
+answer every rank takes.
 
 This module imports torch; ``factory.jobs.train`` imports it when a run starts.
 """
@@ -23,6 +28,7 @@ import contextlib
 import dataclasses
 import json
 import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch.distributed as dist
@@ -32,6 +38,7 @@ from factory.compilation import Compiled
 from factory.data.build_job import build as build_data
 from factory.exports.hf import write_hf_checkpoint
 from factory.io import atomic_write_text
+from factory.jobs.run_lock import RunFolderBusy, held_by_launcher, try_lock
 from factory.jobs.train import (
     BadData,
     CannotResume,
@@ -67,11 +74,12 @@ def run_rank(
     progress: Progress,
     show_steps: bool,
     checkpoints: CheckpointPolicy,
+    notice: Callable[[str], None],
 ) -> TrainResult:
     """Train this process's share of ``request`` into the run folder ``out`` (absolute)."""
     bp = request.blueprint
     try:
-        with joined_ranks(resolve_layout(bp)) as ranks:
+        with joined_ranks(resolve_layout(bp)) as ranks, _holding(out, ranks):
             shards = _curated(bp, out, data, workers, progress, ranks)
             if ranks.is_main:
                 progress("compile", 0, 1)
@@ -87,8 +95,9 @@ def run_rank(
             if ranks.is_main:
                 progress("compile", 1, 1)
             history = _fit(compiled, shards, out, steps, seed, checkpoints, ranks, progress,
-                           show_steps)  # fmt: skip
-            weights = full_weights(compiled.model, ranks)
+                           show_steps, notice)  # fmt: skip
+            stopped = history.end == "interrupted"  # the same on every rank
+            weights = None if stopped else full_weights(compiled.model, ranks)
     except (dist.DistError, RuntimeError) as exc:
         if not is_transport_failure(exc):
             raise
@@ -106,6 +115,24 @@ def run_rank(
         write_hf_checkpoint(weights, bp, out / "model")
         progress("export", 1, 1)
     return result
+
+
+@contextlib.contextmanager
+def _holding(out: Path, ranks: Ranks) -> Iterator[None]:
+    """Hold the run folder for the run, unless the launcher does: rank 0 takes the lock and
+    every rank refuses alike when another training has it."""
+    if held_by_launcher(out):
+        yield
+        return
+    fd, holder = try_lock(out) if ranks.is_main else (None, "")
+    holder = ranks.agree(holder)
+    if holder:
+        raise RunFolderBusy(out, holder)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # drops the lock
 
 
 def _curated(
@@ -137,7 +164,7 @@ class RunReport(Callback):
         self.run_dir = run_dir
 
     def post_train(self, trainer: Trainer, history: RunHistory) -> None:
-        if trainer.ranks.is_main:
+        if trainer.ranks.is_main and history.end != "interrupted":  # leave while we may
             with contextlib.suppress(ReportError):  # a run stopped before its first step
                 write_report(self.run_dir)
 
@@ -152,6 +179,7 @@ def _fit(
     ranks: Ranks,
     progress: Progress,
     show_steps: bool,
+    notice: Callable[[str], None],
 ) -> RunHistory:
     """Train ``compiled`` on this rank's data-parallel share of ``shards``."""
     bp = compiled.blueprint
@@ -164,6 +192,8 @@ def _fit(
         seed=seed,
         progress=show_steps,
         ranks=ranks,
+        stop_on_signals=True,
+        notice=notice,
     )
     extra: list[Callback] = [] if show_steps else [StepProgress(progress)]
     extra.append(RunReport(out))

@@ -14,7 +14,11 @@ Layout of ``RUN_DIR/checkpoints/step_00000100/`` (the step is the next one to ru
 
 A checkpoint is written into ``.step_00000100.tmp`` and renamed into place
 once complete, so a process killed mid-write leaves only a temporary folder,
-which is never read and is removed by the next run. With ``async_save`` the
+which is never read and is removed by the next run. A write that fails (a full
+disk) removes its temporary folder and raises :class:`CheckpointWriteError`
+naming it and the cause; the checkpoints before it stay as they were. A
+checkpoint that cannot be read raises :class:`CheckpointDamaged` with a one-line
+reason (the trainer then resumes from an older one). With ``async_save`` the
 DCP write runs in a background thread on a copy of the state while training
 goes on; the rename happens when it has finished.
 
@@ -28,6 +32,8 @@ its global name and shape, so a checkpoint written by 4 ranks loads on 2 or 1.
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import json
 import os
 import re
@@ -44,23 +50,30 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from factory.runtime.checkpoint_errors import (
+    CheckpointDamaged,
+    CheckpointError,
+    CheckpointWriteError,
+)
 from factory.runtime.ranks import Ranks, SingleProcess
 
 __all__ = [
+    "CheckpointDamaged",
     "CheckpointError",
+    "CheckpointWriteError",
     "Checkpointer",
     "clone_tensors",
     "complete_checkpoints",
+    "describe_failure",
     "read_checkpoint",
     "read_meta",
     "single_process_quiet",
 ]
 
 _NAME = re.compile(r"^step_(\d{8,})$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed: missing, corrupt, or from another model."""
+NEARLY_FULL_BYTES = 1 << 20
+"""Free space below which a write that failed without saying why failed for want of space
+(torch's zip writer reports ENOSPC as a bare ``RuntimeError``)."""
 
 
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
@@ -91,6 +104,7 @@ class _Pending:
     final: Path
     meta: dict[str, Any]
     started: float
+    step: int
 
 
 @dataclass
@@ -121,24 +135,42 @@ class Checkpointer:
         self.wait()
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f".{final.name}.tmp"
-        if self.ranks.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
+        with self._writing(tmp, step):
+            if self.ranks.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
         self.ranks.barrier()
         started = time.perf_counter()
-        torch.save(local, tmp / _local_file(self.ranks.rank))
-        if self.async_save:
-            with single_process_quiet():
-                # DCP stages (copies) the tensors before returning: training may go on. Its
-                # planning is a collective, so every rank's own file above is written by then.
-                future = dcp.async_save(state, checkpoint_id=str(tmp), no_dist=_no_dist())
-            self.pending = _Pending(future, tmp, final, meta, started)
-        else:
-            with single_process_quiet():
-                dcp.save(state, checkpoint_id=str(tmp), no_dist=_no_dist())
-            self._finish(_Pending(_done(), tmp, final, meta, started))
+        with self._writing(tmp, step):
+            _write_local(local, tmp / _local_file(self.ranks.rank))
+            if self.async_save:
+                with single_process_quiet():
+                    # DCP stages (copies) the tensors before returning: training may go on. Its
+                    # planning is a collective, so every rank's own file above is written by
+                    # then.
+                    future = dcp.async_save(state, checkpoint_id=str(tmp), no_dist=_no_dist())
+                self.pending = _Pending(future, tmp, final, meta, started, step)
+            else:
+                with single_process_quiet():
+                    dcp.save(state, checkpoint_id=str(tmp), no_dist=_no_dist())
+                self._finish(_Pending(_done(), tmp, final, meta, started, step))
+        if not self.async_save:
             self.ranks.barrier()
         return final
+
+    @contextlib.contextmanager
+    def _writing(self, tmp: Path, step: int) -> Iterator[None]:
+        """Turn a failed write of checkpoint ``step`` into :class:`CheckpointWriteError` once
+        its temporary folder is gone (a full disk is said to be one, whatever reported it)."""
+        try:
+            yield
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            code = _failure_errno(exc, tmp)
+            if self.ranks.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            if code is None:
+                raise
+            raise CheckpointWriteError(code, str(tmp), step, describe_failure(exc)) from exc
 
     def poll(self) -> Path | None:
         """Complete a finished async write (never blocks); its path, or None."""
@@ -152,8 +184,9 @@ class Checkpointer:
         pending, self.pending = self.pending, None
         if pending is None:
             return None
-        pending.future.result()
-        final = self._finish(pending)
+        with self._writing(pending.tmp, pending.step):
+            pending.future.result()
+            final = self._finish(pending)
         self.ranks.barrier()
         return final
 
@@ -188,7 +221,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     try:
         return json.loads((path / "meta.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: unreadable meta.json ({exc})") from exc
+        raise CheckpointDamaged(f"{path}: unreadable meta.json ({describe_failure(exc)})") from exc
 
 
 def _local_file(rank: int) -> str:
@@ -214,8 +247,49 @@ def read_checkpoint(
         local = torch.load(own if own.is_file() else path / _local_file(0), weights_only=False)
     # DCP reports a damaged file as CheckpointException, a BaseException, besides the usual kinds.
     except (Exception, CheckpointException) as exc:
-        raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__}: {exc})") from exc
+        raise CheckpointDamaged(f"{path}: cannot be read ({describe_failure(exc)})") from exc
     return meta, local
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line for a failure: its innermost cause's type and first line (DCP's
+    CheckpointException carries every rank's exception and traceback in its text)."""
+    inner = _innermost(exc)
+    lines = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}: {lines[0][:300]}" if lines else type(inner).__name__
+
+
+def _innermost(exc: BaseException) -> BaseException:
+    for _ in range(16):  # a chain is short; a cycle must not hang us
+        if isinstance(exc, CheckpointException) and exc.failures:
+            exc = next(iter(exc.failures.values()))[0]
+        elif exc.__cause__ is not None:
+            exc = exc.__cause__
+        else:
+            break
+    return exc
+
+
+def _failure_errno(exc: BaseException, folder: Path) -> int | None:
+    """The errno of a failed write: the OSError's, or ENOSPC where the library hid it but the
+    file system has (almost) no space left; None for a failure that is not the storage's."""
+    inner = _innermost(exc)
+    if isinstance(inner, OSError) and inner.errno:
+        return inner.errno
+    try:
+        free = shutil.disk_usage(folder if folder.exists() else folder.parent).free
+    except OSError:
+        return None
+    return errno.ENOSPC if free < NEARLY_FULL_BYTES else None
+
+
+def _write_local(local: dict[str, Any], path: Path) -> None:
+    """This rank's own state, serialised in memory and written by us, so that a full disk is
+    reported as the OSError it is (torch's file writer hides the errno)."""
+    buffer = io.BytesIO()
+    torch.save(local, buffer)
+    with open(path, "wb") as handle:
+        handle.write(buffer.getbuffer())
 
 
 def _no_dist() -> bool:

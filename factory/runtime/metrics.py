@@ -4,7 +4,8 @@ A killed run keeps everything up to its last step; ``factory report`` reads the
 file (``factory.report.run_metrics``) into the same record types that are
 written here (:data:`KINDS`): ``run`` (first), ``step``, ``event``,
 ``checkpoint``, ``rollback`` and ``end``. A resumed run appends to the same
-file. Rank 0 writes ``metrics.jsonl``; every other rank of a distributed run its
+file, after cutting off a torn last line (a process killed mid-write), so the
+file stays one JSON object per line. Rank 0 writes ``metrics.jsonl``; every other rank of a distributed run its
 own ``ranks/rank_NNNNN.jsonl``. This module does not import torch.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +37,7 @@ __all__ = [
     "RunInfo",
     "StepMetrics",
     "metrics_path",
+    "remove_torn_tail",
 ]
 
 METRICS = "metrics.jsonl"
@@ -120,6 +123,36 @@ def metrics_path(run_dir: Path, ranks: Ranks) -> Path:
 
 _KIND_OF = {record: kind for kind, record in KINDS.items()}
 
+CHUNK_BYTES = 1 << 16
+"""How much of the file's end is read at a time while looking for the last newline."""
+
+
+def remove_torn_tail(path: Path) -> int:
+    """Cut ``path`` back to its last complete line (one ending in a newline); the bytes cut.
+
+    Lines are written whole and flushed, so only the last can be torn, by a process killed
+    while writing it; what was appended after such a line would join it into one bad line.
+    """
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return 0
+    keep = size
+    with path.open("rb") as handle:
+        while keep > 0:
+            start = max(0, keep - CHUNK_BYTES)
+            handle.seek(start)
+            chunk = handle.read(keep - start)
+            if keep == size and chunk.endswith(b"\n"):
+                return 0
+            newline = chunk.rfind(b"\n")
+            if newline >= 0:
+                keep = start + newline + 1
+                break
+            keep = start
+    os.truncate(path, keep)
+    return size - keep
+
 
 class MetricsLog(Callback):
     """Appends the run's records to ``path`` as the trainer reports them."""
@@ -139,6 +172,12 @@ class MetricsLog(Callback):
 
     def pre_train(self, trainer: Trainer) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        torn = remove_torn_tail(self.path)
+        if torn and trainer.ranks.is_main:
+            trainer.options.notice(
+                f"{self.path}: removed a torn last line ({torn} bytes, from a run killed while "
+                "writing it) before appending"
+            )
         self._file = self.path.open("a", encoding="utf-8")
         bp = trainer.compiled.blueprint
         self.write(

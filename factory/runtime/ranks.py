@@ -3,7 +3,8 @@
 The trainer, the step and the checkpointer talk to the other ranks only through
 :class:`Ranks`: sums over the data-parallel group (token counts, losses), sums
 over the ranks that route distinct tokens (expert loads, for the expert-bias
-step and MaxVio), the global gradient norm, and agreement on decisions. Every
+step and MaxVio), the global gradient norm, and agreement on decisions (rank 0's, or the
+highest of every rank's, as for a stop signal that reached only some ranks). Every
 rank asks the same questions in the same order, so the collectives match.
 
 :func:`joined_ranks` gives a training its :class:`Ranks`: a run on one process
@@ -95,6 +96,10 @@ class Ranks(Protocol):
     def agree(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank (decisions every rank must take together)."""
 
+    def highest(self, value: int) -> int:
+        """The largest of every rank's ``value`` on every rank (a stop signal any rank
+        received, a checkpoint any rank could not read)."""
+
     def barrier(self) -> None: ...
 
 
@@ -132,6 +137,9 @@ class SingleProcess:
         return nn.utils.get_total_norm(grads) if grads else torch.zeros(())
 
     def agree(self, value: Any) -> Any:
+        return value
+
+    def highest(self, value: int) -> int:
         return value
 
     def barrier(self) -> None:
@@ -232,6 +240,11 @@ class DistributedRanks:
         box = [value]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def highest(self, value: int) -> int:
+        box = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return int(box.item())
 
     def barrier(self) -> None:
         dist.barrier()

@@ -25,6 +25,12 @@ the stability monitors (``warn`` logs, ``stop`` checkpoints and ends the run,
 data that led there and anneals the learning rate), ``metrics.jsonl``, the
 progress display and periodic checkpoints. :func:`fit` runs the standard set.
 
+With ``stop_on_signals`` a SIGTERM or SIGINT (``factory.runtime.stop_signals``)
+ends the run at the next step boundary, on every rank at the same step: the
+step in flight finishes, a checkpoint is written and waited for, and the run
+ends ``interrupted``. A resume starts from the newest checkpoint that can be
+read, saying which newer ones could not and why.
+
 A non-finite loss or gradient norm never reaches the weights. Given the same
 compiled model, batches and seed, two runs are bit-identical, and a run resumed
 from a checkpoint continues exactly as the uninterrupted one would have.
@@ -33,8 +39,9 @@ from a checkpoint continues exactly as the uninterrupted one would have.
 from __future__ import annotations
 
 import math
+import signal
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -45,7 +52,12 @@ from factory.compilation import Compiled, compile_for_training
 from factory.graph.loss import mtp_loss_scale
 from factory.runtime.batches import MicroBatch
 from factory.runtime.callbacks import Callback, PeriodicCheckpoint, Rollback, StepStats, Verdict
-from factory.runtime.checkpoint import Checkpointer, CheckpointError
+from factory.runtime.checkpoint import (
+    CheckpointDamaged,
+    Checkpointer,
+    CheckpointError,
+    complete_checkpoints,
+)
 from factory.runtime.display import StepDisplay
 from factory.runtime.gradients import clip_to_norm, norm_masters
 from factory.runtime.metrics import MetricsLog, metrics_path
@@ -55,6 +67,7 @@ from factory.runtime.ranks import Ranks, SingleProcess
 from factory.runtime.run_state import Anneal, Position, restore, snapshot
 from factory.runtime.schedule import annealed_rate, learning_rate
 from factory.runtime.step import StepOutcome, forward_backward
+from factory.runtime.stop_signals import StopSignals, catching_stop_signals
 
 __all__ = [
     "BatchSource",
@@ -110,6 +123,12 @@ class RunOptions:
     """The other processes of a distributed run (``factory.runtime.ranks``); this rank's
     batches are its data-parallel share. Rank 0 writes ``metrics.jsonl`` and shows progress;
     every other rank writes ``ranks/rank_NNNNN.jsonl``."""
+    stop_on_signals: bool = False
+    """Catch SIGTERM and SIGINT while training: checkpoint at the next step boundary and end
+    the run ``interrupted`` (a second signal still ends the process at once)."""
+    notice: Callable[[str], None] = field(default=lambda line: None)
+    """Told, one line each, what the run repaired or skipped on its way (a damaged
+    checkpoint passed over, a torn line of metrics.jsonl removed); rank 0 only."""
 
 
 @dataclass
@@ -139,9 +158,12 @@ class RunHistory:
     events: list[Any] = field(default_factory=list)
     """The :class:`~factory.runtime.callbacks.Event` s the callbacks raised."""
     end: str = "completed"
-    """'completed', 'stopped' (a monitor's stop, or a rollback that could not happen) or
-    'diverged' (stopped at a non-finite loss or gradient)."""
+    """'completed', 'stopped' (a monitor's stop, or a rollback that could not happen),
+    'diverged' (stopped at a non-finite loss or gradient) or 'interrupted' (a stop signal:
+    ``signal`` says which)."""
     message: str = ""
+    signal: int = 0
+    """The signal that interrupted the run (0: none)."""
 
     @property
     def diverged(self) -> bool:
@@ -227,8 +249,8 @@ class Trainer:
         try:
             for callback in self.callbacks:
                 callback.pre_train(self)
-            while self.position.step < self.steps and self._step():
-                pass
+            with catching_stop_signals(o.stop_on_signals) as stop:
+                self._train(stop)
             if self.checkpointer is not None:
                 if self.history.end == "completed":
                     self.save()
@@ -239,6 +261,26 @@ class Trainer:
             for callback in self.callbacks:
                 callback.close(self)
         return self.history
+
+    def _train(self, stop: StopSignals) -> None:
+        """Steps until the last, a callback's stop, or a stop signal on any rank."""
+        while self.position.step < self.steps:
+            signum = self.ranks.highest(stop.received)  # every rank stops at the same step
+            if signum:
+                self._interrupt(signum)
+                return
+            if not self._step():
+                return
+
+    def _interrupt(self, signum: int) -> None:
+        """End the run between steps: checkpoint where it stands and wait for the write."""
+        self.history.end, self.history.signal = "interrupted", signum
+        name, step = signal.Signals(signum).name, self.position.step
+        self.history.message = f"stopped by {name} at step {step}"
+        if self.checkpointer is not None:
+            self.save()
+            path = self.checkpointer.wait() or self.checkpointer.root / f"step_{step:08d}"
+            self.history.message += f"; checkpoint {path}"
 
     def _check_batch_split(self) -> None:
         par = self.compiled.blueprint.parallelism
@@ -374,16 +416,40 @@ class Trainer:
         return position, data_state
 
     def _resume(self) -> None:
-        latest = self.checkpointer.latest() if self.checkpointer is not None else None
-        if latest is None:
+        """Continue from the newest checkpoint every rank can read; the damaged newer ones
+        are passed over with a notice, and none readable is an error naming each."""
+        ckpt = self.checkpointer
+        found = [path for _, path in complete_checkpoints(ckpt.root)] if ckpt else []
+        candidates = self.ranks.agree(found[::-1])  # newest first, as rank 0 sees them
+        if not candidates:
             where = self.options.run_dir or "a run without a run folder"
             raise CheckpointError(f"{where}: no complete checkpoint to resume from")
-        self.position, data_state = self._restore(latest)
+        damaged: list[str] = []
+        for path in candidates:
+            problem = self._try_restore(path)
+            if problem is None:
+                for line in damaged if self.ranks.is_main else ():
+                    self.options.notice(f"{line}; resuming from {path.name} instead")
+                return
+            damaged.append(problem)
+        raise CheckpointDamaged("; ".join(damaged) + "; no checkpoint left to resume from")
+
+    def _try_restore(self, path: Path) -> str | None:
+        """Restore ``path`` and its data position; why it cannot be read (on any rank), or
+        None. Another model's checkpoint, or another data order, is an error, not damage."""
+        try:
+            self.position, data_state = self._restore(path)
+            problem = None
+        except CheckpointDamaged as exc:
+            problem = str(exc)
+        if self.ranks.highest(int(problem is not None)):
+            return problem or f"{path}: cannot be read on another rank"
         try:
             self.batches.load_state_dict(data_state)
         except ValueError as exc:
-            message = f"{latest}: its data position does not fit this data: {exc}"
+            message = f"{path}: its data position does not fit this data: {exc}"
             raise CheckpointError(message) from exc
+        return None
 
     def _rollback(self, trouble_began: int | None) -> bool:
         """Go back to the last checkpoint before the trouble began; False when impossible."""

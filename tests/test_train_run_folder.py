@@ -1,0 +1,165 @@
+"""The run folder survives what happens to it: a second training, a damaged checkpoint, a torn
+line of metrics.jsonl, a full disk. Each ends in one line naming the file and the cause (no
+traceback), and the rerun continues exactly as a run that never stopped.
+
+``factory train`` runs in child processes on the tiny runtime blueprint
+(``train_cli_helpers``); a finished run (24 steps, checkpoints every 4, the last
+three kept) is the reference the others are compared with, step for step and
+weight for weight.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+from train_cli_helpers import (
+    STEPS,
+    TWO_RANKS,
+    losses,
+    records,
+    run,
+    same_weights,
+    start_and_wait_for_a_step,
+    tiny_run_inputs,
+    train_args,
+)
+
+FULL_DISK_DRIVER = Path(__file__).with_name("full_disk_driver.py")
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return tiny_run_inputs(tmp_path_factory.mktemp("run-folder"))
+
+
+@pytest.fixture(scope="module")
+def reference(inputs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    done = run(train_args(inputs, run_dir))
+    assert done.returncode == 0, done.stderr
+    assert sorted(losses(run_dir)) == list(range(STEPS))
+    return run_dir
+
+
+def _unfinished_copy(reference: Path, tmp_path: Path) -> Path:
+    """The reference run as it stood before its export: its checkpoints and metrics."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    for name in ("model", "report"):
+        shutil.rmtree(run_dir / name)
+    (run_dir / "train.json").unlink()
+    return run_dir
+
+
+def _clean(output: str) -> None:
+    assert "Traceback" not in output and "internal error" not in output, output[-3000:]
+
+
+def test_a_second_training_into_the_folder_is_refused_naming_the_holder(
+    inputs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    first = start_and_wait_for_a_step(
+        train_args(inputs, run_dir, steps=100_000, every=100_000), run_dir
+    )
+    try:
+        for extra in ((), TWO_RANKS):  # refused by the run itself, or by the launcher
+            second = run(train_args(inputs, run_dir, *extra))
+            assert second.returncode == 2, second.stderr[-3000:]
+            assert second.stderr.strip().splitlines()[-1] == (
+                f"factory train: {run_dir}: another training is writing this run folder "
+                f"(pid {first.pid}); wait for it to end, or train into another folder"
+            )
+            _clean(second.stderr)
+        assert first.poll() is None  # the first run goes on, undisturbed
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    kinds = [r["kind"] for r in records(run_dir)]
+    assert kinds.count("run") == 1  # the refused runs wrote nothing
+    # The kernel dropped the killed run's lock: the rerun is not blocked by it.
+    shutil.rmtree(run_dir / "checkpoints")
+    rerun = run(train_args(inputs, run_dir))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(
+    inputs: tuple[Path, Path], reference: Path, tmp_path: Path
+) -> None:
+    run_dir = _unfinished_copy(reference, tmp_path)
+    newest = run_dir / "checkpoints" / f"step_{STEPS:08d}"
+    shard = next(newest.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    rerun = run(train_args(inputs, run_dir))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    said = [line for line in rerun.stderr.splitlines() if "cannot be read" in line]
+    assert len(said) == 1, rerun.stderr
+    assert said[0].startswith(f"factory train: {newest}: cannot be read (")
+    assert said[0].endswith(f"; resuming from step_{STEPS - 4:08d} instead")
+    _clean(rerun.stderr)
+    assert records(run_dir)[-1]["kind"] == "end"
+    assert losses(run_dir) == losses(reference)  # steps 20-23 again, bit for bit
+    assert same_weights(run_dir, reference)
+
+
+def test_no_readable_checkpoint_is_one_line_and_exit_2(
+    inputs: tuple[Path, Path], reference: Path, tmp_path: Path
+) -> None:
+    run_dir = _unfinished_copy(reference, tmp_path)
+    for checkpoint in (run_dir / "checkpoints").glob("step_*"):
+        (checkpoint / "rank0.pt").write_bytes(b"not a pickle")
+    rerun = run(train_args(inputs, run_dir))
+    assert rerun.returncode == 2
+    last = rerun.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"factory train: {run_dir}/checkpoints/step_{STEPS:08d}: cannot be")
+    assert last.count("cannot be read") == 3 and last.endswith("no checkpoint left to resume from")
+    _clean(rerun.stderr)
+
+
+def test_a_torn_last_line_of_the_metrics_is_cut_before_the_rerun_appends(
+    inputs: tuple[Path, Path], reference: Path, tmp_path: Path, cli
+) -> None:
+    run_dir = _unfinished_copy(reference, tmp_path)
+    shutil.rmtree(run_dir / "checkpoints" / f"step_{STEPS:08d}")  # killed before it
+    metrics = run_dir / "metrics.jsonl"
+    torn = '{"kind": "step", "update": 2'
+    with metrics.open("a") as handle:
+        handle.write(torn)
+    rerun = run(train_args(inputs, run_dir))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert (
+        f"factory train: {metrics}: removed a torn last line ({len(torn)} bytes, from a run "
+        "killed while writing it) before appending"
+    ) in rerun.stderr.splitlines()
+    for line in metrics.read_text().splitlines():
+        json.loads(line)
+    status, _, err = cli("report", str(run_dir))
+    assert status == 0, err
+    assert losses(run_dir) == losses(reference)
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_rerun_resumes(
+    inputs: tuple[Path, Path], reference: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    tmp_name = ".step_00000008.tmp"
+    args = train_args(inputs, run_dir)
+    full = run([sys.executable, str(FULL_DISK_DRIVER), tmp_name, *args[3:]])
+    assert full.returncode == 1, full.stderr[-3000:]
+    tmp = run_dir / "checkpoints" / tmp_name
+    last = full.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"factory train: {tmp}: the disk is full ("), full.stderr[-3000:]
+    assert "the checkpoint of step 8 was not written" in last
+    _clean(full.stderr)
+    assert not tmp.exists()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000004"]
+    rerun = run(args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert [r["resumed_at"] for r in records(run_dir) if r["kind"] == "run"] == [0, 4]
+    assert losses(run_dir) == losses(reference)
+    assert same_weights(run_dir, reference)
