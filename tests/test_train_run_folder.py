@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from runtime_helpers import tiny_blueprint
 from train_cli_helpers import (
     STEPS,
     TWO_RANKS,
@@ -163,3 +164,31 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_rerun_resumes(
     assert [r["resumed_at"] for r in records(run_dir) if r["kind"] == "run"] == [0, 4]
     assert losses(run_dir) == losses(reference)
     assert same_weights(run_dir, reference)
+
+
+@pytest.mark.parametrize("ranks", [(), TWO_RANKS], ids=["one-process", "two-ranks"])
+def test_a_recipe_that_curates_to_nothing_is_refused_on_every_rank(
+    tmp_path: Path, ranks: tuple[str, ...]
+) -> None:
+    """The run builds its blueprint's recipe into RUN/data on rank 0: when nothing survives,
+    every rank stops at once with the build's one line (the others must not sit at the
+    barrier until the process group times out)."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text("")
+    recipe = tmp_path / "empty.yaml"
+    recipe.write_text(
+        "name: empty\nsources:\n  - {name: web, path: in, category: pretrain_text, weight: 1,"
+        " steps: [{kind: text}]}\n"
+    )
+    data = tiny_blueprint().model_dump(mode="json")
+    data["data"]["recipe"] = str(recipe)
+    blueprint = tmp_path / "tiny.yaml"
+    blueprint.write_text(json.dumps(data))
+    args = [sys.executable, "-m", "factory", "train", str(blueprint), "--out",
+            str(tmp_path / "run"), "--steps", "2", *ranks]  # fmt: skip
+    done = run(args)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("factory train:")]
+    assert len(lines) == 1 and "no documents survived curation" in lines[0], done.stderr
+    assert "Traceback" not in done.stderr.split("ChildFailedError")[0]
+    assert "internal error" not in done.stderr

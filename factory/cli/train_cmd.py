@@ -26,6 +26,7 @@ from factory.checks.validate import load
 from factory.cli.output import EXIT_INVALID, print_diagnostics
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
+from factory.data.build_refusals import BuildRefused
 from factory.jobs.launch import launched_world_size, tell_torchrun, torchrun_args
 from factory.jobs.run_lock import HELD_BY_LAUNCHER, RunFolderBusy, held_run_folder
 from factory.jobs.train import (
@@ -130,7 +131,7 @@ def train(
             result = request.run(out=out, steps=steps, data=data, seed=seed, progress=progress,
                                  show_steps=sys.stderr.isatty(), checkpoints=policy,
                                  notice=_notices(console, main_rank))  # fmt: skip
-    except TrainRefused as exc:
+    except (TrainRefused, BuildRefused) as exc:  # BuildRefused: the recipe curated to nothing
         _refuse(f"factory train: {exc}", main_rank)
     except (RankLost, CheckpointWriteError) as exc:  # each rank says what it saw
         console.print(f"factory train: {exc}", markup=False, soft_wrap=True)
@@ -222,6 +223,8 @@ def _torchrun(args: list[str], console: Console) -> int:
         return exit_status(int(exc.sigval))
     except ChildFailedError as exc:
         rank, first = exc.get_first_failure()  # the global rank, and how it ended
+        if first.exitcode == EXIT_INVALID:  # a refusal: rank 0 said why, and no step ran
+            return EXIT_INVALID
         how = f"signal {-first.exitcode}" if first.exitcode < 0 else f"exit {first.exitcode}"
         console.print(
             f"factory train: rank {rank} failed first ({how}); torchrun stopped the "

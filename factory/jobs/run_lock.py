@@ -1,26 +1,23 @@
-"""One training per run folder: an advisory lock held for the whole run.
+"""One training per run folder: ``factory.folder_lock`` on ``RUN_DIR/.lock`` for the whole run.
 
-Two trainings writing one folder would race on its checkpoints and interleave
-their ``metrics.jsonl``. The process that launches a run holds an exclusive
-``flock`` on ``RUN_DIR/.lock`` until it ends: ``factory train --nproc N``
-takes it before torchrun starts the ranks and tells them so through
-:data:`HELD_BY_LAUNCHER`; under a bare ``torchrun`` rank 0 takes it and tells
-the others its answer. The kernel drops the lock with the process, so a run
-that was killed (SIGKILL, a lost node) never blocks the rerun. The file holds
-the holder's pid, for the message.
+Two trainings writing one folder would race on its checkpoints and interleave their
+``metrics.jsonl``. The process that launches a run holds the lock until it ends:
+``factory train --nproc N`` takes it before torchrun starts the ranks and tells them so
+through :data:`HELD_BY_LAUNCHER`; under a bare ``torchrun`` rank 0 takes it and tells the
+others its answer.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from factory.folder_lock import FolderBusy, release, try_lock
 from factory.jobs.train import TrainRefused
 
-__all__ = ["HELD_BY_LAUNCHER", "LOCK_NAME", "RunFolderBusy", "held_run_folder", "try_lock"]
+__all__ = ["HELD_BY_LAUNCHER", "LOCK_NAME", "RunFolderBusy", "held_run_folder", "lock_run_folder"]
 
 LOCK_NAME = ".lock"
 HELD_BY_LAUNCHER = "FACTORY_RUN_FOLDER_HELD"
@@ -38,32 +35,25 @@ class RunFolderBusy(TrainRefused):
         self.folder, self.pid = folder, pid
 
 
-def try_lock(folder: Path) -> tuple[int | None, str]:
-    """Lock ``folder`` for this process: (the lock's file descriptor, "") or (None, the
-    holder's pid as its lock file says)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+def lock_run_folder(folder: Path) -> tuple[int | None, str]:
+    """Lock ``folder`` for this process: (the lock's descriptor, "") or (None, the holder's
+    pid), so that ranks can agree on the answer before any of them raises."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        return None, holder
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    return fd, ""
+        return try_lock(folder, LOCK_NAME), ""
+    except FolderBusy as busy:
+        return None, busy.holder
 
 
 @contextlib.contextmanager
 def held_run_folder(folder: Path) -> Iterator[None]:
     """Hold ``folder`` for the block; :class:`RunFolderBusy` when another process does."""
-    fd, holder = try_lock(folder)
+    fd, holder = lock_run_folder(folder)
     if fd is None:
         raise RunFolderBusy(folder, holder)
     try:
         yield
     finally:
-        os.close(fd)  # closing the last descriptor drops the lock
+        release(fd)
 
 
 def held_by_launcher(folder: Path) -> bool:

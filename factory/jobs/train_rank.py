@@ -37,13 +37,15 @@ import factory
 from factory.compilation import Compiled
 from factory.data.build_job import build as build_data
 from factory.exports.hf import write_hf_checkpoint
+from factory.folder_lock import release
 from factory.io import atomic_write_text
-from factory.jobs.run_lock import RunFolderBusy, held_by_launcher, try_lock
+from factory.jobs.run_lock import RunFolderBusy, held_by_launcher, lock_run_folder
 from factory.jobs.train import (
     BadData,
     CannotResume,
     CheckpointPolicy,
     RankLost,
+    TrainRefused,
     TrainRequest,
     TrainResult,
 )
@@ -124,7 +126,7 @@ def _holding(out: Path, ranks: Ranks) -> Iterator[None]:
     if held_by_launcher(out):
         yield
         return
-    fd, holder = try_lock(out) if ranks.is_main else (None, "")
+    fd, holder = lock_run_folder(out) if ranks.is_main else (None, "")
     holder = ranks.agree(holder)
     if holder:
         raise RunFolderBusy(out, holder)
@@ -132,7 +134,7 @@ def _holding(out: Path, ranks: Ranks) -> Iterator[None]:
         yield
     finally:
         if fd is not None:
-            os.close(fd)  # drops the lock
+            release(fd)
 
 
 def _curated(
@@ -144,16 +146,24 @@ def _curated(
     if data is not None:
         return data
     folder = out / "data"
+    failure: Exception | None = None
     if ranks.is_main and not (folder / "manifest.json").is_file():
-        build_data(
-            bp.data.recipe,
-            folder,
-            workers=workers,
-            seq_len=bp.data.seq_len,
-            progress=progress,
-            keep_work=False,  # intermediates only; the run folder holds what trained
-        )
-    ranks.barrier()
+        try:
+            build_data(
+                bp.data.recipe,
+                folder,
+                workers=workers,
+                seq_len=bp.data.seq_len,
+                progress=progress,
+                keep_work=False,  # intermediates only; the run folder holds what trained
+            )
+        except Exception as exc:  # the other ranks wait for the answer, not for a timeout
+            failure = exc
+    why = ranks.agree(None if failure is None else str(failure))
+    if failure is not None:
+        raise failure
+    if why is not None:
+        raise TrainRefused(f"rank 0 could not build the data: {why}")
     return folder
 
 
