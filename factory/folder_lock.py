@@ -12,12 +12,15 @@ finished folder holds the same bytes every time.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = ["FolderBusy", "held_folder", "release", "try_lock"]
+
+_NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP}
 
 
 class FolderBusy(Exception):
@@ -45,6 +48,12 @@ def try_lock(folder: Path, name: str) -> int:
         holder = _holder(fd)
         os.close(fd)
         raise FolderBusy(folder, holder) from None
+    except OSError as exc:  # a filesystem without flock (Lustre mounted without -o flock)
+        os.close(fd)
+        if exc.errno not in _NO_LOCKS:
+            raise
+        cause = "this filesystem does not lock files (on Lustre, mount it with -o flock)"
+        raise OSError(exc.errno, cause, str(folder / name)) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
