@@ -26,6 +26,7 @@ STACK: list[tuple[str, set[str]]] = [
             "loading",
             "errors",
             "dotted_paths",
+            "folder_lock",
             "io",
             "lazy",
             "json_schema",
