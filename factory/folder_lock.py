@@ -18,6 +18,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from factory.io import naming
+
 __all__ = ["FolderBusy", "held_folder", "release", "try_lock"]
 
 _NO_LOCKS = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP}
@@ -54,8 +56,13 @@ def try_lock(folder: Path, name: str) -> int:
             raise
         cause = "this filesystem does not lock files (on Lustre, mount it with -o flock)"
         raise OSError(exc.errno, cause, str(folder / name)) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        with naming(folder / name):  # a full disk: name the file, and let the lock go
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,18 @@ def test_a_filesystem_without_locks_is_one_clear_oserror(
     assert refused.value.errno == errno.ENOLCK
     assert refused.value.filename == str(tmp_path / ".lock")
     assert "-o flock" in str(refused.value.strerror)
+
+
+def test_a_full_disk_while_writing_the_pid_names_the_file_and_lets_the_lock_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "pwrite", full)
+        with pytest.raises(OSError) as refused:
+            try_lock(tmp_path, ".lock")
+    assert refused.value.errno == errno.ENOSPC
+    assert refused.value.filename == str(tmp_path / ".lock")
+    release(try_lock(tmp_path, ".lock"))  # not left held by this process

@@ -134,8 +134,8 @@ class TrainResult:
     blueprint: Blueprint
     """The blueprint that trained: the proxy's with ``proxy=True``."""
     device: str
-    precision: dict[str, str]
-    """Recipe per module kind as installed (empty with precision="off" or an all-BF16 policy)."""
+    precision: dict[str, int]
+    """Linears per recipe as installed (empty with precision="off")."""
     seed: int
     data: Path
     """The shards it trained on."""

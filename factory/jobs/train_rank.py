@@ -100,6 +100,13 @@ def run_rank(
                            show_steps, notice)  # fmt: skip
             stopped = history.end == "interrupted"  # the same on every rank
             weights = None if stopped else full_weights(compiled.model, ranks)
+            result = TrainResult(out, bp, ranks.device.type, _recipes(compiled), seed, shards,
+                                 history)  # fmt: skip
+            if weights is not None:  # rank 0, still holding the run folder
+                progress("export", 0, 1)
+                _write_summary(result, data)
+                write_hf_checkpoint(weights, bp, out / "model")
+                progress("export", 1, 1)
     except (dist.DistError, RuntimeError) as exc:
         if not is_transport_failure(exc):
             raise
@@ -109,14 +116,12 @@ def run_rank(
             f"answering ({first_line}); the launcher names the rank that failed first, and "
             "rerunning the same command resumes from the last checkpoint"
         ) from exc
-    table = dict(compiled.precision.recipes()) if compiled.precision else {}
-    result = TrainResult(out, bp, ranks.device.type, table, seed, shards, history)
-    if weights is not None:  # rank 0
-        progress("export", 0, 1)
-        _write_summary(result, data)
-        write_hf_checkpoint(weights, bp, out / "model")
-        progress("export", 1, 1)
     return result
+
+
+def _recipes(compiled: Compiled) -> dict[str, int]:
+    """Linears per precision format, as installed (empty with the policy off)."""
+    return dict(compiled.precision.recipes()) if compiled.precision else {}
 
 
 @contextlib.contextmanager
@@ -126,8 +131,17 @@ def _holding(out: Path, ranks: Ranks) -> Iterator[None]:
     if held_by_launcher(out):
         yield
         return
-    fd, holder = lock_run_folder(out) if ranks.is_main else (None, "")
-    holder = ranks.agree(holder)
+    fd, holder, failure = None, "", None
+    if ranks.is_main:
+        try:
+            fd, holder = lock_run_folder(out)
+        except OSError as exc:  # the other ranks wait for the answer, not for a timeout
+            failure = exc
+    holder, why = ranks.agree((holder, None if failure is None else str(failure)))
+    if failure is not None:
+        raise failure
+    if why is not None:
+        raise TrainRefused(f"rank 0 could not lock the run folder: {why}")
     if holder:
         raise RunFolderBusy(out, holder)
     try:
