@@ -101,7 +101,9 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(
     said = [line for line in rerun.stderr.splitlines() if "cannot be read" in line]
     assert len(said) == 1, rerun.stderr
     assert said[0].startswith(f"factory train: {newest}: cannot be read (")
-    assert said[0].endswith(f"; resuming from step_{STEPS - 4:08d} instead")
+    aside = f"step_{STEPS:08d}.damaged"
+    assert said[0].endswith(f"; moved to {aside}; resuming from step_{STEPS - 4:08d}")
+    assert (run_dir / "checkpoints" / aside / shard.name).is_file()  # kept for a look
     _clean(rerun.stderr)
     assert records(run_dir)[-1]["kind"] == "end"
     assert losses(run_dir) == losses(reference)  # steps 20-23 again, bit for bit
@@ -120,6 +122,7 @@ def test_no_readable_checkpoint_is_one_line_and_exit_2(
     assert last.startswith(f"factory train: {run_dir}/checkpoints/step_{STEPS:08d}: cannot be")
     assert last.count("cannot be read") == 3 and last.endswith("no checkpoint left to resume from")
     _clean(rerun.stderr)
+    assert len(list((run_dir / "checkpoints").glob("step_*[0-9]"))) == 3  # none moved aside
 
 
 def test_a_torn_last_line_of_the_metrics_is_cut_before_the_rerun_appends(

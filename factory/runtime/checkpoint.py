@@ -67,6 +67,7 @@ __all__ = [
     "describe_failure",
     "read_checkpoint",
     "read_meta",
+    "set_aside",
     "single_process_quiet",
 ]
 
@@ -247,8 +248,30 @@ def read_checkpoint(
         local = torch.load(own if own.is_file() else path / _local_file(0), weights_only=False)
     # DCP reports a damaged file as CheckpointException, a BaseException, besides the usual kinds.
     except (Exception, CheckpointException) as exc:
+        _raise_if_the_machine(exc, path)
         raise CheckpointDamaged(f"{path}: cannot be read ({describe_failure(exc)})") from exc
     return meta, local
+
+
+def _raise_if_the_machine(exc: BaseException, path: Path) -> None:
+    """A read that failed for the machine's reasons (memory, an I/O error, a permission, a
+    stale NFS handle) says nothing about the checkpoint: raise it as itself rather than fall
+    back to an older checkpoint. A missing file is the checkpoint's (damage)."""
+    inner = _innermost(exc)
+    if isinstance(inner, torch.OutOfMemoryError | MemoryError):
+        raise inner from exc
+    if isinstance(inner, OSError) and inner.errno not in (None, errno.ENOENT):
+        where = inner.filename or str(path)
+        raise OSError(inner.errno, inner.strerror or str(inner), where) from exc
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a checkpoint that cannot be read to ``step_N.damaged`` (kept for a look, out of
+    the way of resumes and of pruning, which count ``step_N`` folders only)."""
+    aside = path.with_name(path.name + ".damaged")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(path, aside)
+    return aside
 
 
 def describe_failure(exc: BaseException) -> str:

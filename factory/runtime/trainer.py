@@ -57,6 +57,7 @@ from factory.runtime.checkpoint import (
     Checkpointer,
     CheckpointError,
     complete_checkpoints,
+    set_aside,
 )
 from factory.runtime.display import StepDisplay
 from factory.runtime.gradients import clip_to_norm, norm_masters
@@ -278,7 +279,12 @@ class Trainer:
         name, step = signal.Signals(signum).name, self.position.step
         self.history.message = f"stopped by {name} at step {step}"
         if self.checkpointer is not None:
-            self.save()
+            self.checkpointer.wait()
+            # Just saved (a periodic save, a resume): writing it again would only spend the
+            # grace period, and replacing it leaves a moment with no checkpoint of this step.
+            newest = complete_checkpoints(self.checkpointer.root)[-1:]
+            if not self.ranks.agree(bool(newest) and newest[0][0] == step):
+                self.save()
             path = self.checkpointer.wait() or self.checkpointer.root / f"step_{step:08d}"
             self.history.message += f"; checkpoint {path}"
 
@@ -424,15 +430,19 @@ class Trainer:
         if not candidates:
             where = self.options.run_dir or "a run without a run folder"
             raise CheckpointError(f"{where}: no complete checkpoint to resume from")
-        damaged: list[str] = []
+        damaged: list[tuple[Path, str]] = []
         for path in candidates:
             problem = self._try_restore(path)
             if problem is None:
-                for line in damaged if self.ranks.is_main else ():
-                    self.options.notice(f"{line}; resuming from {path.name} instead")
+                # Out of the way of the next resume and of pruning; none is moved while no
+                # checkpoint loads, so a rerun never quietly starts over.
+                for newer, line in damaged if self.ranks.is_main else ():
+                    aside = set_aside(newer).name
+                    self.options.notice(f"{line}; moved to {aside}; resuming from {path.name}")
                 return
-            damaged.append(problem)
-        raise CheckpointDamaged("; ".join(damaged) + "; no checkpoint left to resume from")
+            damaged.append((path, problem))
+        lines = "; ".join(line for _, line in damaged)
+        raise CheckpointDamaged(f"{lines}; no checkpoint left to resume from")
 
     def _try_restore(self, path: Path) -> str | None:
         """Restore ``path`` and its data position; why it cannot be read (on any rank), or
