@@ -7,6 +7,7 @@ so the CLI can say which file could not be written.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
@@ -14,7 +15,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "naming", "staged_directory"]
+__all__ = ["DISK_FULL", "atomic_write_bytes", "atomic_write_text", "naming", "staged_directory"]
+
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""The errnos of a write that found no room: a full disk, or a quota used up."""
 
 
 @contextmanager

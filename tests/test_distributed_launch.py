@@ -20,8 +20,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch.distributed.run as torchrun
+from rich.console import Console
 from runtime_helpers import tiny_blueprint
 
+from factory.cli import train_cmd
+from factory.jobs.launch import torchrun_args
 from factory.loading.blueprint import resolve_source
 from factory.runtime.batches import build_shards
 
@@ -138,3 +142,15 @@ def test_a_refusal_under_torchrun_is_our_line_once_and_the_root_cause_torchrun_n
     assert root_cause == lines[printed[0]], "\n".join(lines[-60:])
     assert "internal error" not in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_the_launcher_gives_the_ranks_time_to_checkpoint_after_a_signal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torchrun kills the ranks 30 s after it passes a SIGTERM on, by default: less than a
+    large model's checkpoint takes. ``factory train --nproc`` waits FACTORY_SHUTDOWN_GRACE_S."""
+    seen = []
+    monkeypatch.setattr(torchrun, "run", seen.append)
+    monkeypatch.setenv("FACTORY_SHUTDOWN_GRACE_S", "123")
+    assert train_cmd._torchrun(torchrun_args(2, ["train", "nano"]), Console()) == 0
+    assert seen[0].shutdown_timeout == 123

@@ -9,18 +9,21 @@ signal reaches the launcher and torchrun passes it on to the ranks.
 
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
 import pytest
 from train_cli_helpers import (
     STEPS,
+    TIMEOUT,
     TWO_RANKS,
     losses,
     records,
     run,
     same_weights,
     signalled,
+    start_and_wait_for_a_step,
     tiny_run_inputs,
     train_args,
 )
@@ -80,7 +83,14 @@ def test_a_signal_checkpoints_stops_and_the_rerun_resumes_exactly(
 
 def test_a_second_signal_ends_the_run_at_once(inputs: tuple[Path, Path], tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    status, output = signalled(train_args(inputs, run_dir), run_dir, signal.SIGTERM, signal.SIGINT)
+    child = start_and_wait_for_a_step(train_args(inputs, run_dir), run_dir)
+    # Both arrive while the child is stopped, so it cannot finish its stop between the two.
+    os.kill(child.pid, signal.SIGSTOP)
+    os.kill(child.pid, signal.SIGTERM)
+    os.kill(child.pid, signal.SIGINT)
+    os.kill(child.pid, signal.SIGCONT)
+    output = child.communicate(timeout=TIMEOUT)[0].decode(errors="replace")
+    status = child.returncode
     # Whichever of the two Python handles second ends the process as its default action would.
     assert status in (-signal.SIGTERM, -signal.SIGINT), output[-3000:]
     assert "Traceback" not in output

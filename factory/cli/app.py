@@ -8,7 +8,6 @@ they are all registered. Bad input never shows a traceback: it prints
 
 from __future__ import annotations
 
-import errno
 import os
 import sys
 
@@ -29,6 +28,7 @@ from factory.cli import (  # noqa: F401
 from factory.cli.output import print_diagnostics
 from factory.cli.root import app
 from factory.errors import BlueprintError
+from factory.io import DISK_FULL
 
 __all__ = ["app", "main"]
 
@@ -62,15 +62,13 @@ def _show_click_error(exc: Exception) -> int:
 EXIT_FAILED = 1
 """A command that could not finish for a reason outside the user's input (disk, permissions)."""
 
-_DISK_FULL = {errno.ENOSPC, errno.EDQUOT}
-
 
 def _show_os_error(exc: OSError) -> int:
     """The machine said no (a full disk, a permission, a vanished file): name the path."""
     paths = [str(p) for p in (exc.filename, exc.filename2) if p is not None]
     where = " -> ".join(paths) or "a file"
     cause = exc.strerror or str(exc)
-    if exc.errno in _DISK_FULL:
+    if exc.errno in DISK_FULL:
         cause = f"the disk is full ({cause})"
     print(_one_line(f"factory: {where}: {cause}"), file=sys.stderr)
     return EXIT_FAILED

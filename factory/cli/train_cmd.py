@@ -27,7 +27,12 @@ from factory.cli.output import EXIT_INVALID, print_diagnostics
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.data.build_refusals import BuildRefused
-from factory.jobs.launch import launched_world_size, tell_torchrun, torchrun_args
+from factory.jobs.launch import (
+    launched_world_size,
+    shutdown_grace_seconds,
+    tell_torchrun,
+    torchrun_args,
+)
 from factory.jobs.run_lock import HELD_BY_LAUNCHER, RunFolderBusy, held_run_folder
 from factory.jobs.train import (
     CannotLaunch,
@@ -217,8 +222,11 @@ def _torchrun(args: list[str], console: Console) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    parsed = get_args_parser().parse_args(args)
+    if hasattr(parsed, "shutdown_timeout"):  # torchrun's own default (30 s) cuts a checkpoint
+        parsed.shutdown_timeout = shutdown_grace_seconds()
     try:
-        run(get_args_parser().parse_args(args))
+        run(parsed)
     except SignalException as exc:  # torchrun passed it to the ranks, which said how they ended
         return exit_status(int(exc.sigval))
     except ChildFailedError as exc:

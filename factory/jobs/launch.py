@@ -40,6 +40,7 @@ __all__ = [
     "LaunchRefused",
     "check_launch",
     "launched_world_size",
+    "shutdown_grace_seconds",
     "tell_torchrun",
     "torchrun_command",
 ]
@@ -104,6 +105,13 @@ def torchrun_args(nproc: int, factory_args: Sequence[str]) -> list[str]:
     """torchrun's arguments for ``factory train --nproc N``: this machine (one node, a free
     rendezvous port), N copies of ``python -m factory`` with ``factory_args``."""
     return ["--standalone", f"--nproc-per-node={nproc}", "-m", "factory", *factory_args]
+
+
+def shutdown_grace_seconds() -> int:
+    """How long torchrun's agent waits, after passing a SIGTERM on to the ranks, before it
+    kills them: long enough for the checkpoint they write first (``FACTORY_SHUTDOWN_GRACE_S``,
+    default 600; the scheduler's own grace period is the real bound)."""
+    return int(os.environ.get("FACTORY_SHUTDOWN_GRACE_S", "600"))
 
 
 def torchrun_command(nproc: int, factory_args: Sequence[str]) -> list[str]:

@@ -10,12 +10,11 @@ among the causes), raised after the partial write was removed.
 
 from __future__ import annotations
 
-import errno
 import os
 
-__all__ = ["DISK_FULL", "CheckpointDamaged", "CheckpointError", "CheckpointWriteError"]
+from factory.io import DISK_FULL
 
-DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+__all__ = ["CheckpointDamaged", "CheckpointError", "CheckpointWriteError"]
 
 
 class CheckpointError(ValueError):

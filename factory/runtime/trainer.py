@@ -265,8 +265,9 @@ class Trainer:
 
     def _train(self, stop: StopSignals) -> None:
         """Steps until the last, a callback's stop, or a stop signal on any rank."""
+        agree = self.options.stop_on_signals  # else nothing is caught: spare the all-reduce
         while self.position.step < self.steps:
-            signum = self.ranks.highest(stop.received)  # every rank stops at the same step
+            signum = self.ranks.highest(stop.received) if agree else 0  # one step for all
             if signum:
                 self._interrupt(signum)
                 return
