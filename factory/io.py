@@ -27,7 +27,8 @@ def naming(path: Path) -> Iterator[None]:
     try:
         yield
     except OSError as exc:
-        if exc.filename is not None or exc.errno is None:
+        # A broken connection (a Ray worker, a pipe) is not about the file being written.
+        if exc.filename is not None or exc.errno is None or isinstance(exc, ConnectionError):
             raise
         raise OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path)) from exc
 

@@ -173,11 +173,12 @@ def _curated(
             )
         except Exception as exc:  # the other ranks wait for the answer, not for a timeout
             failure = exc
-    why = ranks.agree(None if failure is None else str(failure))
+    refused = isinstance(failure, ValueError)  # the recipe's fault (exit 2), else the machine's
+    why, refused = ranks.agree((None if failure is None else str(failure), refused))
     if failure is not None:
         raise failure
-    if why is not None:
-        raise TrainRefused(f"rank 0 could not build the data: {why}")
+    if why is not None:  # every rank ends with rank 0's status
+        raise (TrainRefused if refused else RankLost)(f"rank 0 could not build the data: {why}")
     return folder
 
 
