@@ -7,14 +7,16 @@ editors and CI annotators parse. A warning prints the same way with a
 
 from __future__ import annotations
 
+import ast
 import difflib
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from factory.dotted_paths import parent_path
 
-__all__ = ["BlueprintError", "Diagnostic", "SourceMap", "did_you_mean"]
+__all__ = ["BlueprintError", "Diagnostic", "SourceMap", "did_you_mean", "suggestion_in"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,8 @@ class Diagnostic:
     severity: Literal["error", "warning"] = "error"
     rule: str = ""
     """Name of the rule that fired, for cross-field checks."""
+    column: int = 0
+    """1-based column of the value in ``file``; 0 when unknown (an override, a whole file)."""
 
     def format(self) -> str:
         prefix = "warning: " if self.severity == "warning" else ""
@@ -54,13 +58,16 @@ class SourceMap:
 
     def __init__(self, default_file: str = "<blueprint>") -> None:
         self._where: dict[str, tuple[str, int]] = {}
+        self._columns: dict[str, int] = {}
         self.default_file = default_file
 
-    def record(self, path: str, file: str, line: int) -> None:
+    def record(self, path: str, file: str, line: int, column: int = 0) -> None:
         self._where[path] = (file, line)
+        self._columns[path] = column
 
     def update(self, other: SourceMap) -> None:
         self._where.update(other._where)
+        self._columns.update(other._columns)
 
     def paths(self) -> Iterable[str]:
         return self._where.keys()
@@ -69,12 +76,17 @@ class SourceMap:
         return path in self._where
 
     def locate(self, path: str) -> tuple[str, int]:
+        return self._nearest(path)[:2]  # type: ignore[return-value]
+
+    def _nearest(self, path: str) -> tuple[str, int, int]:
+        """File, line and column of ``path`` or of its nearest written parent."""
         probe = path
         while probe:
             if probe in self._where:
-                return self._where[probe]
+                return (*self._where[probe], self._columns.get(probe, 0))
             probe = parent_path(probe)
-        return self._where.get("", (self.default_file, 0))
+        file, line = self._where.get("", (self.default_file, 0))
+        return file, line, self._columns.get("", 0)
 
     def locate_missing(self, path: str) -> tuple[str, int]:
         """Where a missing ``path`` belongs: its nearest parent written in the file itself.
@@ -95,14 +107,28 @@ class SourceMap:
         )
 
     def diagnostic(self, path: str, message: str, **kwargs: object) -> Diagnostic:
-        file, line = self.locate(path)
-        return Diagnostic(path=path, message=message, file=file, line=line, **kwargs)  # type: ignore[arg-type]
+        file, line, column = self._nearest(path)
+        return Diagnostic(path, message, file, line, column=column, **kwargs)  # type: ignore[arg-type]
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     """A ' (did you mean 'x'?)' suffix, or '' when nothing is close."""
     matches = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
     return f" (did you mean {matches[0]!r}?)" if matches else ""
+
+
+# What did_you_mean writes: the suggestion is a Python string literal (repr).
+_SUGGESTION = re.compile(r""" \(did you mean ('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")\?\)""")
+
+
+def suggestion_in(message: str) -> str | None:
+    """The name a :func:`did_you_mean` suffix in ``message`` proposes, or None.
+
+    Messages carry the hint as text (every command prints it); machine-readable
+    reports need the name on its own.
+    """
+    match = _SUGGESTION.search(message)
+    return ast.literal_eval(match.group(1)) if match else None
 
 
 class BlueprintError(Exception):

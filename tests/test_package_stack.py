@@ -25,6 +25,7 @@ STACK: list[tuple[str, set[str]]] = [
             "data_recipes",
             "loading",
             "errors",
+            "diagnostic_formats",
             "dotted_paths",
             "folder_lock",
             "io",

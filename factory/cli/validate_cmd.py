@@ -1,16 +1,20 @@
-"""``factory validate``: check blueprints and data recipes, for CI. Exit 0 when all are valid, else 2."""
+"""``factory validate``: check blueprints and data recipes, for CI. Exit 0 when all are valid, else 2.
+
+``--format json|github`` prints for machines; ``--strict`` fails on warnings too.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import typer
 
 from factory.checks.validate import load
-from factory.cli.output import EXIT_INVALID, print_diagnostics
+from factory.cli.output import EXIT_INVALID, DiagnosticFormat, print_diagnostics, print_json
 from factory.cli.root import app
 from factory.data.loaded_recipe import load_recipe
+from factory.diagnostic_formats import promote_warnings
 from factory.errors import BlueprintError, Diagnostic
 from factory.loading.blueprint import preset_names, resolve_source
 from factory.loading.documents import RECIPE, document_kind
@@ -32,6 +36,12 @@ def _default_targets(with_recipes: bool) -> list[tuple[str, Path | None]]:
     return targets
 
 
+class _Result(NamedTuple):
+    source: Path | None
+    """The file that was validated, or None when it failed."""
+    diagnostics: list[Diagnostic]
+
+
 def _check(target: str, recipe: Path | None, overrides: list[str]) -> tuple[Path, list[Diagnostic]]:
     """Validate one target; return its file and warnings, or raise BlueprintError."""
     source = recipe or resolve_source(target)
@@ -47,6 +57,31 @@ def _check(target: str, recipe: Path | None, overrides: list[str]) -> tuple[Path
     return load_recipe(recipe).source, []
 
 
+FormatOption = Annotated[
+    DiagnosticFormat,
+    typer.Option(
+        "--format",
+        help="text: file:line: path: message on stderr; json: one array of objects on stdout; "
+        "github: GitHub Actions annotations on stdout.",
+    ),
+]
+StrictOption = Annotated[
+    bool, typer.Option("--strict", help="Treat warnings as errors: report them so, exit 2.")
+]
+
+
+def _findings(target: str, recipe: Path | None, overrides: list[str], strict: bool) -> _Result:
+    """What validating one target found; with ``strict``, its warnings are errors."""
+    try:
+        source, diagnostics = _check(target, recipe, overrides)
+    except BlueprintError as exc:
+        return _Result(None, exc.diagnostics)
+    if strict:
+        diagnostics = promote_warnings(diagnostics)
+    failed = any(d.severity == "error" for d in diagnostics)
+    return _Result(None if failed else source, diagnostics)
+
+
 @app.command()
 def validate(
     targets: Annotated[
@@ -58,19 +93,22 @@ def validate(
     ] = None,
     overrides: SetOption = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print problems only.")] = False,
+    how: FormatOption = DiagnosticFormat.text,
+    strict: StrictOption = False,
 ) -> None:
     """Validate blueprints and data recipes: schema, composition and every cross-field rule."""
     chosen = [(t, None) for t in targets] if targets else _default_targets(not overrides)
     failed = 0
+    everything: list[Diagnostic] = []
     for target, recipe in chosen:
-        try:
-            source, warnings = _check(target, recipe, overrides or [])
-        except BlueprintError as exc:
-            print_diagnostics(exc.diagnostics)
+        result = _findings(target, recipe, overrides or [], strict)
+        print_diagnostics(result.diagnostics, how)
+        everything += result.diagnostics
+        if result.source is None:
             failed += 1
-            continue
-        print_diagnostics(warnings)
-        if not quiet:
-            typer.echo(f"ok: {target} ({source})")
+        elif not quiet and how is not DiagnosticFormat.json:
+            typer.echo(f"ok: {target} ({result.source})")
+    if how is DiagnosticFormat.json:
+        print_json(everything)
     if failed:
         raise typer.Exit(EXIT_INVALID)

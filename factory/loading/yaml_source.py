@@ -77,8 +77,10 @@ class _Builder:
         self.scalars = yaml.constructor.SafeConstructor()
 
     def fail(self, node: yaml.Node, path: str, message: str) -> BlueprintError:
-        line = node.start_mark.line + 1
-        return BlueprintError([Diagnostic(path=path, message=message, file=self.file, line=line)])
+        mark = node.start_mark
+        return BlueprintError(
+            [Diagnostic(path, message, self.file, mark.line + 1, column=mark.column + 1)]
+        )
 
     def build(self, node: yaml.Node, path: str, depth: int = 0) -> Any:
         self.visited += 1
@@ -90,7 +92,7 @@ class _Builder:
             raise self.fail(
                 node, path, f"tag {node.tag!r} is not allowed; blueprints are plain data"
             )
-        self.source_map.record(path, self.file, node.start_mark.line + 1)
+        self.source_map.record(path, self.file, *_position(node.start_mark))
         if isinstance(node, yaml.ScalarNode):
             return self._scalar(node, path)
         if depth >= MAX_DEPTH:  # aliases can nest deeper than the text does
@@ -135,8 +137,13 @@ class _Builder:
                 )
             out[key] = self.build(value_node, join_path(path, key), depth + 1)
             # Point at the key's line: a nested section's own node starts a line below it.
-            self.source_map.record(join_path(path, key), self.file, key_node.start_mark.line + 1)
+            self.source_map.record(join_path(path, key), self.file, *_position(key_node.start_mark))
         return out
+
+
+def _position(mark: yaml.Mark) -> tuple[int, int]:
+    """1-based line and column, as editors and CI annotations count them."""
+    return mark.line + 1, mark.column + 1
 
 
 def first_line(exc: BaseException) -> str:
@@ -176,9 +183,10 @@ def read_yaml_text(
         root = yaml.compose(text, Loader=_LOADER)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
-        line = mark.line + 1 if mark else 0
+        line, column = _position(mark) if mark else (0, 0)
         problem = " ".join(p for p in (exc.context, exc.problem) if p)
-        raise BlueprintError([Diagnostic("", f"malformed YAML: {problem}", file, line)]) from None
+        message = f"malformed YAML: {problem}"
+        raise BlueprintError([Diagnostic("", message, file, line, column=column)]) from None
     except yaml.reader.ReaderError as exc:  # a character YAML forbids, e.g. NUL
         line = text[: exc.position].count("\n") + 1
         char = exc.character if isinstance(exc.character, str) else chr(exc.character)
