@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from factory.errors import Diagnostic, suggestion_in
+from factory.errors import Diagnostic, one_line, suggestion_in
 
 __all__ = ["as_record", "github_annotation", "promote_warnings"]
 
@@ -55,7 +55,10 @@ def github_annotation(diagnostic: Diagnostic) -> str:
             if diagnostic.column:
                 properties.append(f"col={diagnostic.column}")
     properties.append(f"title={_escape_property(diagnostic.rule or _UNRULED_TITLE)}")
-    return f"::{diagnostic.severity} {','.join(properties)}::{_escape_data(text)}"
+    command = f"::{diagnostic.severity} {','.join(properties)}::{_escape_data(text)}"
+    # What GitHub's escapes leave (a tab, a file name's undecodable byte) is escaped as the
+    # text form escapes it: stdout may refuse to encode it, and a command is one line.
+    return one_line(command)
 
 
 def _workspace_path(file: str) -> str | None:

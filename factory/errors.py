@@ -16,7 +16,7 @@ from typing import Literal
 
 from factory.dotted_paths import parent_path
 
-__all__ = ["BlueprintError", "Diagnostic", "SourceMap", "did_you_mean", "suggestion_in"]
+__all__ = ["BlueprintError", "Diagnostic", "SourceMap", "did_you_mean", "one_line", "suggestion_in"]
 
 
 @dataclass(frozen=True)
@@ -39,10 +39,10 @@ class Diagnostic:
         where = f"{self.file}:{self.line}" if self.line else self.file
         path = self.path or "<root>"
         rule = f" [{self.rule}]" if self.rule else ""
-        return _one_line(f"{where}: {path}: {prefix}{self.message}{rule}")
+        return one_line(f"{where}: {path}: {prefix}{self.message}{rule}")
 
 
-def _one_line(text: str) -> str:
+def one_line(text: str) -> str:
     """Escape control characters: one diagnostic is one line, whatever value it quotes."""
     if text.isprintable():
         return text

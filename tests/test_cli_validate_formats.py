@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,3 +144,23 @@ def test_suggestion_reads_back_what_did_you_mean_wrote(word: str) -> None:
     message = "unknown key" + did_you_mean(word, [word]) + " [rule]"
     assert suggestion_in(message) == word
     assert suggestion_in("unknown key") is None
+
+
+def test_an_undecodable_file_name_is_escaped_not_an_internal_error(tmp_path: Path) -> None:
+    # A name that is not UTF-8 and a stdout that refuses what it cannot encode (a UTF-8 locale).
+    bad, good = os.fsdecode(b"\xff.yaml"), os.fsdecode(b"\xfe.yaml")
+    (tmp_path / bad).write_text(TYPO)
+    (tmp_path / good).write_text(f"extends: {NANO}\n")
+    for how in ("github", "text"):
+        done = subprocess.run(
+            [sys.executable, "-m", "factory", "validate", "--format", how, bad, good],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONIOENCODING": "utf-8:strict"},
+            capture_output=True,
+            text=True,
+            errors="backslashreplace",
+        )
+        assert done.returncode == 2, done.stderr
+        assert "internal error" not in done.stderr and "Traceback" not in done.stderr
+        assert "ok: \\udcfe.yaml" in done.stdout
+    assert done.stderr.startswith("\\udcff.yaml:3: model.hiden_size: unknown key")

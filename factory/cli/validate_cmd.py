@@ -15,7 +15,7 @@ from factory.cli.output import EXIT_INVALID, DiagnosticFormat, print_diagnostics
 from factory.cli.root import app
 from factory.data.loaded_recipe import load_recipe
 from factory.diagnostic_formats import promote_warnings
-from factory.errors import BlueprintError, Diagnostic
+from factory.errors import BlueprintError, Diagnostic, one_line
 from factory.loading.blueprint import preset_names, resolve_source
 from factory.loading.documents import RECIPE, document_kind
 from factory.loading.shipped import shipped_dir, shipped_names
@@ -107,7 +107,7 @@ def validate(
         if result.source is None:
             failed += 1
         elif not quiet and how is not DiagnosticFormat.json:
-            typer.echo(f"ok: {target} ({result.source})")
+            typer.echo(one_line(f"ok: {target} ({result.source})"))
     if how is DiagnosticFormat.json:
         print_json(everything)
     if failed:
