@@ -12,7 +12,7 @@ from factory.cli.output import EXIT_INVALID
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.exports.hf_config import ExportError
-from factory.exports.hf_import import blueprint_yaml_from_hf
+from factory.exports.hf_import import blueprint_yaml_from_hf, has_weights
 from factory.exports.megatron import MegatronExportError, export_megatron
 from factory.io import atomic_write_text
 from factory.proxy import derive_proxy
@@ -94,3 +94,9 @@ def import_hf_cmd(
     """Write a blueprint reproducing a NemotronH checkpoint; it starts from that checkpoint's weights."""
     atomic_write_text(out, blueprint_yaml_from_hf(directory))
     typer.echo(f"wrote {out}")
+    if not has_weights(directory):
+        typer.echo(
+            f"note: {directory}: no *.safetensors, so the blueprint has no init.checkpoint "
+            "and starts from random weights",
+            err=True,
+        )
