@@ -14,6 +14,7 @@ import pytest
 
 import factory
 from factory.exports.hf_config import hf_config
+from factory.proxy import derive_proxy
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -102,13 +103,15 @@ def test_export_then_import_is_a_fixed_point(cli, preset: str, tmp_path: Path) -
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_preset_exports_a_config_from_config_builds(preset: str, tmp_path: Path) -> None:
-    cfg = hf_config(factory.load_blueprint(preset))
-    assert cfg["time_step_min"] > 0
-    folder = _folder_with(cfg, tmp_path / "hf")
-    assert (
-        _transformers_count(folder)
-        == factory.plan(factory.load_blueprint(preset)).params.total_main
+    bp = factory.load_blueprint(preset)
+    assert _transformers_count(_folder_with(hf_config(bp), tmp_path / "hf")) == (
+        factory.plan(bp).params.total_main
     )
+    # Off the meta device transformers initialises the weights, taking log(time_step_min).
+    folder = _folder_with(hf_config(derive_proxy(bp)), tmp_path / "proxy")
+    config = transformers.AutoConfig.from_pretrained(folder)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
 def test_megatron_export_of_a_dense_preset_imports(cli, tmp_path: Path) -> None:
