@@ -134,3 +134,12 @@ def test_config_without_weights_gets_no_checkpoint_line(cli, tmp_path: Path) -> 
     assert factory.load_blueprint(tmp_path / "bp2.yaml").model.init.checkpoint == str(
         folder.resolve()
     )
+
+
+@pytest.mark.parametrize(("written", "read"), [(None, 0.3), (0.0, 0.0), (0.5, 0.5)])
+def test_mtp_loss_weight_none_means_unset(cli, written, read, tmp_path: Path) -> None:
+    config = json.loads((CONFIGS / "nemotron_3_super_120b_a12b.json").read_text(encoding="utf-8"))
+    config["mtp_loss_scaling_factor"] = written
+    status, err = _import(cli, _folder_with(config, tmp_path / "m"), tmp_path / "bp.yaml")
+    assert status == 0, err
+    assert factory.load_blueprint(tmp_path / "bp.yaml").model.mtp.loss_scale == read

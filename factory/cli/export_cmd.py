@@ -86,7 +86,9 @@ def import_hf_cmd(
     directory: Annotated[
         Path,
         typer.Argument(
-            exists=True, file_okay=False, help="Folder with config.json and *.safetensors."
+            exists=True,
+            file_okay=False,
+            help="Folder with config.json and, to start from them, *.safetensors weights.",
         ),
     ],
     out: Annotated[Path, typer.Option("--out", help="Blueprint YAML to write.")],

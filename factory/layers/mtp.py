@@ -97,5 +97,10 @@ def from_hf(cfg: dict[str, Any], pattern: str) -> dict[str, Any] | None:
         "depth": depth,
         "pattern": pattern,
         "repeated": repeated,
-        "loss_scale": float(cfg.get("mtp_loss_scaling_factor", BRIDGE_LOSS_SCALE)),
+        "loss_scale": _or_default(cfg.get("mtp_loss_scaling_factor"), BRIDGE_LOSS_SCALE),
     }
+
+
+def _or_default(value: Any, default: float) -> Any:
+    """Megatron writes None for "not set"; 0 is a real loss weight."""
+    return default if value is None else value
