@@ -22,7 +22,16 @@ ODD = {
     "model.hidden_size": 200,
     "model.vocab_size": 1000,
     "model.attention": {"heads": 5, "kv_heads": 5, "head_dim": 24},
-    "model.mamba": {"heads": 5, "head_dim": 24, "state_size": 12, "groups": 1, "chunk_size": 16},
+    # transformers clamps dt at time_step_min (dt_min, 0.001 as released) where Megatron clamps
+    # at dt_limit_min (0): equal clamps here, since these random weights reach dt < 0.001.
+    "model.mamba": {
+        "heads": 5,
+        "head_dim": 24,
+        "state_size": 12,
+        "groups": 1,
+        "chunk_size": 16,
+        "dt_limit_min": 0.001,
+    },
     "model.mlp": {"intermediate_size": 333},
     "model.moe.expert_intermediate_size": 72,
     "model.moe.shared_expert_intermediate_size": 40,

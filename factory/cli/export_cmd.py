@@ -12,7 +12,7 @@ from factory.cli.output import EXIT_INVALID
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.exports.hf_config import ExportError
-from factory.exports.hf_import import blueprint_yaml_from_hf
+from factory.exports.hf_import import blueprint_yaml_from_hf, has_weights
 from factory.exports.megatron import MegatronExportError, export_megatron
 from factory.io import atomic_write_text
 from factory.proxy import derive_proxy
@@ -86,7 +86,9 @@ def import_hf_cmd(
     directory: Annotated[
         Path,
         typer.Argument(
-            exists=True, file_okay=False, help="Folder with config.json and *.safetensors."
+            exists=True,
+            file_okay=False,
+            help="Folder with config.json and, to start from them, *.safetensors weights.",
         ),
     ],
     out: Annotated[Path, typer.Option("--out", help="Blueprint YAML to write.")],
@@ -94,3 +96,9 @@ def import_hf_cmd(
     """Write a blueprint reproducing a NemotronH checkpoint; it starts from that checkpoint's weights."""
     atomic_write_text(out, blueprint_yaml_from_hf(directory))
     typer.echo(f"wrote {out}")
+    if not has_weights(directory):
+        typer.echo(
+            f"note: {directory}: no *.safetensors, so the blueprint has no init.checkpoint "
+            "and starts from random weights",
+            err=True,
+        )

@@ -94,6 +94,20 @@ def _symbol_of(block_type: str) -> str:
     raise ExportError(f"unknown NemotronH layer type {block_type!r}")
 
 
+def _mtp_pattern_from_hf(cfg: dict[str, Any]) -> str:
+    """The inner MTP pattern, empty without MTP. transformers fills ``mtp_layers_block_type``
+    with ``["full_attention", "moe"]`` even when MTP is off, so it counts only with
+    ``num_nextn_predict_layers`` > 0. Megatron-Bridge writes ``mtp_hybrid_override_pattern``;
+    like transformers, it wins over a block-type list that is only that default."""
+    if not cfg.get("num_nextn_predict_layers"):
+        return ""
+    listed = "".join(_symbol_of(t) for t in cfg.get("mtp_layers_block_type") or [])
+    written = cfg.get("mtp_hybrid_override_pattern")
+    if written and listed in ("", mtp.DEFAULT_HF_PATTERN):
+        return str(written)
+    return listed or mtp.DEFAULT_HF_PATTERN
+
+
 def blueprint_fields_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     """The ``model`` section of a blueprint that reproduces an HF NemotronH config."""
     layers = cfg.get("layers_block_type") or cfg.get("layer_types")
@@ -107,8 +121,7 @@ def blueprint_fields_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
         "tie_embeddings": cfg.get("tie_word_embeddings", False),
         "init": {"std": cfg.get("initializer_range", 0.02)},
     }
-    inner = cfg.get("mtp_layers_block_type") or ["full_attention", "moe"]
-    mtp_pattern = "".join(_symbol_of(t) for t in inner)
+    mtp_pattern = _mtp_pattern_from_hf(cfg)
     for symbol, kind in LAYER_TYPES.items():
         if symbol in pattern + mtp_pattern and kind.section is not None:
             section = kind.from_hf(cfg)

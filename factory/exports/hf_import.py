@@ -10,7 +10,12 @@ import yaml
 from factory.errors import BlueprintError, Diagnostic
 from factory.exports.hf_config import blueprint_fields_from_hf
 
-__all__ = ["blueprint_yaml_from_hf"]
+__all__ = ["blueprint_yaml_from_hf", "has_weights"]
+
+
+def has_weights(directory: Path) -> bool:
+    """Whether ``directory`` holds safetensors weights (one file or shards)."""
+    return any(directory.glob("*.safetensors"))
 
 
 def blueprint_yaml_from_hf(directory: Path) -> str:
@@ -35,7 +40,9 @@ def blueprint_yaml_from_hf(directory: Path) -> str:
             ]
         )
     model = blueprint_fields_from_hf(config)
-    model["init"]["checkpoint"] = str(directory.resolve())
+    weights = has_weights(directory)
+    if weights:  # a checkpoint line to a folder without weights would only fail in `train`
+        model["init"]["checkpoint"] = str(directory.resolve())
     doc = {
         "meta": {
             "name": directory.resolve().name,
@@ -48,4 +55,8 @@ def blueprint_yaml_from_hf(directory: Path) -> str:
         "training": {"optimizer": {"lr": 3.0e-4}},
     }
     header = f"# Written by `factory import hf {directory}`; edit parallelism, data and training.\n"
+    if not weights:
+        header += (
+            "# The folder holds no *.safetensors: this blueprint starts from random weights.\n"
+        )
     return header + yaml.safe_dump(doc, sort_keys=False)

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from factory.schemas.model import ModelConfig
 
 __all__ = [
+    "BRIDGE_LOSS_SCALE",
+    "DEFAULT_HF_PATTERN",
     "activation_bytes",
     "first_layer_tensors",
     "from_hf",
@@ -52,19 +54,53 @@ def activation_bytes(model: ModelConfig, tokens: TokenShards, inner_bytes: float
     return model.mtp_depth * (inner_bytes + BF16 * tokens.replicated(4 * model.hidden_size))
 
 
+DEFAULT_HF_PATTERN = "*E"
+"""transformers' inner MTP pattern when a config names none."""
+
+BRIDGE_LOSS_SCALE = 0.3
+"""Megatron-Bridge's NemotronH provider weights the MTP loss 0.3 (Super and Ultra recipes)."""
+
+
 def hf_config(model: ModelConfig, block_types: list[str]) -> dict[str, Any]:
+    """``num_nextn_predict_layers`` counts stored blocks (what transformers, vLLM and the
+    released checkpoints mean); how often they are applied and the loss weight travel under
+    Megatron's names, which transformers keeps as plain attributes."""
     if not model.mtp_depth:
         return {}
     return {
         "num_nextn_predict_layers": model.mtp_stored_blocks,
         "mtp_layers_block_type": block_types,
         "mtp_hybrid_override_pattern": model.mtp_pattern,
+        "mtp_num_layers": model.mtp_depth,
+        "mtp_use_repeated_layer": model.mtp_stored_blocks < model.mtp_depth,
+        "mtp_loss_scaling_factor": _loss_scale(model),
     }
 
 
+def _loss_scale(model: ModelConfig) -> float:
+    return model.mtp.loss_scale if model.mtp else 0.1
+
+
 def from_hf(cfg: dict[str, Any], pattern: str) -> dict[str, Any] | None:
-    """The ``model.mtp`` section; ``pattern`` is the inner pattern already mapped to symbols."""
-    blocks = cfg.get("num_nextn_predict_layers", 0)
+    """The ``model.mtp`` section; ``pattern`` is the inner pattern already mapped to symbols.
+
+    ``num_nextn_predict_layers`` blocks are stored. A released config says nothing more, so
+    one stored block reads as Megatron-Bridge reads it: shared (repeated), applied
+    ``mtp_num_layers`` times (1 unless written), loss weight 0.3. Several stored blocks are
+    applied once each."""
+    blocks = cfg.get("num_nextn_predict_layers") or 0
     if not blocks:
         return None
-    return {"depth": blocks, "pattern": pattern, "repeated": False}
+    repeated = blocks == 1 and bool(cfg.get("mtp_use_repeated_layer", True))
+    depth = int(cfg.get("mtp_num_layers") or blocks) if repeated else blocks
+    return {
+        "depth": depth,
+        "pattern": pattern,
+        "repeated": repeated,
+        "loss_scale": _or_default(cfg.get("mtp_loss_scaling_factor"), BRIDGE_LOSS_SCALE),
+    }
+
+
+def _or_default(value: Any, default: float) -> Any:
+    """Megatron writes None for "not set"; 0 is a real loss weight."""
+    return default if value is None else value

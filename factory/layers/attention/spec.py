@@ -152,5 +152,7 @@ class SelfAttention(LayerType):
         return {
             "heads": cfg["num_attention_heads"],
             "kv_heads": cfg["num_key_value_heads"],
-            "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+            # Nemotron-H and Nano-v2 configs spell it attention_head_dim, which transformers
+            # ignores for its own default of 128; Megatron-Bridge reads either.
+            "head_dim": cfg.get("head_dim") or cfg.get("attention_head_dim") or 128,
         }

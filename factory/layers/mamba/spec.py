@@ -229,8 +229,12 @@ class Mamba(LayerType):
         return []
 
     def hf_config(self, model: ModelConfig) -> dict[str, Any]:
-        """transformers clamps dt from below at time_step_min where Megatron clamps at
-        dt_limit_min, so time_step_min carries dt_limit_min: HF computes what we trained."""
+        """time_step_min is the lower bound of the dt init, as in the released configs:
+        transformers takes its log in ``_init_weights``, so 0 breaks ``from_config``.
+        transformers also clamps dt from below at time_step_min, where Megatron (which
+        trained every released checkpoint) clamps at dt_limit_min: time_step_limit
+        (transformers' own field, saved as [0.0, Infinity] by default) carries that clamp
+        back to ``factory import hf``. docs/architecture.md says which to trust."""
         cfg: MambaConfig = self.config(model)
         return {
             "mamba_num_heads": cfg.heads,
@@ -244,13 +248,15 @@ class Mamba(LayerType):
             "use_conv_bias": cfg.conv_bias,
             "use_bias": cfg.bias,
             "mamba_proj_bias": cfg.bias,
-            "time_step_min": cfg.dt_limit_min,
+            "time_step_min": cfg.dt_min,
             "time_step_max": cfg.dt_max,
             "time_step_floor": cfg.dt_init_floor,
+            "time_step_limit": [cfg.dt_limit_min, math.inf],
         }
 
     def from_hf(self, cfg: dict[str, Any]) -> dict[str, Any]:
-        floor = cfg.get("time_step_min", 0.001)
+        init_min = cfg.get("time_step_min") or 0.001
+        limit = cfg.get("time_step_limit") or [0.0]
         return {
             "heads": cfg["mamba_num_heads"],
             "head_dim": cfg["mamba_head_dim"],
@@ -258,10 +264,10 @@ class Mamba(LayerType):
             "groups": cfg.get("n_groups", 8),
             "conv_kernel": cfg.get("conv_kernel", 4),
             "chunk_size": cfg.get("chunk_size", 128),
-            "dt_min": floor if floor > 0 else 0.001,
+            "dt_min": init_min,
             "dt_max": cfg.get("time_step_max", 0.1),
             "dt_init_floor": cfg.get("time_step_floor", 1e-4),
-            "dt_limit_min": floor,  # what transformers clamps dt to
+            "dt_limit_min": float(limit[0] or 0.0),
             "conv_bias": cfg.get("use_conv_bias", True),
             "bias": cfg.get("use_bias", False),
         }
