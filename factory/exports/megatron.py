@@ -26,6 +26,7 @@ import yaml
 from factory.exports.hf_config import ExportError, hf_config
 from factory.exports.megatron_fields import (
     BRIDGE_COMMIT,
+    BRIDGE_SINCE,
     MEGATRON_CORE_VERSION,
     SECTIONS,
     Call,
@@ -125,12 +126,60 @@ def _call(cls: str, kwargs: dict[str, str], indent: str) -> str:
     return f"{cls}(\n{inner}{indent})"
 
 
+_PROVIDER_IMPORT = """\
+try:  # Megatron-Bridge 0.6 and later
+    from {module} import {cls}
+except ImportError:  # 0.3 to 0.5: NemotronH's provider, taking the same fields
+    from megatron.bridge.models.nemotronh import NemotronHModelProvider
+
+    def {cls}(**fields: Any) -> NemotronHModelProvider:
+        \"\"\"NemotronHModelProvider under 0.6's names; 0.3 calls the pattern hybrid_override_pattern.\"\"\"
+        known = {{f.name for f in dataclasses.fields(NemotronHModelProvider)}}
+        if "hybrid_layer_pattern" not in known:
+            fields["hybrid_override_pattern"] = fields.pop("hybrid_layer_pattern")
+        lacking = [name for name in _NEWER_BRIDGE if name in fields and name not in known]
+        if lacking:
+            needs = ", ".join(f"{{name}} ({{_NEWER_BRIDGE[name][0]}})" for name in lacking)
+            releases = {{_NEWER_BRIDGE[name][1] for name in lacking}}
+            since = max(releases, key=lambda v: tuple(map(int, v.split("."))))
+            raise ImportError(
+                f"Megatron-Bridge {{version('megatron-bridge')}} has no {{needs}}, which this "
+                f"blueprint needs; install Megatron-Bridge >= {{since}}"
+            )
+        return NemotronHModelProvider(**fields)"""
+
+
+def _provider_import(bp: Blueprint) -> str:
+    """The model provider's import: Bridge 0.6+'s class, else 0.3-0.5's under its names.
+
+    ``_NEWER_BRIDGE`` lists the provider fields this recipe sets that an older Bridge may lack,
+    with the blueprint path that asks for each and the first release that has it.
+    """
+    used = megatron_fields(bp)["model"]
+    newer = {
+        row.name: (row.blueprint, BRIDGE_SINCE[row.name])
+        for row in fields()
+        if row.section == "model" and row.name in used and row.name in BRIDGE_SINCE
+    }
+    module, cls = SECTIONS["model"]
+    table = "".join(f"    {name!r}: {where!r},\n" for name, where in newer.items())
+    return (
+        "# Provider fields an older Megatron-Bridge lacks: blueprint path, first release with it.\n"
+        f"_NEWER_BRIDGE: dict[str, tuple[str, str]] = {{\n{table}}}\n"
+        + _PROVIDER_IMPORT.format(module=module, cls=cls)
+    )
+
+
 def recipe_source(bp: Blueprint) -> str:
     """The text of ``recipe.py``."""
     fields = megatron_fields(bp)
     imports: dict[str, set[str]] = {}
-    for module, cls in {**SECTIONS, **_EXTRA_CLASSES}.values():
-        imports.setdefault(module, set()).add(cls)
+    for section, (module, cls) in {**SECTIONS, **_EXTRA_CLASSES}.items():
+        if section != "model":  # _provider_import chooses the provider's module
+            imports.setdefault(module, set()).add(cls)
+    imports.setdefault("dataclasses", set())
+    imports.setdefault("importlib.metadata", set()).add("version")
+    imports.setdefault("typing", set()).add("Any")
     imports.setdefault("megatron.bridge.training.config", set()).add("ConfigContainer")
     imports[SECTIONS["mixed_precision"][0]].add("get_mixed_precision_config")
     for value in fields["model"].values():
@@ -143,9 +192,10 @@ def recipe_source(bp: Blueprint) -> str:
         isinstance(v, Ref) and v.path.startswith("torch") for v in fields["model"].values()
     )
     head = ("import torch\n" if uses_torch else "") + "\n".join(
-        f"from {module} import {', '.join(sorted(names))}"
+        f"from {module} import {', '.join(sorted(names))}" if names else f"import {module}"
         for module, names in sorted(imports.items())
     )
+    head += "\n\n" + _provider_import(bp)
     sections = []
     for section, (_, cls) in {**SECTIONS, **_EXTRA_CLASSES}.items():
         if section == "mixed_precision":
@@ -188,10 +238,17 @@ def {name}(
 
 
 if __name__ == "__main__":
+    import sys
+
+    try:  # first, so a Bridge too old for the blueprint says so before the training imports
+        config = {name}()
+    except ImportError as exc:  # the installed Megatron-Bridge lacks a field the blueprint needs
+        sys.exit(f"{{__file__}}: {{exc}}")
+
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
-    pretrain({name}(), forward_step)
+    pretrain(config, forward_step)
 '''
 
 
