@@ -21,25 +21,35 @@ from conftest import PRESETS, REPO
 
 import factory
 from factory.exports.megatron import export_megatron
-from factory.exports.megatron_fields import BRIDGE_SINCE
+from factory.exports.megatron_fields import PROVIDER_FIELDS_SINCE
 
 NAMES = sorted(p.stem for p in PRESETS.glob("*.yaml"))
 UNFIT = "nano at WORLD_SIZE=3"
 MTP_FIELDS = {
     "mtp_hybrid_override_pattern": "model.mtp.pattern",
     "mtp_use_repeated_layer": "model.mtp.repeated",
+    "keep_mtp_spec_in_bf16": "precision.overrides (MTP layers)",
 }
 
 
-def _bridge_version() -> tuple[int, ...] | None:
+def _installed(package: str) -> tuple[int, ...] | None:
     try:
-        return tuple(int(part) for part in version("megatron-bridge").split(".")[:3])
+        return tuple(int(part) for part in version(package).split(".")[:3])
     except PackageNotFoundError:
         return None
 
 
+def _too_old_for_mtp() -> dict[str, str]:
+    """Package -> release it needs, for each MTP field the installed releases lack."""
+    return {
+        package: release
+        for package, release in PROVIDER_FIELDS_SINCE.values()
+        if _installed(package) < tuple(int(part) for part in release.split("."))
+    }
+
+
 pytestmark = pytest.mark.skipif(
-    _bridge_version() is None,
+    _installed("megatron-bridge") is None,
     reason="megatron-bridge is not installed (README: pip install --no-deps megatron-bridge)",
 )
 
@@ -57,7 +67,7 @@ def bridge_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             jobs.append([UNFIT, str(recipe), 3])
     # Run as a script only where it stops at the config: a newer Bridge would start training.
     script = out / "super" / "recipe.py"
-    as_script = [str(script)] if _bridge_version() < (0, 4, 0) else []
+    as_script = [str(script)] if _too_old_for_mtp() else []
     done = subprocess.run(
         [sys.executable, str(REPO / "tests" / "bridge_validate.py"), json.dumps(jobs), *as_script],
         capture_output=True,
@@ -75,23 +85,27 @@ def _needs_mtp(name: str) -> bool:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_bridge_validates_the_recipe_or_names_the_release_it_needs(name, bridge_report):
-    """Every preset validates, except that under Bridge 0.3.x super and ultra (multi-token
-    prediction) get one ImportError naming each missing field, the blueprint path that asks
-    for it and the first release that has it."""
+    """Every preset validates, except that under Bridge 0.3.x (megatron-core 0.16.1) super and
+    ultra (multi-token prediction) get one ImportError naming each missing field, the
+    blueprint path that asks for it and the first releases that have them."""
     result = bridge_report["results"][name]
-    if not (_needs_mtp(name) and _bridge_version() < (0, 4, 0)):
+    if not (_needs_mtp(name) and _too_old_for_mtp()):
         assert result == "ok"
         return
-    assert result.startswith(f"ImportError: Megatron-Bridge {bridge_report['bridge']} has no ")
+    installed = f"Megatron-Bridge {version('megatron-bridge')} with megatron-core "
+    assert result.startswith(f"ImportError: {installed}{version('megatron-core')} has no ")
     for field, where in MTP_FIELDS.items():
         assert f"{field} ({where})" in result
-    assert result.endswith(f"install Megatron-Bridge >= {BRIDGE_SINCE[next(iter(MTP_FIELDS))]}")
+    wants = " and ".join(
+        f"{package} >= {release}" for package, release in _too_old_for_mtp().items()
+    )
+    assert result.endswith(f"which this blueprint needs; install {wants}")
 
 
 def test_run_as_a_script_an_older_bridge_exits_with_one_line(bridge_report: dict[str, Any]):
     """``python recipe.py`` for super under Bridge 0.3.x: SystemExit (status 1) with the recipe's
     path and the same message, on one line, before any training import."""
-    if _bridge_version() >= (0, 4, 0):
+    if not _too_old_for_mtp():
         pytest.skip(f"super runs with Megatron-Bridge {bridge_report['bridge']}")
     said = bridge_report["results"]["super"].removeprefix("ImportError: ")
     assert bridge_report["as_script"] == f"{bridge_report['script']}: {said}"

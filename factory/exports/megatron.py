@@ -26,8 +26,8 @@ import yaml
 from factory.exports.hf_config import ExportError, hf_config
 from factory.exports.megatron_fields import (
     BRIDGE_COMMIT,
-    BRIDGE_SINCE,
     MEGATRON_CORE_VERSION,
+    PROVIDER_FIELDS_SINCE,
     SECTIONS,
     Call,
     Ref,
@@ -129,43 +129,58 @@ def _call(cls: str, kwargs: dict[str, str], indent: str) -> str:
 _PROVIDER_IMPORT = """\
 try:  # Megatron-Bridge 0.6 and later
     from {module} import {cls}
-except ImportError:  # 0.3 to 0.5: NemotronH's provider, taking the same fields
-    from megatron.bridge.models.nemotronh import NemotronHModelProvider
+except ImportError:  # 0.3 to 0.5: the same provider (same defaults) before its rename
+    from megatron.bridge.models.mamba.mamba_provider import MambaModelProvider
 
-    def {cls}(**fields: Any) -> NemotronHModelProvider:
-        \"\"\"NemotronHModelProvider under 0.6's names; 0.3 calls the pattern hybrid_override_pattern.\"\"\"
-        known = {{f.name for f in dataclasses.fields(NemotronHModelProvider)}}
+    def {cls}(**fields: Any) -> MambaModelProvider:
+        \"\"\"MambaModelProvider under 0.6's names; 0.3 calls the pattern hybrid_override_pattern.\"\"\"
+        known = {{f.name for f in dataclasses.fields(MambaModelProvider)}}
         if "hybrid_layer_pattern" not in known:
             fields["hybrid_override_pattern"] = fields.pop("hybrid_layer_pattern")
-        lacking = [name for name in _NEWER_BRIDGE if name in fields and name not in known]
+        lacking = [name for name in _NEWER if name in fields and name not in known]
         if lacking:
-            needs = ", ".join(f"{{name}} ({{_NEWER_BRIDGE[name][0]}})" for name in lacking)
-            releases = {{_NEWER_BRIDGE[name][1] for name in lacking}}
-            since = max(releases, key=lambda v: tuple(map(int, v.split("."))))
-            raise ImportError(
-                f"Megatron-Bridge {{version('megatron-bridge')}} has no {{needs}}, which this "
-                f"blueprint needs; install Megatron-Bridge >= {{since}}"
-            )
-        return NemotronHModelProvider(**fields)"""
+            raise ImportError(_too_old(lacking))
+        return MambaModelProvider(**fields)
+
+
+def _too_old(lacking: list[str]) -> str:
+    \"\"\"One line: the fields the installed packages lack, and the releases that have them.\"\"\"
+    needs = ", ".join(f"{{name}} ({{_NEWER[name][0]}})" for name in lacking)
+    wants: dict[str, str] = {{}}
+    for _, package, release in (_NEWER[name] for name in lacking):
+        wants[package] = max(wants.get(package, release), release, key=_release)
+    installed = "Megatron-Bridge {{}} with megatron-core {{}}".format(
+        version("megatron-bridge"), version("megatron-core")
+    )
+    install = " and ".join(f"{{package}} >= {{release}}" for package, release in wants.items())
+    return f"{{installed}} has no {{needs}}, which this blueprint needs; install {{install}}"
+
+
+def _release(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))"""
 
 
 def _provider_import(bp: Blueprint) -> str:
     """The model provider's import: Bridge 0.6+'s class, else 0.3-0.5's under its names.
 
-    ``_NEWER_BRIDGE`` lists the provider fields this recipe sets that an older Bridge may lack,
-    with the blueprint path that asks for each and the first release that has it.
+    0.6 renamed MambaModelProvider to HybridModelProvider (MambaModelProvider is a wrapper of it
+    there); NemotronHModelProvider is not the fallback: it adds Nemotron-H defaults the
+    blueprint did not ask for (first_last_layers_bf16, MoE router settings) and left in 0.5.
+
+    ``_NEWER`` lists the provider fields this recipe sets that an older Bridge or megatron-core
+    may lack: the blueprint path that asks for each, and the first release that has it.
     """
     used = megatron_fields(bp)["model"]
     newer = {
-        row.name: (row.blueprint, BRIDGE_SINCE[row.name])
+        row.name: (row.blueprint, *PROVIDER_FIELDS_SINCE[row.name])
         for row in fields()
-        if row.section == "model" and row.name in used and row.name in BRIDGE_SINCE
+        if row.section == "model" and row.name in used and row.name in PROVIDER_FIELDS_SINCE
     }
     module, cls = SECTIONS["model"]
     table = "".join(f"    {name!r}: {where!r},\n" for name, where in newer.items())
     return (
-        "# Provider fields an older Megatron-Bridge lacks: blueprint path, first release with it.\n"
-        f"_NEWER_BRIDGE: dict[str, tuple[str, str]] = {{\n{table}}}\n"
+        "# Provider fields older releases lack: blueprint path, package, first release with it.\n"
+        f"_NEWER: dict[str, tuple[str, str, str]] = {{\n{table}}}\n"
         + _PROVIDER_IMPORT.format(module=module, cls=cls)
     )
 

@@ -30,7 +30,7 @@ from factory.schemas.blueprint import Blueprint
 from factory.spec.layer_type import LAYER_TYPES, LayerType, MegatronField, Ref
 
 __all__ = [
-    "BRIDGE_SINCE",
+    "PROVIDER_FIELDS_SINCE",
     "SECTIONS",
     "Field",
     "Ref",
@@ -43,14 +43,14 @@ __all__ = [
 MEGATRON_CORE_VERSION = "0.16.1"
 BRIDGE_COMMIT = "067f987df03b8355b03192d88d70f1709fedf51a"  # 2026-08-22, package_info 0.7.0
 MEGATRON_LM_COMMIT = "2a75ac12c54ba6a42b34024756820bf819a2e25f"  # its 3rdparty/Megatron-LM
-# The first Megatron-Bridge release whose model provider has each "provider" field, read from
-# the 0.3.1, 0.4.0, 0.5.0 and 0.6.0 wheels on PyPI. 0.3.x names the pattern
-# hybrid_override_pattern (recipe.py renames it) and lacks the multi-token prediction fields;
-# 0.6.0 moved the provider to megatron.bridge.models.hybrid.
-BRIDGE_SINCE: dict[str, str] = {
-    "mtp_hybrid_override_pattern": "0.4.0",
-    "mtp_use_repeated_layer": "0.4.0",
-    "keep_mtp_spec_in_bf16": "0.4.0",
+# Model provider fields that Megatron-Bridge 0.3.x (with megatron-core 0.16.1) lacks, with the
+# first release that has each: read from the Megatron-Bridge 0.3.1, 0.4.0, 0.5.0 and 0.6.0 wheels
+# and megatron-core 0.17.0's TransformerConfig (mtp_use_repeated_layer is megatron-core's).
+# 0.3.x names the pattern hybrid_override_pattern, which recipe.py renames.
+PROVIDER_FIELDS_SINCE: dict[str, tuple[str, str]] = {
+    "mtp_hybrid_override_pattern": ("Megatron-Bridge", "0.4.0"),
+    "keep_mtp_spec_in_bf16": ("Megatron-Bridge", "0.4.0"),
+    "mtp_use_repeated_layer": ("megatron-core", "0.17.0"),
 }
 
 
