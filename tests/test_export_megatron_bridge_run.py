@@ -120,3 +120,17 @@ def test_validate_rejects_a_world_size_the_layout_does_not_fit(bridge_report: di
     """The check has teeth: the same nano recipe fails Bridge's validate() at WORLD_SIZE=3."""
     assert bridge_report["results"]["nano"] == "ok"
     assert bridge_report["results"][UNFIT] != "ok"
+
+
+def test_the_transformer_engine_stub_records_every_call():
+    """So an empty ``te_calls`` means nothing called it (no Bridge import needed)."""
+    probe = (
+        "import bridge_te_stub; bridge_te_stub.install()\n"
+        "import transformer_engine.pytorch as te\n"
+        "try:\n    te.Linear(4, 4)\nexcept RuntimeError:\n    pass\n"
+        "print(bridge_te_stub.CALLS)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO / "tests"
+    )
+    assert done.stdout.strip() == "['transformer_engine.pytorch.Linear']"
