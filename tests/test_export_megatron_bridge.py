@@ -55,8 +55,12 @@ def bridge_problems(recipe: str, overrides: dict[str, Any]) -> tuple[list[str], 
     problems: list[str] = []
     tree = ast.parse(recipe)
     imported: dict[str, str] = {}
+    # The fallback for an older Bridge is checked by running it (test_export_megatron_bridge_run).
+    fallback = {
+        id(sub) for h in ast.walk(tree) if isinstance(h, ast.ExceptHandler) for sub in ast.walk(h)
+    }
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
+        if isinstance(node, ast.ImportFrom) and node.module and id(node) not in fallback:
             exported = BRIDGE["modules"].get(node.module)
             for alias in node.names:
                 imported[alias.asname or alias.name] = f"{node.module}.{alias.name}"

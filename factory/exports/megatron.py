@@ -27,6 +27,7 @@ from factory.exports.hf_config import ExportError, hf_config
 from factory.exports.megatron_fields import (
     BRIDGE_COMMIT,
     MEGATRON_CORE_VERSION,
+    PROVIDER_FIELDS_SINCE,
     SECTIONS,
     Call,
     Ref,
@@ -125,12 +126,75 @@ def _call(cls: str, kwargs: dict[str, str], indent: str) -> str:
     return f"{cls}(\n{inner}{indent})"
 
 
+_PROVIDER_IMPORT = """\
+try:  # Megatron-Bridge 0.6 and later
+    from {module} import {cls}
+except ImportError:  # 0.3 to 0.5: the same provider (same defaults) before its rename
+    from megatron.bridge.models.mamba.mamba_provider import MambaModelProvider
+
+    def {cls}(**fields: Any) -> MambaModelProvider:
+        \"\"\"MambaModelProvider under 0.6's names; 0.3 calls the pattern hybrid_override_pattern.\"\"\"
+        known = {{f.name for f in dataclasses.fields(MambaModelProvider)}}
+        if "hybrid_layer_pattern" not in known:
+            fields["hybrid_override_pattern"] = fields.pop("hybrid_layer_pattern")
+        lacking = [name for name in _NEWER if name in fields and name not in known]
+        if lacking:
+            raise ImportError(_too_old(lacking))
+        return MambaModelProvider(**fields)
+
+
+def _too_old(lacking: list[str]) -> str:
+    \"\"\"One line: the fields the installed packages lack, and the releases that have them.\"\"\"
+    needs = ", ".join(f"{{name}} ({{_NEWER[name][0]}})" for name in lacking)
+    wants: dict[str, str] = {{}}
+    for _, package, release in (_NEWER[name] for name in lacking):
+        wants[package] = max(wants.get(package, release), release, key=_release)
+    installed = "Megatron-Bridge {{}} with megatron-core {{}}".format(
+        version("megatron-bridge"), version("megatron-core")
+    )
+    install = " and ".join(f"{{package}} >= {{release}}" for package, release in wants.items())
+    return f"{{installed}} has no {{needs}}, which this blueprint needs; install {{install}}"
+
+
+def _release(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))"""
+
+
+def _provider_import(bp: Blueprint) -> str:
+    """The model provider's import: Bridge 0.6+'s class, else 0.3-0.5's under its names.
+
+    0.6 renamed MambaModelProvider to HybridModelProvider (MambaModelProvider is a wrapper of it
+    there); NemotronHModelProvider is not the fallback: it adds Nemotron-H defaults the
+    blueprint did not ask for (first_last_layers_bf16, MoE router settings) and left in 0.5.
+
+    ``_NEWER`` lists the provider fields this recipe sets that an older Bridge or megatron-core
+    may lack: the blueprint path that asks for each, and the first release that has it.
+    """
+    used = megatron_fields(bp)["model"]
+    newer = {
+        row.name: (row.blueprint, *PROVIDER_FIELDS_SINCE[row.name])
+        for row in fields()
+        if row.section == "model" and row.name in used and row.name in PROVIDER_FIELDS_SINCE
+    }
+    module, cls = SECTIONS["model"]
+    table = "".join(f"    {name!r}: {where!r},\n" for name, where in newer.items())
+    return (
+        "# Provider fields older releases lack: blueprint path, package, first release with it.\n"
+        f"_NEWER: dict[str, tuple[str, str, str]] = {{\n{table}}}\n"
+        + _PROVIDER_IMPORT.format(module=module, cls=cls)
+    )
+
+
 def recipe_source(bp: Blueprint) -> str:
     """The text of ``recipe.py``."""
     fields = megatron_fields(bp)
     imports: dict[str, set[str]] = {}
-    for module, cls in {**SECTIONS, **_EXTRA_CLASSES}.values():
-        imports.setdefault(module, set()).add(cls)
+    for section, (module, cls) in {**SECTIONS, **_EXTRA_CLASSES}.items():
+        if section != "model":  # _provider_import chooses the provider's module
+            imports.setdefault(module, set()).add(cls)
+    imports.setdefault("dataclasses", set())
+    imports.setdefault("importlib.metadata", set()).add("version")
+    imports.setdefault("typing", set()).add("Any")
     imports.setdefault("megatron.bridge.training.config", set()).add("ConfigContainer")
     imports[SECTIONS["mixed_precision"][0]].add("get_mixed_precision_config")
     for value in fields["model"].values():
@@ -143,9 +207,10 @@ def recipe_source(bp: Blueprint) -> str:
         isinstance(v, Ref) and v.path.startswith("torch") for v in fields["model"].values()
     )
     head = ("import torch\n" if uses_torch else "") + "\n".join(
-        f"from {module} import {', '.join(sorted(names))}"
+        f"from {module} import {', '.join(sorted(names))}" if names else f"import {module}"
         for module, names in sorted(imports.items())
     )
+    head += "\n\n" + _provider_import(bp)
     sections = []
     for section, (_, cls) in {**SECTIONS, **_EXTRA_CLASSES}.items():
         if section == "mixed_precision":
@@ -188,10 +253,17 @@ def {name}(
 
 
 if __name__ == "__main__":
+    import sys
+
+    try:  # first, so a Bridge too old for the blueprint says so before the training imports
+        config = {name}()
+    except ImportError as exc:  # the installed Megatron-Bridge lacks a field the blueprint needs
+        sys.exit(f"{{__file__}}: {{exc}}")
+
     from megatron.bridge.training.gpt_step import forward_step
     from megatron.bridge.training.pretrain import pretrain
 
-    pretrain({name}(), forward_step)
+    pretrain(config, forward_step)
 '''
 
 

@@ -30,6 +30,7 @@ from factory.schemas.blueprint import Blueprint
 from factory.spec.layer_type import LAYER_TYPES, LayerType, MegatronField, Ref
 
 __all__ = [
+    "PROVIDER_FIELDS_SINCE",
     "SECTIONS",
     "Field",
     "Ref",
@@ -42,6 +43,15 @@ __all__ = [
 MEGATRON_CORE_VERSION = "0.16.1"
 BRIDGE_COMMIT = "067f987df03b8355b03192d88d70f1709fedf51a"  # 2026-08-22, package_info 0.7.0
 MEGATRON_LM_COMMIT = "2a75ac12c54ba6a42b34024756820bf819a2e25f"  # its 3rdparty/Megatron-LM
+# Model provider fields that Megatron-Bridge 0.3.x (with megatron-core 0.16.1) lacks, with the
+# first release that has each: read from the Megatron-Bridge 0.3.1, 0.4.0, 0.5.0 and 0.6.0 wheels
+# and megatron-core 0.17.0's TransformerConfig (mtp_use_repeated_layer is megatron-core's).
+# 0.3.x names the pattern hybrid_override_pattern, which recipe.py renames.
+PROVIDER_FIELDS_SINCE: dict[str, tuple[str, str]] = {
+    "mtp_hybrid_override_pattern": ("Megatron-Bridge", "0.4.0"),
+    "keep_mtp_spec_in_bf16": ("Megatron-Bridge", "0.4.0"),
+    "mtp_use_repeated_layer": ("megatron-core", "0.17.0"),
+}
 
 
 @dataclass(frozen=True)
