@@ -44,6 +44,18 @@ def _publishable(path: Path, mode: int) -> None:
     os.chmod(path, mode & ~_umask())
 
 
+def _readable_as_the_umask_allows(folder: Path) -> None:
+    """Give every file under ``folder`` the permissions a plain ``open`` would have: some
+    writers (safetensors' ``save_file``) create theirs 0600, which nobody else on a shared
+    cluster can read. Bits a file already has (a script's execute bit) are kept."""
+    allowed = 0o666 & ~_umask()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            mode = path.stat().st_mode & 0o7777
+            if mode | allowed != mode:
+                os.chmod(path, mode | allowed)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` atomically, as :func:`atomic_write_bytes` does."""
     atomic_write_bytes(path, text.encode("utf-8"))
@@ -81,6 +93,7 @@ def staged_directory(target: Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     _publishable(staging, 0o777)
+    _readable_as_the_umask_allows(staging)
     retired = None
     if target.exists():
         retired = target.with_name(f".{target.name}.old-{os.getpid()}")

@@ -6,6 +6,7 @@ compares logits in float32.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,16 @@ def test_weights_flag_loads_a_checkpoint(cli, tmp_path: Path) -> None:
 def test_blueprint_types_are_what_the_cases_claim() -> None:
     assert isinstance(make(**ODD), Blueprint)
     assert make(**ODD).model.mamba.groups == 1
+
+
+def test_an_export_is_readable_as_the_umask_allows(tmp_path: Path) -> None:
+    """safetensors creates its file 0600: on a shared cluster nobody else could read a model
+    factory wrote. Every exported file gets the mode a plain open() would give it."""
+    compiled = CASES["super-proxy"]()
+    previous = os.umask(0o022)
+    try:
+        write_hf_checkpoint(compiled.model, compiled.blueprint, tmp_path / "hf")
+    finally:
+        os.umask(previous)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert modes == {"config.json": 0o644, "model.safetensors": 0o644}
