@@ -10,6 +10,7 @@ import yaml
 from conftest import PRESETS, REPO
 
 import factory
+from factory.precision.policy import resolve_policy
 
 
 def test_plan_json(cli) -> None:
@@ -118,3 +119,29 @@ def test_json_schema_rejects_unknown_keys() -> None:
     doc["model"]["hiden_size"] = 1
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(doc, schema)
+
+
+def test_precision_table_shows_every_name_and_glob_whole_in_80_columns(
+    cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Piped, rich lays the table out at 80 columns: an identifier is folded onto more lines,
+    never cut to 'backbone.layers.0.mixe...', and a glob's [qkv] is text, not a style tag."""
+    monkeypatch.setenv("COLUMNS", "80")
+    status, out, _ = cli("plan", "ultra", "--precision")
+    assert status == 0
+    rows = [line.split("│") for line in out.splitlines() if line.startswith("│")]
+    cells = [row for row in rows if len(row) == 6]  # the four-column table, not the shares
+    assert "…" not in out and "..." not in out
+    assert "*.mixer.[qkv]_proj" in out
+    # Each row's module cell, joined over its folded lines, names a linear module in full.
+    names, current = [], ""
+    for row in cells:
+        first, second = row[1].strip(), row[2].strip()
+        if second:  # a row starts where the format column is filled
+            if current:
+                names.append(current)
+            current = first
+        else:
+            current += first
+    names.append(current)
+    assert names == [row.name for row in resolve_policy(factory.load_blueprint("ultra"))]

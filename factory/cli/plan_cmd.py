@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from factory.checks.validate import load
 from factory.cli.output import print_diagnostics
@@ -48,7 +49,7 @@ def plan(
         return
 
     console = Console()
-    console.print(f"[bold]{blueprint.meta.name}[/bold]: {blueprint.meta.description}")
+    console.print(Text.assemble((blueprint.meta.name, "bold"), f": {blueprint.meta.description}"))
     for table in rich_tables(result):
         console.print(table)
     console.print(cost_summary(result), highlight=False)
@@ -70,11 +71,14 @@ def _print_precision(blueprint: Blueprint, as_json: bool) -> None:
         typer.echo(json.dumps({"modules": rows, "flops_share": shares}, indent=2))
         return
 
-    grid = Table(title=f"{blueprint.meta.name}: precision per linear module")
+    grid = Table(title=Text(f"{blueprint.meta.name}: precision per linear module"))
+    # Identifiers and globs are folded onto more lines, never cut short, and never markup.
     for column in ("module", "format", "why", "fwd FLOPs/token"):
-        grid.add_column(column, justify="right" if column.startswith("fwd") else "left")
+        right = column.startswith("fwd")
+        grid.add_column(column, justify="right" if right else "left", overflow="fold")
     for row in table:
-        grid.add_row(row.name, row.recipe, row.reason, f"{row.flops_per_token:,}")
+        cells = (row.name, row.recipe, row.reason, f"{row.flops_per_token:,}")
+        grid.add_row(*(Text(cell) for cell in cells))
     share = Table(title="share of linear FLOPs per format")
     share.add_column("format")
     share.add_column("share", justify="right")

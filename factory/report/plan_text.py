@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from rich.table import Table
+from rich.text import Text
 
 from factory.report.units import human_bytes, human_count, human_duration, human_flops
 
@@ -210,7 +211,7 @@ def rich_tables(plan: dict[str, Any]) -> list[Table]:
         table.add_column(justify="right")
         table.add_column(style="dim")
         for row in rows:
-            table.add_row(*row)
+            table.add_row(*(Text(cell) for cell in row))  # text, never rich markup
         tables.append(table)
     return tables
 
