@@ -1,14 +1,18 @@
-"""Progress of long jobs: the callback type, and a rich rendering of it for terminals.
+"""Progress of long jobs: the callback type, and its rendering in a terminal or a log.
 
 A job reports ``progress(stage, done, total)`` (:data:`Progress`) and never
-prints; :class:`RichProgress` turns those calls into a bar per
-stage. A stage's bar ends as soon as the stage is complete, so a job can hand
+prints; :class:`RichProgress` turns those calls into a bar per stage in a
+terminal. A stage's bar ends as soon as the stage is complete, so a job can hand
 the terminal to another live display between stages (the training loop draws
-its own bar): rich allows one live display at a time.
+its own bar): rich allows one live display at a time. Where the output is not a
+terminal (CI, Slurm, nohup, ``| tee``) a live display would leave blank lines, so
+the same calls become plain timestamped lines: a stage's start, its count every
+:data:`PLAIN_EVERY_S` seconds, and its end with the time it took.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from types import TracebackType
 
@@ -16,7 +20,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichBar
 
-__all__ = ["Progress", "RichProgress", "silent"]
+__all__ = ["PLAIN_EVERY_S", "Progress", "RichProgress", "silent"]
+
+PLAIN_EVERY_S = 30.0
+"""Seconds between two plain lines of one stage's count (a log's pace, not a bar's)."""
 
 Progress = Callable[[str, int, int], None]
 """``progress(stage, done, total)``: ``done`` of ``total`` units of ``stage`` are finished
@@ -41,13 +48,21 @@ class RichProgress:
             factory.data.build("nano", out, progress=progress)
     """
 
-    def __init__(self, console: Console | None = None) -> None:
-        self.console = console
+    def __init__(
+        self, console: Console | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.console = console or Console(stderr=True)
+        self.plain = not self.console.is_terminal
+        self.clock = clock
         self._bar: RichBar | None = None
         self._stage = ""
         self._task: TaskID | None = None
+        self._began = self._said = 0.0
 
     def __call__(self, stage: str, done: int, total: int) -> None:
+        if self.plain:
+            self._line(stage, done, total)
+            return
         if self._bar is None or stage != self._stage:
             self.close()
             self._bar, self._task = self._start(stage, total)
@@ -69,10 +84,28 @@ class RichProgress:
         bar.start()
         return bar, bar.add_task(stage, total=total or None)
 
+    def _line(self, stage: str, done: int, total: int) -> None:
+        """Off a terminal: a stage's start, its count now and then, and its end."""
+        now = self.clock()
+        if stage != self._stage:
+            self._stage, self._began, self._said = stage, now, now
+            self._say(f"{stage}: started" + (f" ({total:,} to do)" if total else ""))
+        count = f"{done:,}/{total:,}" if total else f"{done:,}"
+        if 0 < total <= done:
+            self._say(f"{stage}: {count} done in {_duration(now - self._began)}")
+            self._stage = ""
+        elif now - self._said >= PLAIN_EVERY_S:
+            self._said = now
+            self._say(f"{stage}: {count} after {_duration(now - self._began)}")
+
+    def _say(self, line: str) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        self.console.print(f"{stamp} {line}", markup=False, highlight=False, soft_wrap=True)
+
     @property
     def drawing(self) -> bool:
-        """Whether a stage's bar is live (an incomplete stage is being reported)."""
-        return self._bar is not None
+        """Whether a stage is being reported (a bar is live, or a log's stage is open)."""
+        return self._bar is not None or (self.plain and bool(self._stage))
 
     def close(self) -> None:
         """End the current stage's bar, if one is drawn."""
@@ -90,3 +123,15 @@ class RichProgress:
         trace: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def _duration(seconds: float) -> str:
+    """``42 s``, ``3 min 20 s``, ``2 h 05 min``: a duration as people read it in a log."""
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole} s"
+    minutes, secs = divmod(whole, 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min"

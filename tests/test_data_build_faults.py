@@ -7,6 +7,7 @@ import errno
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -46,9 +47,13 @@ def _recipe(root: Path) -> Path:
     return recipe
 
 
+PROGRESS = re.compile(r"^\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} ")
+"""The timestamp that starts a progress line (output that is not a terminal gets them)."""
+
+
 def _lines(text: str) -> list[str]:
-    """What a command printed, without the blank lines the progress display leaves."""
-    return [line for line in text.splitlines() if line.strip()]
+    """What a command printed, without its progress lines."""
+    return [line for line in text.splitlines() if line.strip() and not PROGRESS.match(line)]
 
 
 def _published(out: Path) -> dict[str, bytes]:

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 import typing
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 import factory
-from factory.progress import RichProgress
+from factory.progress import PLAIN_EVERY_S, RichProgress
 
 Reports = list[tuple[str, int, int]]
 
@@ -129,19 +131,45 @@ def test_train_on_built_data_reports_every_step(proxy_data, tmp_path: Path) -> N
     ]
 
 
-def test_rich_progress_ends_each_stage_and_draws_nothing_off_a_terminal() -> None:
-    out = io.StringIO()
-    from rich.console import Console
-
-    with RichProgress(Console(file=out)) as progress:
+def test_off_a_terminal_progress_is_plain_timestamped_lines() -> None:
+    """CI, Slurm, nohup and pipes get a log, not a live display's blank lines: a stage's start,
+    its count every PLAIN_EVERY_S seconds, and its end with the time it took."""
+    out, now = io.StringIO(), [0.0]
+    with RichProgress(Console(file=out), clock=lambda: now[0]) as progress:
         progress("curate", 0, 3)
+        now[0] = PLAIN_EVERY_S - 1
+        progress("curate", 1, 3)  # too soon for another line
+        now[0] = PLAIN_EVERY_S + 1
+        progress("curate", 2, 3)
+        now[0] = 200.0
         progress("curate", 3, 3)
-        assert not progress.drawing  # a complete stage hands the terminal back
-        progress("shards", 1, 0)  # total not known yet: drawn until the stage ends
-        assert progress.drawing
-        progress("compile", 0, 1)  # a new stage ends the previous one
+        assert not progress.drawing  # a complete stage is closed
+        progress("shards", 1, 0)  # total not known yet: open until the stage ends
         assert progress.drawing
     assert not progress.drawing
+    stamp = r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} "
+    said = [re.sub(f"^{stamp}", "", line) for line in out.getvalue().splitlines()]
+    assert all(re.match(stamp, line) for line in out.getvalue().splitlines())
+    assert said == [
+        "curate: started (3 to do)",
+        "curate: 2/3 after 31 s",
+        "curate: 3/3 done in 3 min 20 s",
+        "shards: started",
+    ]
+
+
+def test_a_piped_data_build_logs_its_stages(tmp_path: Path) -> None:
+    """Run as a job runs it, output piped: every line of the log says something."""
+    out = tmp_path / "shards"
+    done = subprocess.run(
+        [sys.executable, "-m", "factory", "data", "build", "nano", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stderr.splitlines()
+    assert lines and all(line.strip() for line in lines), done.stderr
+    assert any(line.endswith("curate: started (11 to do)") for line in lines), done.stderr
+    assert any(" shards: " in line and " done in " in line for line in lines), done.stderr
 
 
 def test_precision_help_names_every_backend() -> None:
