@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from pathlib import Path
 
@@ -145,3 +146,19 @@ def test_precision_table_shows_every_name_and_glob_whole_in_80_columns(
             current += first
     names.append(current)
     assert names == [row.name for row in resolve_policy(factory.load_blueprint("ultra"))]
+
+
+def test_version_prints_the_installed_version(cli) -> None:
+    status, out, _ = cli("--version")
+    assert status == 0
+    assert out.strip() == f"factory {importlib.metadata.version('nemotron-factory')}"
+
+
+def test_plan_tables_have_no_empty_column(cli) -> None:
+    """The Layout rows carry no note: their table has two columns, not an empty third."""
+    status, out, _ = cli("plan", "nano")
+    assert status == 0
+    boxed = [line for line in out.splitlines() if line.startswith("│")]
+    assert boxed and not any("│  │" in line or line.rstrip().endswith("│  │") for line in boxed)
+    layout = out[out.index("Layout") :].splitlines()
+    assert layout[2].count("│") == 3  # │ world_size │ 32 │

@@ -6,6 +6,8 @@ import it while ``app.py`` imports every command module at the top.
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
 import typer
 
 __all__ = ["app"]
@@ -17,3 +19,22 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        typer.echo(f"factory {version('nemotron-factory')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    show_version: bool = typer.Option(
+        False,
+        "--version",
+        callback=_print_version,
+        is_eager=True,
+        help="Print the installed version and exit.",
+    ),
+) -> None:
+    """Blueprints in: training graphs, plans, exports and data shards out."""

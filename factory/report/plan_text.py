@@ -209,9 +209,11 @@ def rich_tables(plan: dict[str, Any]) -> list[Table]:
         table = Table(title=title, title_justify="left", show_header=False)
         table.add_column(style="bold")
         table.add_column(justify="right")
-        table.add_column(style="dim")
+        notes = any(row[2] for row in rows)  # no empty column where no row has a note
+        if notes:
+            table.add_column(style="dim")
         for row in rows:
-            table.add_row(*(Text(cell) for cell in row))  # text, never rich markup
+            table.add_row(*(Text(cell) for cell in row[: 3 if notes else 2]))  # never markup
         tables.append(table)
     return tables
 
