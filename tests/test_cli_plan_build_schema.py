@@ -162,3 +162,34 @@ def test_plan_tables_have_no_empty_column(cli) -> None:
     assert boxed and not any("│  │" in line or line.rstrip().endswith("│  │") for line in boxed)
     layout = out[out.index("Layout") :].splitlines()
     assert layout[2].count("│") == 3  # │ world_size │ 32 │
+
+
+def _command_paths() -> list[tuple[str, ...]]:
+    """Every command and group of the ``factory`` CLI, as argument tuples."""
+    import click
+    import typer
+
+    from factory.cli.app import app
+
+    paths: list[tuple[str, ...]] = []
+
+    def walk(command: click.Command, path: tuple[str, ...]) -> None:
+        paths.append(path)
+        for name, sub in getattr(command, "commands", {}).items():
+            walk(sub, (*path, name))
+
+    walk(typer.main.get_command(app), ())
+    return paths
+
+
+def test_help_reads_as_prose(cli) -> None:
+    """Flags show no value placeholder, brackets in help texts are not eaten as markup, and a
+    group's listing shows each command's whole first line (click cuts a long one with ...)."""
+    for path in _command_paths():
+        status, out, _ = cli(*path, "--help")
+        assert status == 0, path
+        assert "<bool>" not in out, path
+        listing = out.partition("Commands:")[2]
+        assert not [line for line in listing.splitlines() if line.endswith("...")], path
+    _, out, _ = cli("data", "build", "--help")
+    assert "'factory[scale]'" in " ".join(out.split())

@@ -44,9 +44,12 @@ def build(
     workers: Annotated[int, typer.Option("--workers", min=1, help="Data worker processes.")] = 1,
     overrides: SetOption = None,
 ) -> None:
-    """Run the whole factory: validate, plan, the model on the meta device, the precision
-    table, the HF and Megatron exports, the curated data, a smoke run of the proxy, a
-    2-process layout check and one report page. A rerun reuses what is done."""
+    """Run every stage on a blueprint, into one folder and one report.
+
+    Validate, plan, the model on the meta device, the precision table, the HF and Megatron
+    exports, the curated data, a smoke run of the proxy and a 2-process layout check. A
+    rerun reuses what is done.
+    """
     console = Console(stderr=True)
     for stage in skip or []:
         if stage not in STAGES:

@@ -68,10 +68,12 @@ def build_cmd(
         ),
     ] = False,
 ) -> None:
-    """Curate a recipe's sources into webdataset shards (resumable: rerun after a crash).
+    """Curate a recipe's sources into webdataset shards Energon loads.
 
-    Both executors write the same bytes. One build at a time per --out; a rerun re-checks
-    the shards it keeps. A build with no surviving document exits 2 (see --allow-empty)."""
+    Resumable: rerun after a crash. Both executors write the same bytes. One build at a
+    time per --out; a rerun re-checks the shards it keeps. A build with no surviving
+    document exits 2 (see --allow-empty).
+    """
     if re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", str(out)):
         raise typer.BadParameter(
             "object-store URLs are not supported: builds publish files by rename; mount the "
@@ -110,9 +112,12 @@ def build_cmd(
 
 @data_app.command("verify")
 def verify_cmd(directory: Annotated[Path, typer.Argument(help="A built data folder.")]) -> None:
-    """Re-hash every shard against manifest.json and re-derive Energon's index from the tars;
-    exit 1 and name each bad shard and each missing or stale index file; exit 2 for a folder
-    without a readable manifest."""
+    """Check a data folder's shards and index against its manifest.
+
+    Re-hashes every shard against manifest.json and re-derives Energon's index from the
+    tars; exits 1 naming each bad shard and each missing or stale index file, 2 for a folder
+    without a readable manifest.
+    """
     try:
         bad = verify(directory)
     except ManifestError as exc:
@@ -135,7 +140,10 @@ def inspect_cmd(
     directory: Annotated[Path, typer.Argument(help="A built data folder.")],
     png: Annotated[Path | None, typer.Option("--png", help="Where to draw token shares.")] = None,
 ) -> None:
-    """Token shares per category and per source: a table, and a PNG (default DIR/shares.png)."""
+    """Show token shares per category and per source.
+
+    A table, and a PNG (default DIR/shares.png).
+    """
     try:
         rows = inspect_table(directory)
     except ManifestError as exc:

@@ -39,7 +39,10 @@ def export_hf_cmd(
     ] = None,
     overrides: SetOption = None,
 ) -> None:
-    """Write config.json and model.safetensors that transformers loads as NemotronHForCausalLM."""
+    """Write a Hugging Face checkpoint (NemotronHForCausalLM).
+
+    config.json and model.safetensors, which transformers loads.
+    """
     bp = factory.load_blueprint(target, overrides or [])
     if proxy:
         bp = derive_proxy(bp)
@@ -68,8 +71,11 @@ def export_megatron_cmd(
     ] = "megatron",
     overrides: SetOption = None,
 ) -> None:
-    """Write a Megatron-Bridge recipe.py, overrides.yaml, launch.sh, hf/, README.md and, for
-    per-module formats, quant_recipe.yaml."""
+    """Write a Megatron-Bridge training recipe.
+
+    recipe.py, overrides.yaml, launch.sh, hf/, README.md and, for per-module formats,
+    quant_recipe.yaml.
+    """
     bp = factory.load_blueprint(target, overrides or [])
     try:
         export_megatron(bp, out, allow_unexpressed=allow_unexpressed, data_format=data)
@@ -93,7 +99,10 @@ def import_hf_cmd(
     ],
     out: Annotated[Path, typer.Option("--out", help="Blueprint YAML to write.")],
 ) -> None:
-    """Write a blueprint reproducing a NemotronH checkpoint; it starts from that checkpoint's weights."""
+    """Write a blueprint reproducing a NemotronH checkpoint.
+
+    The blueprint starts from that checkpoint's weights.
+    """
     atomic_write_text(out, blueprint_yaml_from_hf(directory))
     typer.echo(f"wrote {out}")
     if not has_weights(directory):

@@ -34,7 +34,10 @@ def plan(
         typer.Option("--precision", help="Print the per-module precision table and FLOPs shares."),
     ] = False,
 ) -> None:
-    """Plan a blueprint: exact parameter counts, FLOPs per token, memory per rank, cost."""
+    """Count a blueprint's parameters, FLOPs, memory per rank and cost.
+
+    The counts are exact (the model's own tensors, on no device); nothing is trained.
+    """
     loaded = load(target, overrides or [])
     print_diagnostics(loaded.warnings)
     blueprint = loaded.blueprint

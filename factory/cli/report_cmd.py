@@ -22,8 +22,10 @@ def report(
         typer.Option("--out", help="Report folder (default RUN_DIR/report); replaced whole."),
     ] = None,
 ) -> None:
-    """Render a training run's loss, learning rate, gradient norm, MaxVio and residual RMS
-    plots and its monitor events into one self-contained report.html.
+    """Render a training run's report.html.
+
+    One self-contained page: loss, learning rate, gradient norm, MaxVio and residual RMS
+    plots, and the monitor events.
 
     Works on a live run too: a last line the run is still writing is skipped.
     """

@@ -18,6 +18,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Click's plain help: rich's panels show flags as `--proxy <bool>` and read brackets in
+    # help texts ('factory[scale]') as markup.
+    rich_markup_mode=None,
 )
 
 

@@ -109,8 +109,11 @@ def train(
     ] = None,
     overrides: SetOption = None,
 ) -> None:
-    """Train on the blueprint's data recipe with checkpoints and stability monitors; write
-    data/, checkpoints/, metrics.jsonl, and at the end train.json, model/ and report/."""
+    """Train a blueprint (or its CPU proxy) on its data recipe.
+
+    With checkpoints and stability monitors; writes data/, checkpoints/, metrics.jsonl, and
+    at the end train.json, model/ and report/.
+    """
     console = Console(stderr=True)
     loaded = load(target, overrides or [])
     main_rank = os.environ.get("RANK", "0") == "0"

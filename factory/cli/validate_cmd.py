@@ -96,7 +96,11 @@ def validate(
     how: FormatOption = DiagnosticFormat.text,
     strict: StrictOption = False,
 ) -> None:
-    """Validate blueprints and data recipes: schema, composition and every cross-field rule."""
+    """Check blueprints and data recipes (all shipped ones by default).
+
+    Each is checked against its schema, composed from its bases and overrides, and run
+    through every cross-field rule; problems print as file:line: path: message.
+    """
     chosen = [(t, None) for t in targets] if targets else _default_targets(not overrides)
     failed = 0
     everything: list[Diagnostic] = []
