@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["lazy_getattr"]
+__all__ = ["lazy_dir", "lazy_getattr"]
 
 
 def lazy_getattr(package: str, table: dict[str, str], namespace: dict[str, Any]) -> Callable:
@@ -31,3 +31,15 @@ def lazy_getattr(package: str, table: dict[str, str], namespace: dict[str, Any])
         return value
 
     return __getattr__
+
+
+def lazy_dir(table: dict[str, str], namespace: dict[str, Any]) -> Callable[[], list[str]]:
+    """A module ``__dir__`` listing the package's public API (``table``'s names and
+    ``__all__``, before any is first read) and its dunders, without the helpers it imports,
+    so that ``dir(package)``, completion and ``help(package)`` show what users may call."""
+
+    def __dir__() -> list[str]:
+        public = set(table) | set(namespace.get("__all__", ()))
+        return sorted(public | {name for name in namespace if name.startswith("__")})
+
+    return __dir__

@@ -187,3 +187,21 @@ def test_jobs_resolve_without_importing_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_dir_and_help_list_the_public_api() -> None:
+    """``dir(factory)`` names every export before any is read (without importing torch), and
+    ``help(factory)`` documents each, with the first line of its own docstring."""
+    script = (
+        "import sys, factory\n"
+        "listed = [n for n in dir(factory) if not n.startswith('_')]\n"
+        "assert listed == sorted(factory.__all__), listed\n"
+        "assert 'torch' not in sys.modules, 'torch'\n"
+        "import pydoc\n"
+        "page = pydoc.render_doc(factory, renderer=pydoc.plaintext)\n"
+        "for name in ('load_blueprint', 'plan', 'build', 'train', 'export_hf'):\n"
+        "    first = getattr(factory, name).__doc__.strip().splitlines()[0]\n"
+        "    assert first in page, (name, first)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

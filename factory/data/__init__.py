@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from factory.lazy import lazy_getattr
+from factory.lazy import lazy_dir, lazy_getattr
 
 __all__ = ["LoadedRecipe", "build", "load_recipe"]
 
@@ -33,3 +33,4 @@ _LAZY = {
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())
+__dir__ = lazy_dir(_LAZY, globals())
