@@ -15,7 +15,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["DISK_FULL", "atomic_write_bytes", "atomic_write_text", "naming", "staged_directory"]
+__all__ = [
+    "DISK_FULL",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "folder_bytes",
+    "naming",
+    "staged_directory",
+]
 
 DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 """The errnos of a write that found no room: a full disk, or a quota used up."""
@@ -101,3 +108,8 @@ def staged_directory(target: Path) -> Iterator[Path]:
     os.replace(staging, target)
     if retired is not None:
         shutil.rmtree(retired, ignore_errors=True)
+
+
+def folder_bytes(folder: Path) -> int:
+    """The bytes of every file under ``folder`` (what it takes on disk, give or take blocks)."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and not p.is_symlink())

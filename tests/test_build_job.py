@@ -1,7 +1,8 @@
 """``factory build``: stages, records, reuse after a kill, and the training verdicts.
 
 The full build (smoke run and 2-process check included) runs once, in
-tests/test_build_e2e.py; here the training stages are skipped.
+tests/test_report_build_page.py (its ``full_build`` fixture); here the training stages
+are skipped.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ def test_plan_of_bad_blueprint_exits_2(cli) -> None:
     assert "--set:1: parallelism.ep:" in err
 
 
-# The training stages are tests/test_build_e2e.py's; these builds leave them out.
+# The training stages are tests/test_report_build_page.py's; these builds leave them out.
 NO_TRAINING = ("--skip", "smoke", "--skip", "distributed")
 
 

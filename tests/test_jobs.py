@@ -29,7 +29,7 @@ def proxy_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, Re
     """nano's recipe packed at the proxy's 256 tokens, as factory.train would build it."""
     seen, progress = _recorder()
     out = tmp_path_factory.mktemp("data") / "nano-256"
-    manifest = factory.data.build("nano", out, seq_len=256, progress=progress, keep_work=False)
+    manifest = factory.data.build("nano", out, seq_len=256, progress=progress)
     return out, manifest, seen
 
 
@@ -37,7 +37,7 @@ def test_data_build_returns_the_manifest_and_reports_its_stages(proxy_data) -> N
     out, manifest, seen = proxy_data
     assert manifest == json.loads((out / "manifest.json").read_text())
     assert manifest["packing"]["seq_len"] == 256  # seq_len overrides the recipe's 4096
-    assert not (out / ".work").exists()  # keep_work=False
+    assert not (out / ".work").exists()  # a completed build keeps no intermediates
     assert seen[0][0] == "curate" and ("dedup", 1, 1) in seen
     shards = len(manifest["shards"])
     assert ("shards", shards, shards) in seen  # the final report ends the stage

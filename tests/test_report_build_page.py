@@ -195,3 +195,15 @@ def test_report_is_written_atomically_and_imports_no_torch(tmp_path: Path) -> No
     root.mkdir()
     target = write_build_report(root)
     assert target == root / "report.html" and [p.name for p in root.iterdir()] == ["report.html"]
+
+
+def test_a_finished_build_keeps_what_a_rerun_needs_and_no_checkpoints(full_build: Path) -> None:
+    """The training stages' checkpoints only resume them; a finished build drops them (and
+    the layout check's model), keeping the smoke run's model, metrics and report."""
+    assert not list(full_build.rglob("checkpoints"))
+    assert not (full_build / "distributed" / "model").exists()
+    for kept in ("model/model.safetensors", "metrics.jsonl", "report/report.html"):
+        assert (full_build / "smoke" / kept).is_file(), kept
+    result = factory.build(factory.load_blueprint("nano"), out=full_build, steps=4, check_steps=1)
+    assert {r.status for r in result.stages} == {"reused", "done"}  # only the page is redone
+    assert result.size == sum(p.stat().st_size for p in full_build.rglob("*") if p.is_file())

@@ -17,6 +17,7 @@ from factory.errors import BlueprintError
 from factory.jobs.build_defaults import DEFAULT_CHECK_STEPS, DEFAULT_SMOKE_STEPS
 from factory.progress import RichProgress
 from factory.report.build_folder import STAGES
+from factory.report.units import human_bytes
 
 if TYPE_CHECKING:
     from factory.jobs.build import StageRecord
@@ -93,4 +94,7 @@ def build(
         raise typer.Exit(1) from None
     report = result.out / "report.html"
     where = f"; report: {report}" if report.is_file() else ""
-    console.print(f"[green]built[/green] {loaded.blueprint.meta.name} -> {result.out}{where}")
+    size = human_bytes(result.size)
+    console.print(
+        f"[green]built[/green] {loaded.blueprint.meta.name} -> {result.out} ({size}){where}"
+    )

@@ -12,7 +12,8 @@ Layout of the output folder::
     megatron/                 optional indexed .bin/.idx
     quarantine.jsonl          malformed input lines: key, reason and input file
     manifest.json             recipe hash, counts per step, drop reasons, shard hashes
-    .work/                    intermediates (kept for resume; safe to delete afterwards)
+    .work/                    intermediates of an unfinished build, for its resume; removed
+                              when the build completes (``keep_work`` keeps them)
     .build.lock               one build at a time (``build_lock``); empty when none runs
 
 Everything written is a function of the recipe, its seed and the inputs, so a
@@ -106,7 +107,7 @@ def build(
     workers: int = 1,
     seq_len: int | None = None,
     progress: Progress | None = None,
-    keep_work: bool = True,
+    keep_work: bool = False,
     executor: str = "local",
     address: str | None = None,
     allow_empty: bool = False,
@@ -119,8 +120,9 @@ def build(
     ``seq_len`` packs to that length instead of the recipe's (a blueprint's
     ``data.seq_len`` decides it). ``workers`` processes curate input files in
     parallel; the output is byte-identical for any count. ``progress`` gets
-    ``curate``, ``dedup`` and ``shards`` reports. ``keep_work=False`` deletes
-    the ``.work`` intermediates afterwards, which gives up resuming.
+    ``curate``, ``dedup`` and ``shards`` reports. A completed build removes its
+    ``.work`` intermediates, which only a resume reads (a later rerun re-hashes the
+    shards and, for one that changed, curates again); ``keep_work=True`` keeps them.
 
     ``executor="ray"`` runs the stages as Ray tasks (``factory.data.executors.ray_tasks``)
     on the cluster at ``address`` (or ``RAY_ADDRESS``), or on a Ray instance

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from factory.io import atomic_write_text
+from factory.io import atomic_write_text, folder_bytes
 from factory.jobs.build_defaults import DEFAULT_CHECK_STEPS, DEFAULT_SMOKE_STEPS
 from factory.jobs.build_stages import BuildContext, StageFailed, run_stage
 from factory.progress import Progress, silent
@@ -71,6 +71,8 @@ class StageRecord:
 class BuildResult:
     out: Path
     stages: list[StageRecord]
+    size: int
+    """Bytes of the build folder when the build ended."""
 
 
 def _fingerprint(bp: Blueprint, steps: int, check_steps: int) -> str:
@@ -155,7 +157,7 @@ def build(
             on_stage(record)
         if record.status == "failed":
             raise BuildFailed(stage, record.result)
-    return BuildResult(destination, done)
+    return BuildResult(destination, done, folder_bytes(destination))
 
 
 def _stage(

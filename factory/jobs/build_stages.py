@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -141,7 +142,6 @@ def _data(ctx: BuildContext) -> str:
         workers=ctx.workers,
         seq_len=bp.data.seq_len,
         progress=ctx.progress,
-        keep_work=False,
     )
     tokens = sum(s["after"]["tokens"] for s in manifest["sources"].values())
     dropped = sum(sum(s["dropped"].values()) for s in manifest["sources"].values())
@@ -165,8 +165,9 @@ def _smoke(ctx: BuildContext) -> str:
     )
     losses = run_losses(run)
     verdict = loss_falls(losses)
-    if not verdict.fell:
+    if not verdict.fell:  # its checkpoints stay, to look into
         raise StageFailed(f"the proxy's loss did not fall: {verdict.describe()}")
+    _drop_checkpoints(run)
     return f"proxy, {len(losses)} steps: {verdict.describe()}"
 
 
@@ -177,13 +178,29 @@ def _distributed(ctx: BuildContext) -> str:
     smoke = run_losses(ctx.out / "smoke")[: ctx.check_steps]
     check = run_layout_check(ctx.blueprint, ctx.out, len(smoke))
     comparison = compare_losses(check["losses"], smoke)
+    _drop_checkpoints(ctx.out / "distributed")  # a rerun of the check starts over anyway
+    shutil.rmtree(ctx.out / "distributed" / "model", ignore_errors=True)  # the smoke run's has it
     document = {**check, "smoke_losses": smoke, **comparison.to_dict()}
     atomic_write_text(ctx.out / "distributed.json", json.dumps(document, indent=2) + "\n")
-    layout = " x ".join(f"{k} {v}" for k, v in check["layout"].items() if v > 1)
-    line = f"{check['world_size']} ranks ({layout}), {len(smoke)} steps: {comparison.describe()}"
+    line = f"{_describe_layout(check)}; {len(smoke)} steps: {comparison.describe()}"
     if not comparison.passed:
         raise StageFailed(f"the layout's losses differ from one process's: {line}")
     return line
+
+
+def _describe_layout(check: dict[str, Any]) -> str:
+    """``2 ranks: dp 2, the experts split over them (ep 2)``: expert parallelism is folded
+    onto the other ranks, so its degree does not multiply the world size."""
+    layout = check["layout"]
+    grid = " x ".join(f"{k} {layout[k]}" for k in ("dp", "tp", "pp") if layout[k] > 1)
+    experts = f", the experts split over them (ep {layout['ep']})" if layout["ep"] > 1 else ""
+    return f"{check['world_size']} ranks: {grid}{experts}"
+
+
+def _drop_checkpoints(run: Path) -> None:
+    """A finished training stage's checkpoints (the proxy's weights and optimizer state, most
+    of a build's bytes) serve only to resume it; the build reuses the stage without them."""
+    shutil.rmtree(run / "checkpoints", ignore_errors=True)
 
 
 def _report(ctx: BuildContext) -> str:

@@ -169,7 +169,6 @@ def _curated(
                 workers=workers,
                 seq_len=bp.data.seq_len,
                 progress=progress,
-                keep_work=False,  # intermediates only; the run folder holds what trained
             )
         except Exception as exc:  # the other ranks wait for the answer, not for a timeout
             failure = exc
