@@ -66,6 +66,15 @@ def test_build_writes_resolved_plan_and_report(cli, tmp_path: Path) -> None:
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_build_prints_a_folder_named_like_markup_as_it_is(cli, tmp_path: Path) -> None:
+    """Paths and results are printed as text: rich would take ``[red]`` for a style."""
+    out = tmp_path / "b[red]x"
+    skips = [*NO_TRAINING, "--skip", "data", "--skip", "export", "--skip", "model"]
+    status, _, err = cli("build", "nano", "--out", str(out), *skips)
+    assert status == 0, err
+    assert f"-> {out.resolve()} (" in " ".join(err.split())
+
+
 def test_build_report_draws_every_layer(cli, tmp_path: Path) -> None:
     skips = [*NO_TRAINING, "--skip", "data", "--skip", "export"]
     assert cli("build", "super", "--out", str(tmp_path / "super"), *skips)[0] == 0

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 import factory
 from factory.checks.validate import load
@@ -22,7 +23,8 @@ from factory.report.units import human_bytes
 if TYPE_CHECKING:
     from factory.jobs.build import StageRecord
 
-_MARK = {"done": "[green]✓[/green]", "reused": "[green]✓[/green]", "skipped": "[dim]-[/dim]"}
+_MARK = {"done": ("✓", "green"), "reused": ("✓", "green"), "skipped": ("-", "dim")}
+_FAILED = ("✗", "red")
 
 
 @app.command()
@@ -62,10 +64,10 @@ def build(
     print_diagnostics(loaded.warnings)
 
     def say(record: StageRecord) -> None:
-        mark = _MARK.get(record.status, "[red]✗[/red]")
         reused = " (reused)" if record.status == "reused" else ""
+        line = f" {record.stage:<11} {record.seconds:7.1f} s  {record.result}{reused}"
         console.print(
-            f"{mark} {record.stage:<11} {record.seconds:7.1f} s  {record.result}{reused}",
+            Text.assemble(_MARK.get(record.status, _FAILED), line),
             highlight=False,
             soft_wrap=True,  # one line per stage, also in logs narrower than the line
         )
@@ -87,14 +89,13 @@ def build(
         print_diagnostics(exc.diagnostics)
         raise typer.Exit(EXIT_INVALID) from None
     except ValueError as exc:  # options that contradict each other
-        console.print(f"factory build: {exc}", highlight=False)
+        console.print(f"factory build: {exc}", markup=False, highlight=False)
         raise typer.Exit(EXIT_INVALID) from None
     except factory.BuildFailed as exc:
-        console.print(f"[red]build failed[/red] at {exc}", highlight=False)
+        console.print(Text.assemble(("build failed", "red"), f" at {exc}"), highlight=False)
         raise typer.Exit(1) from None
     report = result.out / "report.html"
     where = f"; report: {report}" if report.is_file() else ""
     size = human_bytes(result.size)
-    console.print(
-        f"[green]built[/green] {loaded.blueprint.meta.name} -> {result.out} ({size}){where}"
-    )
+    line = f" {loaded.blueprint.meta.name} -> {result.out} ({size}){where}"
+    console.print(Text.assemble(("built", "green"), line), highlight=False)

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 import factory
 from factory.cli.output import EXIT_INVALID
@@ -150,7 +151,7 @@ def inspect_cmd(
         typer.echo(f"factory: {exc}", err=True)
         raise typer.Exit(EXIT_INVALID) from None
 
-    table = Table(title=f"{directory}: token shares")
+    table = Table(title=Text(f"{directory}: token shares"))
     for column, justify in (
         ("level", "left"),
         ("name", "left"),
@@ -161,7 +162,8 @@ def inspect_cmd(
     ):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for level, name, category, documents, tokens, share in rows:
-        table.add_row(level, name, category, f"{documents:,}", f"{tokens:,}", f"{share:.1%}")
+        names = (Text(level), Text(name), Text(category))  # a recipe's names, not markup
+        table.add_row(*names, f"{documents:,}", f"{tokens:,}", f"{share:.1%}")
     Console().print(table)
     target = png or directory / "shares.png"
     write_share_plot(directory, target)
