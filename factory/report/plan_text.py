@@ -49,6 +49,25 @@ class PlanTable:
     a note."""
 
 
+FLOPS_LABELS = {
+    "megatron": "Megatron's formula",
+    "exact": "exact count",
+    "exact_forward": "exact count, forward only",
+    "by_layer_type": "exact",
+    "megatron_by_layer_type": "Megatron's formula",
+}
+"""Words for the keys of ``FlopsPerToken.to_dict()``."""
+
+
+def _flops_label(key: str) -> str:
+    """'by_layer_type.moe' -> 'moe layers, exact'; a key it does not know, as it is."""
+    group, _, layer_type = key.partition(".")
+    if layer_type:
+        what = "LM head" if layer_type == "head" else f"{layer_type} layers"
+        return f"{what}, {FLOPS_LABELS.get(group, group)}"
+    return FLOPS_LABELS.get(key, key)
+
+
 def plan_tables(plan: dict[str, Any], cpu_proxy: bool = False) -> list[PlanTable]:
     """Every part of the plan as a table. A CPU proxy's cost and failure figures would price
     GPUs it never uses, so its plan says they do not apply instead."""
@@ -68,11 +87,11 @@ def plan_tables(plan: dict[str, Any], cpu_proxy: bool = False) -> list[PlanTable
         )
     flops = plan["flops_per_token"]
     flop_rows = [
-        (key, f"{round(value):,}", human_flops(value))
+        (_flops_label(key), f"{round(value):,}", human_flops(value))
         for key, value in flatten(flops)
         if isinstance(value, (int, float)) and value and key != "seq_len"
     ]
-    flop_rows.insert(0, ("seq_len", f"{flops['seq_len']:,}", ""))
+    flop_rows.insert(0, ("sequence length", f"{flops['seq_len']:,}", "tokens"))
     memory = plan["memory_per_rank_bytes"]
     activations = memory["activations"]
     memory_rows = [
