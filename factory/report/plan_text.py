@@ -316,7 +316,8 @@ def markdown_report(plan: dict[str, Any], title: str) -> str:
     lines = [f"# {title}", "", cost_summary(plan), ""]
     for part in plan_tables(plan):
         header = part.header or ("", "value", "")
-        lines += [f"## {part.title}", "", "| " + " | ".join(header) + " |", "|---|---:|---|"]
+        align = "|---|---:|---:|" if part.header else "|---|---:|---|"
+        lines += [f"## {part.title}", "", "| " + " | ".join(header) + " |", align]
         lines += [f"| {a} | {b} | {c} |" for a, b, c in part.rows]
         lines.append("")
     return "\n".join(lines)

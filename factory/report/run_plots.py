@@ -72,6 +72,9 @@ def _mark(ax: Any, metrics: RunMetrics, on_map: bool = False) -> None:
     rollback as a span over the updates it discarded with an arrow back to where training
     resumed, checkpoints as triangles on the x axis. On a heat map the span is a dashed
     white outline: a tint would change the colours it is read by."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # updates are whole: no 0.5 ticks
     limits = ax.get_xlim(), ax.get_ylim()
     across = ax.get_xaxis_transform()  # x in updates, y from 0 (bottom) to 1 (top)
     span_colour = "white" if on_map else _colour("rollback")
