@@ -10,7 +10,7 @@ from factory.report.build_folder import BuildFolder, missing
 from factory.report.html_parts import escape, figure_svg, key_value_table, note, section, table
 from factory.report.layer_stack import layer_stack_svg
 from factory.report.memory_bars import memory_components, memory_svg
-from factory.report.plan_text import PlanTable, cost_tables, plan_tables
+from factory.report.plan_text import PlanTable, cost_tables, model_tables
 from factory.report.units import human_bytes, human_count, human_flops, percent
 from factory.schemas.parallelism import GPU_SPECS
 
@@ -130,7 +130,7 @@ def cost_section(folder: BuildFolder) -> str:
     if plan is None:
         return section("cost", "Cost and failures", missing(folder, "plan", "plan.json"))
     try:
-        priced, others = cost_tables(plan), plan_tables(plan)[: -len(cost_tables(plan))]
+        priced, others = cost_tables(plan), model_tables(plan)
     except (KeyError, TypeError):  # a plan.json of another release
         note_text = "The plan has no cost or failure estimate this page can read."
         return section("cost", "Cost and failures", note(note_text))

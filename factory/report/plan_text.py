@@ -23,8 +23,8 @@ from factory.report.units import (
 )
 
 __all__ = [
-    "PlanTable", "cost_summary", "cost_tables", "flatten", "markdown_report", "plan_tables",
-    "rich_tables",
+    "PlanTable", "cost_summary", "cost_tables", "flatten", "markdown_report", "model_tables",
+    "plan_tables", "rich_tables",
 ]  # fmt: skip
 
 
@@ -71,6 +71,12 @@ def _flops_label(key: str) -> str:
 def plan_tables(plan: dict[str, Any], cpu_proxy: bool = False) -> list[PlanTable]:
     """Every part of the plan as a table. A CPU proxy's cost and failure figures would price
     GPUs it never uses, so its plan says they do not apply instead."""
+    priced = [PlanTable("Cost and failures", NOT_APPLICABLE)] if cpu_proxy else cost_tables(plan)
+    return [*model_tables(plan), *priced]
+
+
+def model_tables(plan: dict[str, Any]) -> list[PlanTable]:
+    """The model and its training: parameters, FLOPs, memory, layout, steps."""
     params = plan["params"]
     param_rows = [
         ("total (with MTP)", f"{params['total']:,}", human_count(params["total"])),
@@ -159,7 +165,7 @@ def plan_tables(plan: dict[str, Any], cpu_proxy: bool = False) -> list[PlanTable
         ("training tokens", f"{tokens:,}", human_count(tokens)),
         ("total training FLOPs", human_flops(training["total_flops"]), "exact count"),
     ]
-    tables = [
+    return [
         PlanTable("Parameters", param_rows),
         PlanTable("Training FLOPs per token (fwd+bwd)", flop_rows),
         PlanTable(f"Memory of the peak rank (pipeline rank {memory['peak_rank']})", memory_rows),
@@ -170,9 +176,6 @@ def plan_tables(plan: dict[str, Any], cpu_proxy: bool = False) -> list[PlanTable
         PlanTable("Layout", layout_rows),
         PlanTable("Training", training_rows),
     ]
-    if cpu_proxy:
-        return [*tables, PlanTable("Cost and failures", NOT_APPLICABLE)]
-    return [*tables, *cost_tables(plan)]
 
 
 NOT_APPLICABLE = [
@@ -288,28 +291,29 @@ def cost_summary(plan: dict[str, Any], cpu_proxy: bool = False) -> str:
     )
 
 
-def rich_tables(plan: dict[str, Any], cpu_proxy: bool = False) -> list[Table]:
-    tables = []
-    for part in plan_tables(plan, cpu_proxy):
-        table = Table(title=part.title, title_justify="left", show_header=part.header is not None)
-        if part.header is not None:
-            for name in part.header:
-                table.add_column(
-                    name, justify="right" if name else "left", style="" if name else "bold"
-                )
-            for row in part.rows:
-                table.add_row(*(Text(cell) for cell in row))  # never markup
-            tables.append(table)
-            continue
-        table.add_column(style="bold")
-        table.add_column(justify="right")
-        notes = any(row[2] for row in part.rows)  # no empty column where no row has a note
-        if notes:
-            table.add_column(style="dim")
+def _rich_table(part: PlanTable) -> Table:
+    """A table for the terminal; cells are Text, never markup."""
+    table = Table(title=part.title, title_justify="left", show_header=part.header is not None)
+    if part.header is not None:
+        for name in part.header:
+            table.add_column(
+                name, justify="right" if name else "left", style="" if name else "bold"
+            )
         for row in part.rows:
-            table.add_row(*(Text(cell) for cell in row[: 3 if notes else 2]))  # never markup
-        tables.append(table)
-    return tables
+            table.add_row(*(Text(cell) for cell in row))
+        return table
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    notes = any(row[2] for row in part.rows)  # no empty column where no row has a note
+    if notes:
+        table.add_column(style="dim")
+    for row in part.rows:
+        table.add_row(*(Text(cell) for cell in row[: 3 if notes else 2]))
+    return table
+
+
+def rich_tables(plan: dict[str, Any], cpu_proxy: bool = False) -> list[Table]:
+    return [_rich_table(part) for part in plan_tables(plan, cpu_proxy)]
 
 
 def markdown_report(plan: dict[str, Any], title: str) -> str:
