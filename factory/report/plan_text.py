@@ -192,11 +192,11 @@ def cost_tables(plan: dict[str, Any]) -> list[PlanTable]:
     page's cost section."""
     cost, failures = plan["cost"], plan["failures"]
     return [
-        PlanTable(f"Cost at {_mfu(cost)} MFU", _cost_rows(cost)),
+        PlanTable(f"Cost at {_mfu(cost)} MFU", _cost_rows(cost, plan["training"]["steps"])),
         PlanTable("Failures and checkpoints", _failure_rows(failures)),
         PlanTable(
             "Checkpoint intervals",
-            _interval_rows(failures, cost["steps"]),
+            _interval_rows(failures, plan["training"]["steps"]),
             ("", "synchronous", "asynchronous"),
         ),
     ]
@@ -207,12 +207,12 @@ def _mfu(cost: dict[str, Any]) -> str:
     return f"{plain(cost['mfu'] * 100)}%"
 
 
-def _cost_rows(cost: dict[str, Any]) -> list[tuple[str, str, str]]:
+def _cost_rows(cost: dict[str, Any], steps: int) -> list[tuple[str, str, str]]:
     peak = human_flops(cost["peak_flops_per_gpu"]).replace("FLOP", "FLOP/s")
     return [
         ("GPUs", f"{cost['world_size']:,} x {cost['gpu']}", f"peak {peak} dense BF16 each"),
         ("MFU", _mfu(cost), "training.cluster.mfu"),
-        ("wall-clock", human_duration(cost["wall_seconds"]), f"{cost['steps']:,} steps"),
+        ("wall-clock", human_duration(cost["wall_seconds"]), f"{steps:,} steps"),
         ("time per step", human_duration(cost["step_seconds"]), ""),
         ("GPU time", human_gpu_hours(cost["gpu_hours"]), ""),
         (
