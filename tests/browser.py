@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Render", "chromium", "render_page"]
+__all__ = ["Render", "chromium", "render_page", "scroll_width_at"]
 
 NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 TIMEOUT = 120
@@ -155,3 +155,38 @@ def render_page(page: Path, screenshot: Path, width: int = 1280) -> Render:
         screenshot=screenshot,
         blank=_blank_pictures(screenshot, pictures),
     )
+
+
+FRAMED = """<script>window.addEventListener("load", function () {
+  parent.postMessage(JSON.stringify({inner: window.innerWidth,
+                                     scroll: document.documentElement.scrollWidth}), "*");
+});</script>"""
+FRAME = """<!doctype html><html><head><script>
+window.addEventListener("message", function (m) { document.documentElement.setAttribute("data-probe", m.data); });
+</script></head><body style="margin:0"><iframe src="{src}" width="{width}" height="800" style="border:0"></iframe></body></html>"""
+
+
+def scroll_width_at(page: Path, width: int) -> tuple[int, int]:
+    """(viewport, page) widths of ``page`` shown ``width`` px wide: a phone is narrower than
+    headless Chromium's smallest window (500 px), so the page runs in an iframe that wide."""
+    browser = chromium()
+    if browser is None:
+        raise FileNotFoundError("no Chromium on PATH (apt-get install chromium)")
+    inner = page.with_name(f".framed-{page.name}")
+    outer = page.with_name(f".frame-{page.name}")
+    inner.write_text(page.read_text(encoding="utf-8").replace("<head>", "<head>" + FRAMED, 1))
+    frame = FRAME.replace("{src}", html.escape(inner.name)).replace("{width}", str(width))
+    outer.write_text(frame, encoding="utf-8")
+    try:
+        with tempfile.TemporaryDirectory(prefix="chromium-") as profile:
+            args = ["--window-size=500,800", "--virtual-time-budget=10000", "--dump-dom",
+                    outer.as_uri()]  # fmt: skip
+            done = _run(browser, Path(profile), args)
+    finally:
+        inner.unlink(missing_ok=True)
+        outer.unlink(missing_ok=True)
+    match = re.search(r'<html[^>]*data-probe="([^"]*)"', done.stdout)
+    if not match:
+        raise RuntimeError(f"the framed page reported nothing (exit {done.returncode})")
+    found = json.loads(html.unescape(match.group(1)))
+    return found["inner"], found["scroll"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from functools import cache
 
 import pytest
@@ -20,6 +21,7 @@ from factory.planner.cost import (
     training_cost,
     young_interval,
 )
+from factory.proxy import derive_proxy
 from factory.schemas.cluster import ClusterConfig
 from factory.schemas.parallelism import GPU_SPECS
 
@@ -124,14 +126,21 @@ def test_nano_cost_by_hand() -> None:
     assert failures.write_seconds == pytest.approx(write, rel=1e-12)
     assert failures.host_copy_seconds == pytest.approx(442_091_164_032 / 32 / 64e9, rel=1e-12)
     tau = math.sqrt(2 * write * mtbf_h * 3600)
-    assert failures.sync.optimal.interval_seconds == pytest.approx(tau, rel=1e-12)
-    lost = wall / tau * write + wall / (mtbf_h * 3600) * (tau / 2 + 600)
-    assert failures.sync.optimal.lost_seconds == pytest.approx(lost, rel=1e-12)
-    # the blueprint's 1,000 steps, at the MFU's step time
+    assert failures.sync.young_interval_seconds == pytest.approx(tau, rel=1e-12)
+    # Young's 35,923 s is 825.0 steps of 43.54 s; 826 whole steps lose less than 825
+    best = failures.sync.optimal
+    assert tau / cost.step_seconds == pytest.approx(825.02, abs=0.01)
+    assert best.interval_steps == 826 and isinstance(best.interval_steps, int)
+    assert best.interval_seconds == pytest.approx(826 * cost.step_seconds, rel=1e-12)
+    assert best.checkpoints == math.ceil(bp.training_steps / 826) == 1203
+    lost = 1203 * write + wall / (mtbf_h * 3600) * (best.interval_seconds / 2 + 600)
+    assert best.lost_seconds == pytest.approx(lost, rel=1e-12)
+    assert best.lost_fraction == pytest.approx(lost / (wall + lost), rel=1e-12)
+    # the blueprint's 1,000 steps, at the MFU's step time; a last save at the end
     assert failures.sync.blueprint.interval_steps == bp.training.checkpoint_interval == 1000
     ours = 1000 * cost.step_seconds
     assert failures.sync.blueprint.interval_seconds == pytest.approx(ours, rel=1e-12)
-    assert failures.sync.blueprint.checkpoints == pytest.approx(bp.training_steps / 1000)
+    assert failures.sync.blueprint.checkpoints == math.ceil(bp.training_steps / 1000) == 994
 
 
 def test_async_interval_waits_for_the_background_write() -> None:
@@ -139,7 +148,9 @@ def test_async_interval_waits_for_the_background_write() -> None:
     slow = ClusterConfig(checkpoint_write_gb_per_s_per_gpu=0.001, host_copy_gb_per_s=10_000)
     plan = failure_plan(cost, 10**11, slow, 100).async_
     assert max(plan.young_interval_seconds, cost.step_seconds) < plan.exposure_seconds
-    assert plan.optimal.interval_seconds == plan.exposure_seconds
+    # the fewest whole steps that cover the write
+    steps = plan.optimal.interval_steps
+    assert (steps - 1) * cost.step_seconds < plan.exposure_seconds <= steps * cost.step_seconds
 
 
 def test_best_interval_is_at_least_one_step() -> None:
@@ -200,3 +211,85 @@ def _leaves(node: object) -> list[object]:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@fast
+@given(
+    st.floats(1e6, 1e26),
+    st.integers(1, 2000),
+    st.integers(1, 4096),
+    st.floats(1e-8, 1.0),
+    st.floats(0.001, 1000.0),
+    st.integers(1, 10**6),
+)
+def test_lost_share_is_a_fraction_and_intervals_are_whole_steps_in_the_run(
+    flops, steps, world, rate, write_bw, every
+) -> None:
+    """However short the run next to a checkpoint (a CPU proxy priced on GPUs: one save takes
+    45 times its training), at most all of the job's time is lost, and intervals are whole
+    steps no longer than the run."""
+    cost = training_cost(flops, steps, "h100", world, 0.4)
+    cluster = ClusterConfig(failures_per_gpu_hour=rate, checkpoint_write_gb_per_s_per_gpu=write_bw)
+    plan = failure_plan(cost, 10**9, cluster, every)
+    for mode in (plan.sync, plan.async_):
+        for policy in (mode.optimal, mode.blueprint):
+            assert 0 <= policy.lost_fraction < 1
+            assert isinstance(policy.interval_steps, int) and 1 <= policy.interval_steps <= steps
+            assert policy.checkpoints == math.ceil(steps / policy.interval_steps)
+        assert mode.blueprint.interval_steps == min(every, steps)
+
+
+@fast
+@given(st.floats(1e18, 1e24), st.integers(1, 300), st.floats(1e-6, 1e-2), st.floats(0.01, 10.0))
+def test_the_best_interval_is_within_one_save_of_every_whole_step_count(
+    flops, steps, rate, write_bw
+) -> None:
+    """Brute force over every feasible interval: the model's best loses at most one more save
+    than the true best (whole saves make lost time jagged in the interval)."""
+    cost = training_cost(flops, steps, "h100", 64, 0.4)
+    cluster = ClusterConfig(failures_per_gpu_hour=rate, checkpoint_write_gb_per_s_per_gpu=write_bw)
+    plan = failure_plan(cost, 10**10, cluster, 1)
+    for name, mode in (("sync", plan.sync), ("async", plan.async_)):
+        feasible = [
+            getattr(failure_plan(cost, 10**10, cluster, k), "async_" if name == "async" else name)
+            for k in range(1, steps + 1)
+            if k * cost.step_seconds >= mode.exposure_seconds * (1 - 1e-9) or k == steps
+        ]
+        truth = min(m.blueprint.lost_seconds for m in feasible)
+        assert mode.optimal.lost_seconds <= truth + mode.blocking_seconds * (1 + 1e-9)
+
+
+def test_a_run_shorter_than_one_save_is_one_checkpoint_and_mostly_lost() -> None:
+    """The Nano proxy priced on one H100: 0.06 s of training, a 2.6 s write."""
+    plan = factory.plan(derive_proxy(factory.load_blueprint("nano")))
+    cost, sync = plan.cost, plan.failures.sync
+    assert sync.blocking_seconds > 10 * cost.wall_seconds
+    assert (sync.optimal.interval_steps, sync.optimal.checkpoints) == (300, 1)
+    assert (sync.blueprint.interval_steps, sync.blueprint.checkpoints) == (100, 3)
+    for policy in (sync.optimal, sync.blueprint):
+        assert 0.9 < policy.lost_fraction < 1
+
+
+EXPONENT = re.compile(r"\d[eE][+-]?\d")
+
+
+@pytest.mark.parametrize("args", [("nano",), ("super",), ("ultra",), ("nano", "--proxy")])
+def test_cli_plan_figures_read_right(cli, args: tuple[str, ...]) -> None:
+    """No exponent, no share above 100%, whole steps and checkpoints, piped at 80 columns."""
+    status, out, err = cli("plan", *args)
+    assert status == 0, err
+    assert not EXPONENT.search(out)
+    shares = [float(p.replace(",", "")) for p in re.findall(r"([\d,.]+)%", out)]
+    assert all(0 <= share <= 100 for share in shares)
+    assert shares or "--proxy" in args  # a proxy's plan prices nothing
+    assert not re.search(r"\d\.\d+ (steps|checkpoints)", out)
+    assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_cli_plan_of_a_proxy_says_gpu_cost_does_not_apply(cli) -> None:
+    status, out, err = cli("plan", "nano", "--proxy")
+    assert status == 0, err
+    assert "not applicable" in out and "trains on CPU" in out
+    assert "GPU-hours" in out and "GPU time" not in out  # named as not applicable, not priced
+    status, out, err = cli("plan", "nano")
+    assert "not applicable" not in out and "384,490 GPU-hours" in out

@@ -21,6 +21,7 @@ from factory.planner.plan import plan
 from factory.precision.policy import flops_share, resolve_policy
 from factory.report.build_folder import STAGES
 from factory.report.build_page import write_build_report
+from factory.report.plan_text import cost_tables
 from factory.schemas.blueprint import Blueprint
 
 
@@ -113,6 +114,8 @@ def test_every_section_is_present_with_numbers_from_the_inputs(full_build: Path)
     assert [record[stage]["status"] for stage in STAGES[:-1]] == ["done"] * (len(STAGES) - 1)
     for stage in STAGES[:-1]:  # the report's own line is recorded after the page is drawn
         assert html.escape(record[stage]["result"], quote=False) in page, stage
+    assert record["report"]["status"] == "done"
+    assert _stage_row(page, "report") == ["done", "—", "this page"]
     pattern = summary["layout"]["stage_patterns"][0][0]
     assert page.count("<title>layer ") == 2 * len(pattern)  # a cell and a precision strip each
     assert text.count(": MoE ·") == 2 * pattern.count("E")
@@ -207,3 +210,42 @@ def test_a_finished_build_keeps_what_a_rerun_needs_and_no_checkpoints(full_build
     result = factory.build(factory.load_blueprint("nano"), out=full_build, steps=4, check_steps=1)
     assert {r.status for r in result.stages} == {"reused", "done"}  # only the page is redone
     assert result.size == sum(p.stat().st_size for p in full_build.rglob("*") if p.is_file())
+
+
+def _stage_row(page: str, stage: str) -> list[str]:
+    """The cells of the stages table's row for ``stage``, tags stripped."""
+    row = re.search(rf"<tr><td>{stage}</td>(.*?)</tr>", page.split("class='stages'", 1)[1])
+    assert row, stage
+    return [re.sub(r"<[^>]+>", "", cell) for cell in re.findall(r"<td[^>]*>(.*?)</td>", row[1])]
+
+
+def test_the_report_stage_is_this_page_done_not_not_run(tmp_path: Path) -> None:
+    """The build draws the page before it records the report stage: the page is that stage."""
+    root = tmp_path / "b"
+    build = _stages(root, "b", {})
+    del build["stages"]["report"]
+    _write_json(root / "build.json", build)
+    page = _page(root) if write_build_report(root) else ""
+    assert _stage_row(page, "report") == ["done", "—", "this page"]
+    assert _stage_row(page, "smoke") == ["done", "6.5", "smoke result 6"]
+    _stages(root, "b", {"report": "skipped"})  # --skip report, drawn later: as recorded
+    page = _page(root) if write_build_report(root) else ""
+    assert _stage_row(page, "report")[0] == "skipped"
+
+
+def test_the_cost_section_is_the_plans_tables_with_units(tmp_path: Path) -> None:
+    """The terminal's cost, failure and interval tables, formatted by the same code: no dotted
+    keys, no exponent, whole steps and checkpoints."""
+    root = tmp_path / "nano"
+    summary = _write_plan_pieces(root, factory.load_blueprint("nano"))
+    page = _page(root) if write_build_report(root) else ""
+    section = page.split('<section id="cost">', 1)[1].split("</section>", 1)[0]
+    cost = re.sub(r"<[^>]+>", " ", section)
+    for part in cost_tables(summary):
+        assert part.title in cost
+        for row in part.rows:
+            assert all(html.escape(cell, quote=False) in cost for cell in row), row
+    assert "sync.optimal" not in cost and "lost_fraction" not in cost
+    assert not re.search(r"\d[eE][+-]?\d", cost)
+    assert not re.search(r"\d\.\d+ (steps|checkpoints)", cost)
+    assert "synchronous" in cost and "asynchronous" in cost and "GPU-hours" in cost

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from browser import chromium, render_page
+from browser import chromium, render_page, scroll_width_at
 from test_report_build_page import full_build  # noqa: F401  (the session's build folder fixture)
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
@@ -39,6 +39,21 @@ def test_the_page_renders_every_picture_without_errors(full_build: Path) -> None
     assert page.blank == []
     assert page.width <= 1280  # nothing wider than the window: no sideways scrolling
     assert shot.stat().st_size > 50_000
+
+
+def test_the_build_and_run_pages_fit_a_phone(full_build: Path) -> None:  # noqa: F811
+    """At 390 px wide no table, drawing or path makes the page scroll sideways (they scroll
+    inside themselves or wrap)."""
+    for page in (full_build / "report.html", full_build / "smoke/report/report.html"):
+        assert scroll_width_at(page, 390) == (390, 390), page
+
+
+def test_the_phone_probe_sees_a_page_too_wide(tmp_path: Path) -> None:
+    """Guards the checker: a fixed 600 px block sticks out of a 390 px frame."""
+    page = tmp_path / "wide.html"
+    page.write_text('<!doctype html><html><head></head><body style="margin:0">'
+                    '<div style="width:600px;height:10px"></div></body></html>')  # fmt: skip
+    assert scroll_width_at(page, 390) == (390, 600)
 
 
 def test_the_probe_sees_errors_and_blank_pictures(tmp_path: Path) -> None:

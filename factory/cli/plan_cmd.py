@@ -53,9 +53,9 @@ def plan(
 
     console = Console()
     console.print(Text.assemble((blueprint.meta.name, "bold"), f": {blueprint.meta.description}"))
-    for table in rich_tables(result):
+    for table in rich_tables(result, cpu_proxy=proxy):
         console.print(table)
-    console.print(cost_summary(result), highlight=False)
+    console.print(cost_summary(result, cpu_proxy=proxy), highlight=False)
 
 
 def _print_precision(blueprint: Blueprint, as_json: bool) -> None:

@@ -13,8 +13,11 @@ a restart. Young (1974) minimises that first-order lost time at
 ``tau = sqrt(2 * delta * M)``; Daly (2006) adds the higher-order terms.
 Asynchronous checkpointing blocks only for the copy to host memory, but its
 checkpoint is durable only once the background write ends, which every failure
-pays as extra rework. Everything is first order in (overhead / run), the regime
-where a run is worth starting.
+pays as extra rework. Intervals are whole steps (saves happen between steps), at
+most the run, and a run also saves at its end. The share of the run lost is the lost
+time over the job's whole wall-clock time (work plus lost), so it stays below 100%
+even where a checkpoint takes longer than the training itself. Everything is first
+order in (overhead / run), the regime where a run is worth starting.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "daly_interval",
     "failure_plan",
     "lost_seconds",
+    "lost_share",
     "training_cost",
     "young_interval",
 ]
@@ -55,6 +59,7 @@ class CostPlan:
     mfu: float
     peak_flops_per_gpu: float
     total_flops: float
+    steps: int
     wall_seconds: float
     step_seconds: float
     """Wall seconds per optimizer step at this MFU."""
@@ -81,6 +86,7 @@ def training_cost(
         mfu=mfu,
         peak_flops_per_gpu=spec.bf16_dense_flops,
         total_flops=total_flops,
+        steps=steps,
         wall_seconds=wall,
         step_seconds=wall / steps,
         wall_days=wall / DAY,
@@ -114,40 +120,52 @@ def lost_seconds(
     return run / interval * delta + run / mtbf * (interval / 2 + exposure + restart)
 
 
+def lost_share(lost: float, work: float) -> float:
+    """The share of the job's wall-clock time (``work`` plus ``lost``) that is lost: in [0, 1),
+    however long the checkpoints take next to the run."""
+    return lost / (work + lost) if lost > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class CheckpointInterval:
-    """One checkpoint interval and what it loses over the run."""
+    """One checkpoint interval, in whole steps, and what it loses over the run."""
 
     interval_seconds: float
-    interval_steps: float
-    checkpoints: float
+    interval_steps: int
+    """Saves happen between steps, and a run needs no interval longer than itself."""
+    checkpoints: int
+    """One every ``interval_steps`` steps and one at the end: ceil(steps / interval_steps)."""
     checkpoint_seconds: float
     """Time blocked writing checkpoints over the run."""
     failure_seconds: float
     """Rework plus restarts over the run."""
     lost_seconds: float
     lost_fraction: float
-    """lost_seconds / the failure-free wall time."""
+    """lost_seconds / (the failure-free wall time + lost_seconds): at most 1."""
     lost_gpu_hours: float
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
-def _policy(interval: float, steps: float, world: int, **model: float) -> CheckpointInterval:
-    """``interval`` seconds of work (``steps`` optimizer steps) between checkpoints."""
-    run, delta = model["run"], model["delta"]
-    lost = lost_seconds(interval, **model)
-    blocked = run / interval * delta
+def _policy(every: int, cost: CostPlan, **model: float) -> CheckpointInterval:
+    """A checkpoint every ``every`` optimizer steps (clamped to the run) and at the end."""
+    steps = cost.steps
+    every = min(max(every, 1), steps)
+    interval = every * cost.step_seconds
+    checkpoints = math.ceil(steps / every)
+    run, delta, mtbf = model["run"], model["delta"], model["mtbf"]
+    blocked = checkpoints * delta
+    failed = run / mtbf * (interval / 2 + model["exposure"] + model["restart"])
     return CheckpointInterval(
         interval_seconds=interval,
-        interval_steps=steps,
-        checkpoints=run / interval,
+        interval_steps=every,
+        checkpoints=checkpoints,
         checkpoint_seconds=blocked,
-        failure_seconds=lost - blocked,
-        lost_seconds=lost,
-        lost_fraction=lost / run,
-        lost_gpu_hours=lost * world / HOUR,
+        failure_seconds=failed,
+        lost_seconds=blocked + failed,
+        lost_fraction=lost_share(blocked + failed, run),
+        lost_gpu_hours=(blocked + failed) * cost.world_size / HOUR,
     )
 
 
@@ -165,10 +183,11 @@ class CheckpointMode:
     young_interval_seconds: float
     daly_interval_seconds: float
     optimal: CheckpointInterval
-    """At Young's interval, but never shorter than one step nor (async) than the background
-    write, which must end before the next checkpoint starts, and never longer than the run."""
+    """The whole number of steps nearest Young's interval that loses least, but never shorter
+    than one step nor (async) than the background write, which must end before the next
+    checkpoint starts, and never longer than the run."""
     blueprint: CheckpointInterval
-    """At the blueprint's training.checkpoint_interval."""
+    """At the blueprint's training.checkpoint_interval (the whole run when that is longer)."""
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -197,6 +216,19 @@ class FailurePlan:
         return out
 
 
+def _best_steps(young: float, exposure: float, cost: CostPlan) -> set[int]:
+    """Whole step counts near Young's interval, inside the feasible set: at least one step and
+    (async) the background write, which must end before the next save; at most the run. For
+    each checkpoint count near the optimum's, the shortest interval that needs no more saves
+    (less rework for the same writes), and the step counts either side of Young's."""
+    step, steps = cost.step_seconds, cost.steps
+    shortest = min(max(1, math.ceil(exposure / step - 1e-9)), steps)
+    ratio = min(max(young / step, 1.0), float(steps))  # no overflow for a vanishing step time
+    counts = {max(1, math.floor(steps / ratio)), math.ceil(steps / ratio)}
+    near = {math.floor(ratio), math.ceil(ratio), *(math.ceil(steps / n) for n in counts)}
+    return {min(max(n, shortest), steps) for n in near}
+
+
 def _mode(
     blocking: float, exposure: float, cost: CostPlan, mtbf: float, restart: float, every: int
 ) -> CheckpointMode:
@@ -204,18 +236,16 @@ def _mode(
         run=cost.wall_seconds, delta=blocking, mtbf=mtbf, restart=restart, exposure=exposure
     )
     young = young_interval(blocking, mtbf)
-    step, world = cost.step_seconds, cost.world_size
-    # Lost time is convex in the interval, so the best feasible one is Young's clamped to the
-    # feasible set: at least one step (saves happen between steps) and, async, the write; at
-    # most the whole run (one checkpoint, at the end).
-    best = min(max(young, exposure, step), cost.wall_seconds)
+    # Lost time is convex in a continuous interval, so the best feasible one is Young's clamped
+    # to the feasible set; in whole steps, with a whole number of saves, it is one near it.
+    candidates = [_policy(n, cost, **model) for n in sorted(_best_steps(young, exposure, cost))]
     return CheckpointMode(
         blocking_seconds=blocking,
         exposure_seconds=exposure,
         young_interval_seconds=young,
         daly_interval_seconds=daly_interval(blocking, mtbf),
-        optimal=_policy(best, best / step, world, **model),
-        blueprint=_policy(every * step, every, world, **model),
+        optimal=min(candidates, key=lambda policy: policy.lost_seconds),
+        blueprint=_policy(every, cost, **model),
     )
 
 

@@ -61,7 +61,7 @@ def render_build_report(build_dir: Path) -> str:
     """The page for ``build_dir`` as HTML text; nothing in it is fetched from elsewhere."""
     folder = BuildFolder(Path(build_dir))
     title = _title(folder)
-    nav = "".join(f'<a href="#{anchor}">{escape(label)}</a>' for anchor, label, _ in SECTIONS)
+    nav = " ".join(f'<a href="#{anchor}">{escape(label)}</a>' for anchor, label, _ in SECTIONS)
     body = "".join(render(folder) for _, _, render in SECTIONS)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     return (

@@ -10,8 +10,8 @@ from factory.report.build_folder import BuildFolder, missing
 from factory.report.html_parts import escape, figure_svg, key_value_table, note, section, table
 from factory.report.layer_stack import layer_stack_svg
 from factory.report.memory_bars import memory_components, memory_svg
-from factory.report.plan_text import flatten, plan_tables
-from factory.report.units import format_named_value, human_bytes, human_count, human_flops, percent
+from factory.report.plan_text import PlanTable, cost_tables, model_tables
+from factory.report.units import human_bytes, human_count, human_flops, percent
 from factory.schemas.parallelism import GPU_SPECS
 
 __all__ = ["cost_section", "flops_section", "layers_section", "memory_section"]
@@ -115,35 +115,29 @@ def flops_section(folder: BuildFolder) -> str:
     return section("flops", "FLOPs per token", figure_svg(svg, caption) + key_value_table(facts))
 
 
-def _named_values_table(values: dict[str, Any]) -> str:
-    rows = [(key, format_named_value(key, value)) for key, value in flatten(values)]
-    return key_value_table(rows)
+def _plan_table(part: PlanTable) -> str:
+    """One of the plan's tables as the terminal prints it: the columns its header names, or a
+    value and (where any row has one) a note per row."""
+    if part.header is not None:
+        return table(list(part.header), [list(row) for row in part.rows], "numbers")
+    if any(row[2] for row in part.rows):
+        return table(["", "value", "note"], [list(row) for row in part.rows], "plan")
+    return table(["", "value"], [list(row[:2]) for row in part.rows], "plan")
 
 
 def cost_section(folder: BuildFolder) -> str:
     plan = folder.plan
     if plan is None:
         return section("cost", "Cost and failures", missing(folder, "plan", "plan.json"))
-    parts = []
-    for key, title in (("cost", "Cost"), ("failures", "Failures and checkpointing")):
-        values = plan.get(key)
-        if isinstance(values, dict) and values:
-            parts.append(f"<h3>{title}</h3>" + _named_values_table(values))
-        else:
-            parts.append(f"<h3>{title}</h3>" + note(f"The plan has no {key!r} estimate."))
-    tables = "".join(
-        f"<details><summary>{escape(name)}</summary>"
-        + table(["", "value", "detail"], [list(r) for r in rows], "numbers")
-        + "</details>"
-        for name, rows in _readable_plan_tables(plan)
-    )
-    parts.append("<h3>Every plan table</h3>" + tables)
-    return section("cost", "Cost and failures", "".join(parts))
-
-
-def _readable_plan_tables(plan: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, str]]]]:
-    """The plan's own tables (report.md's), or none for a plan they cannot read."""
     try:
-        return plan_tables(plan)
-    except (KeyError, TypeError):
-        return []
+        priced, others = cost_tables(plan), model_tables(plan)
+    except (KeyError, TypeError):  # a plan.json of another release
+        note_text = "The plan has no cost or failure estimate this page can read."
+        return section("cost", "Cost and failures", note(note_text))
+    parts = [f"<h3>{escape(part.title)}</h3>" + _plan_table(part) for part in priced]
+    tables = "".join(
+        f"<details><summary>{escape(part.title)}</summary>{_plan_table(part)}</details>"
+        for part in others
+    )
+    parts.append("<h3>The plan's other tables</h3>" + tables)
+    return section("cost", "Cost and failures", "".join(parts))

@@ -18,7 +18,7 @@ from factory.report.html_parts import (
     section,
 )
 from factory.report.run_metrics import ReportError, read_metrics
-from factory.report.run_plots import CAPTIONS, distributed_loss_png, plots
+from factory.report.run_plots import CAPTIONS, COLUMN_WIDTH, distributed_loss_png, plots
 from factory.report.units import format_number, human_count, percent
 
 __all__ = ["data_section", "run_section"]
@@ -102,7 +102,7 @@ def data_section(folder: BuildFolder) -> str:
         parts.append(note("No document was dropped.", "info"))
     packing = manifest.get("packing") or {}
     facts = [
-        (f"packing: {k}", format_number(v))
+        (k.replace("docs_", "documents_").replace("_", " "), format_number(v))
         for k, v in packing.items()
         if isinstance(v, int | float)
     ]
@@ -120,7 +120,9 @@ def _smoke_plots(run_dir: Path) -> tuple[list[tuple[str, bytes, str]], str | Non
         return [], str(exc)
     if not metrics.steps:
         return [], f"{metrics.path}: no step recorded"
-    drawn = [(f, png, CAPTIONS[f]) for f, png in plots(metrics) if f in SMOKE_PLOTS]
+    drawn = [
+        (f, png, CAPTIONS[f]) for f, png in plots(metrics, width=COLUMN_WIDTH) if f in SMOKE_PLOTS
+    ]
     return drawn, None
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from factory.report.build_folder import STAGES, BuildFolder, missing
+from factory.report.build_folder import STAGES, BuildFolder, StageInfo, missing
 from factory.report.html_parts import escape, key_value_table, note, section, table
 from factory.report.layer_stack import precision_colour
 from factory.report.units import human_bytes, human_count, percent
@@ -21,10 +21,19 @@ FOLDED = 12
 """A folder with more files than this is listed folded (shards, checkpoints)."""
 
 
+def _stage(folder: BuildFolder, name: str) -> StageInfo:
+    """The stage as build.json records it; the report stage writes this page before the build
+    records it, so unrecorded, it is this page, done."""
+    info = folder.stage(name)
+    if name == "report" and info.status == "not run":
+        return StageInfo("done", None, "this page")
+    return info
+
+
 def stages_section(folder: BuildFolder) -> str:
     rows = []
     for name in STAGES:
-        info = folder.stage(name)
+        info = _stage(folder, name)
         seconds = f"{info.seconds:,.1f}" if info.seconds is not None else "—"
         css = escape(info.status.replace(" ", "-"))
         rows.append(

@@ -85,12 +85,15 @@ body{font-family:system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:#1f2
   max-width:1200px;margin:0 auto;padding:1.5em 2em 4em;line-height:1.45}
 h1{margin:.2em 0}h2{border-bottom:2px solid #d0d7de;padding-bottom:.2em;margin-top:2em}
 h3{margin:1.4em 0 .5em}
-nav{font-size:90%;margin:.6em 0 1em}nav a{margin-right:1.1em;white-space:nowrap}
+nav{font-size:90%;margin:.6em 0 1em;display:flex;flex-wrap:wrap;gap:.3em 1.1em}
+nav a{white-space:nowrap}
 a{color:#0969da;text-decoration:none}a:hover{text-decoration:underline}
-table{border-collapse:collapse;margin:.6em 0;font-size:90%}
+table{border-collapse:collapse;margin:.6em 0;font-size:90%;display:block;overflow-x:auto;
+  max-width:100%}
 th,td{border:1px solid #d0d7de;padding:3px 9px;text-align:left;vertical-align:top}
 thead th{background:#f6f8fa}table.facts th{background:#f6f8fa;font-weight:600}
-td.num,table.numbers td+td{text-align:right;font-variant-numeric:tabular-nums}
+td.num,table.numbers td+td,table.plan td:nth-child(2){text-align:right;
+  font-variant-numeric:tabular-nums}
 figure{margin:1em 0}figcaption{font-size:88%;color:#57606a;margin-top:.3em;max-width:1000px}
 img{max-width:100%;height:auto;display:block}svg{display:block;max-width:100%;height:auto}
 .note{padding:.5em .9em;border-left:4px solid #8c959f;background:#f6f8fa;max-width:900px}
@@ -103,4 +106,14 @@ img{max-width:100%;height:auto;display:block}svg{display:block;max-width:100%;he
 details{margin:.3em 0}summary{cursor:pointer}
 ul.files{columns:2;font-size:88%;margin:.3em 0 .6em}ul.files li{break-inside:avoid}
 code{font-size:90%}
+table.stages td:last-child,table.facts td,ul.files li{overflow-wrap:anywhere}
+@media (max-width:700px){
+  body{padding:.8em .9em 3em}h1{font-size:1.5em}h2{margin-top:1.5em}
+  .columns{grid-template-columns:1fr}ul.files{columns:1}
+  figure{overflow-x:auto}figure svg{max-width:none}
+}
 """
+"""Tables scroll sideways inside themselves where the page is narrower than they are (a
+phone), and long paths wrap, so the page itself never scrolls sideways; below 700 px the
+two-column parts stack, and drawings keep their size (their labels stay legible) and scroll
+sideways in their figure, while plots (PNG) shrink to fit, whole."""

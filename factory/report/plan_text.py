@@ -4,14 +4,28 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from rich.table import Table
 from rich.text import Text
 
-from factory.report.units import human_bytes, human_count, human_duration, human_flops
+from factory.report.units import (
+    format_number,
+    human_bytes,
+    human_count,
+    human_duration,
+    human_energy,
+    human_flops,
+    human_gpu_hours,
+    percent,
+    plain,
+)
 
-__all__ = ["cost_summary", "flatten", "markdown_report", "plan_tables", "rich_tables"]
+__all__ = [
+    "PlanTable", "cost_summary", "cost_tables", "flatten", "markdown_report", "model_tables",
+    "plan_tables", "rich_tables",
+]  # fmt: skip
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -24,8 +38,45 @@ def flatten(data: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]
             yield name, value
 
 
-def plan_tables(plan: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, str]]]]:
-    """(title, rows of (what, exact value, readable value)) for every part of the plan."""
+@dataclass(frozen=True)
+class PlanTable:
+    """One table of a plan: rows of (what, value, note), or of (what, one column per header)."""
+
+    title: str
+    rows: list[tuple[str, str, str]]
+    header: tuple[str, str, str] | None = None
+    """Column names where the columns are alike (synchronous, asynchronous); None: a value and
+    a note."""
+
+
+FLOPS_LABELS = {
+    "megatron": "Megatron's formula",
+    "exact": "exact count",
+    "exact_forward": "exact count, forward only",
+    "by_layer_type": "exact",
+    "megatron_by_layer_type": "Megatron's formula",
+}
+"""Words for the keys of ``FlopsPerToken.to_dict()``."""
+
+
+def _flops_label(key: str) -> str:
+    """'by_layer_type.moe' -> 'moe layers, exact'; a key it does not know, as it is."""
+    group, _, layer_type = key.partition(".")
+    if layer_type:
+        what = "LM head" if layer_type == "head" else f"{layer_type} layers"
+        return f"{what}, {FLOPS_LABELS.get(group, group)}"
+    return FLOPS_LABELS.get(key, key)
+
+
+def plan_tables(plan: dict[str, Any], cpu_proxy: bool = False) -> list[PlanTable]:
+    """Every part of the plan as a table. A CPU proxy's cost and failure figures would price
+    GPUs it never uses, so its plan says they do not apply instead."""
+    priced = [PlanTable("Cost and failures", NOT_APPLICABLE)] if cpu_proxy else cost_tables(plan)
+    return [*model_tables(plan), *priced]
+
+
+def model_tables(plan: dict[str, Any]) -> list[PlanTable]:
+    """The model and its training: parameters, FLOPs, memory, layout, steps."""
     params = plan["params"]
     param_rows = [
         ("total (with MTP)", f"{params['total']:,}", human_count(params["total"])),
@@ -42,11 +93,11 @@ def plan_tables(plan: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, st
         )
     flops = plan["flops_per_token"]
     flop_rows = [
-        (key, f"{value:,.0f}" if isinstance(value, float) else f"{value:,}", human_flops(value))
+        (_flops_label(key), f"{round(value):,}", human_flops(value))
         for key, value in flatten(flops)
         if isinstance(value, (int, float)) and value and key != "seq_len"
     ]
-    flop_rows.insert(0, ("seq_len", str(flops["seq_len"]), ""))
+    flop_rows.insert(0, ("sequence length", f"{flops['seq_len']:,}", "tokens"))
     memory = plan["memory_per_rank_bytes"]
     activations = memory["activations"]
     memory_rows = [
@@ -103,6 +154,7 @@ def plan_tables(plan: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, st
         if key in layout
     ]
     training = plan["training"]
+    tokens = training["tokens_per_step"] * training["steps"]
     training_rows = [
         (
             "tokens per step",
@@ -110,118 +162,166 @@ def plan_tables(plan: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, st
             human_count(training["tokens_per_step"]),
         ),
         ("steps", f"{training['steps']:,}", ""),
-        (
-            "total training FLOPs",
-            f"{training['total_flops']:.3e}",
-            human_flops(training["total_flops"]),
-        ),
+        ("training tokens", f"{tokens:,}", human_count(tokens)),
+        ("total training FLOPs", human_flops(training["total_flops"]), "exact count"),
     ]
     return [
-        ("Parameters", param_rows),
-        ("Training FLOPs per token (fwd+bwd)", flop_rows),
-        (f"Memory of the peak rank (pipeline rank {memory['peak_rank']})", memory_rows),
-        (
+        PlanTable("Parameters", param_rows),
+        PlanTable("Training FLOPs per token (fwd+bwd)", flop_rows),
+        PlanTable(f"Memory of the peak rank (pipeline rank {memory['peak_rank']})", memory_rows),
+        PlanTable(
             f"Model state per rank in factory's runtime (pipeline rank {runtime['peak_rank']})",
             runtime_rows,
         ),
-        ("Layout", layout_rows),
-        ("Training", training_rows),
-        (f"Cost at {plan['cost']['mfu']:.0%} MFU", _cost_rows(plan["cost"])),
-        ("Failures and checkpoints", _failure_rows(plan["failures"])),
+        PlanTable("Layout", layout_rows),
+        PlanTable("Training", training_rows),
     ]
 
 
-def _cost_rows(cost: dict[str, Any]) -> list[tuple[str, str, str]]:
+NOT_APPLICABLE = [
+    (
+        "not applicable",
+        "the proxy trains on CPU",
+        "GPU-hours, energy and failure rates price GPUs; plan without --proxy for the full model",
+    )
+]
+
+
+def cost_tables(plan: dict[str, Any]) -> list[PlanTable]:
+    """The cost, the failures and the checkpoint intervals: the terminal's tables and the build
+    page's cost section."""
+    cost, failures = plan["cost"], plan["failures"]
+    return [
+        PlanTable(f"Cost at {_mfu(cost)} MFU", _cost_rows(cost, plan["training"]["steps"])),
+        PlanTable("Failures and checkpoints", _failure_rows(failures)),
+        PlanTable(
+            "Checkpoint intervals",
+            _interval_rows(failures, plan["training"]["steps"]),
+            ("", "synchronous", "asynchronous"),
+        ),
+    ]
+
+
+def _mfu(cost: dict[str, Any]) -> str:
+    """The MFU as the blueprint writes it, in percent: 38%, 38.5%."""
+    return f"{plain(cost['mfu'] * 100)}%"
+
+
+def _cost_rows(cost: dict[str, Any], steps: int) -> list[tuple[str, str, str]]:
     peak = human_flops(cost["peak_flops_per_gpu"]).replace("FLOP", "FLOP/s")
     return [
         ("GPUs", f"{cost['world_size']:,} x {cost['gpu']}", f"peak {peak} dense BF16 each"),
-        ("MFU", f"{cost['mfu']:g}", "training.cluster.mfu"),
-        ("wall-clock", f"{cost['wall_seconds']:,.0f} s", f"{cost['wall_days']:,.2f} days"),
-        ("time per step", f"{cost['step_seconds']:.3f} s", ""),
-        ("GPU-hours", f"{cost['gpu_hours']:,.0f}", human_count(cost["gpu_hours"])),
+        ("MFU", _mfu(cost), "training.cluster.mfu"),
+        ("wall-clock", human_duration(cost["wall_seconds"]), f"{steps:,} steps"),
+        ("time per step", human_duration(cost["step_seconds"]), ""),
+        ("GPU time", human_gpu_hours(cost["gpu_hours"]), ""),
         (
             "energy at TDP",
-            f"{cost['energy_mwh']:,.1f} MWh",
-            f"{cost['tdp_watts']:g} W per GPU, boards only",
+            human_energy(cost["energy_mwh"]),
+            f"{cost['tdp_watts']:,.0f} W per GPU, boards only",
         ),
     ]
 
 
 def _failure_rows(failures: dict[str, Any]) -> list[tuple[str, str, str]]:
-    size = failures["checkpoint_bytes"]
-    rows = [
-        ("interruptions per GPU-hour", f"{failures['failures_per_gpu_hour']:.3g}", ""),
-        (
-            "job MTBF",
-            f"{failures['job_mtbf_hours']:,.2f} h",
-            human_duration(failures["job_mtbf_hours"] * 3600),
-        ),
-        ("expected interruptions", f"{failures['expected_interruptions']:,.1f}", ""),
-        ("restart per interruption", f"{failures['restart_seconds']:,.0f} s", ""),
+    size, rate = failures["checkpoint_bytes"], failures["failures_per_gpu_hour"]
+    mtbf_hours = failures["job_mtbf_hours"]
+    return [
+        ("interruptions", f"{plain(rate)} per GPU-hour", f"one in {format_number(1 / rate)} GPU-hours"),
+        ("job MTBF", human_duration(mtbf_hours * 3600), f"{format_number(mtbf_hours)} h"),
+        ("expected interruptions", format_number(failures["expected_interruptions"]), "over the run"),
+        ("restart per interruption", human_duration(failures["restart_seconds"]), ""),
         (
             "checkpoint size",
-            f"{size:,}",
-            f"{human_bytes(size)}, {failures['checkpoint_bytes_per_param']} B per parameter",
+            human_bytes(size),
+            f"{failures['checkpoint_bytes_per_param']} B per parameter",
         ),
-        ("checkpoint write", f"{failures['write_seconds']:,.2f} s", "blocks a synchronous save"),
-        ("copy to host", f"{failures['host_copy_seconds']:,.2f} s", "blocks an async save"),
-    ]
-    for mode in ("sync", "async"):
-        plan = failures[mode]
-        best, ours = plan["optimal"], plan["blueprint"]
-        rows += [
-            (
-                f"{mode}: best interval",
-                f"{best['interval_seconds']:,.0f} s",
-                f"{best['interval_steps']:,.1f} steps (Daly: {plan['daly_interval_seconds']:,.0f} s)",
-            ),
-            (
-                f"{mode}: lost at best",
-                f"{best['lost_fraction']:.3%}",
-                f"{best['lost_gpu_hours']:,.0f} GPU-hours",
-            ),
-            (
-                f"{mode}: lost at {ours['interval_steps']:,} steps",
-                f"{ours['lost_fraction']:.3%}",
-                f"{ours['lost_gpu_hours']:,.0f} GPU-hours",
-            ),
-        ]
-    return rows
+        ("checkpoint write", human_duration(failures["write_seconds"]), "blocks a sync save"),
+        ("copy to host", human_duration(failures["host_copy_seconds"]), "blocks an async save"),
+    ]  # fmt: skip
 
 
-def cost_summary(plan: dict[str, Any]) -> str:
+def _interval(policy: dict[str, Any], steps: int) -> str:
+    every = policy["interval_steps"]
+    whole = " (the whole run)" if every >= steps else ""
+    return f"{every:,} steps, {human_duration(policy['interval_seconds'])}{whole}"
+
+
+def _lost(policy: dict[str, Any]) -> str:
+    return f"{percent(policy['lost_fraction'])}, {human_gpu_hours(policy['lost_gpu_hours'])}"
+
+
+def _interval_rows(failures: dict[str, Any], steps: int) -> list[tuple[str, str, str]]:
+    """Synchronous and asynchronous side by side: what a save blocks, the best interval in
+    whole steps and what it loses, and the same at the blueprint's interval."""
+    sync, async_ = failures["sync"], failures["async"]
+    every = sync["blueprint"]["interval_steps"]
+
+    def row(label: str, show: Any) -> tuple[str, str, str]:
+        return (label, show(sync), show(async_))
+
+    return [
+        row("blocked per save", lambda m: human_duration(m["blocking_seconds"])),
+        row("not durable for", lambda m: human_duration(m["exposure_seconds"]) if m["exposure_seconds"] else "none"),
+        row("Young / Daly interval", lambda m: " / ".join(
+            human_duration(m[k]) for k in ("young_interval_seconds", "daly_interval_seconds"))),
+        row("best interval", lambda m: _interval(m["optimal"], steps)),
+        row("checkpoints at best", lambda m: f"{m['optimal']['checkpoints']:,}"),
+        row("lost at best", lambda m: _lost(m["optimal"])),
+        row(f"lost every {every:,} steps", lambda m: _lost(m["blueprint"])),
+    ]  # fmt: skip
+
+
+def cost_summary(plan: dict[str, Any], cpu_proxy: bool = False) -> str:
     """One line: what the run costs and what failures take from it."""
+    if cpu_proxy:
+        return (
+            "cost: not applicable, the proxy trains on CPU "
+            "(plan without --proxy to price the full model's GPUs)"
+        )
     cost, failures = plan["cost"], plan["failures"]
     best = failures["async"]["optimal"]
     return (
-        f"cost: {cost['gpu_hours']:,.0f} GPU-hours, {cost['wall_days']:,.1f} days on "
-        f"{cost['world_size']:,} x {cost['gpu']} at {cost['mfu']:.0%} MFU, "
-        f"{cost['energy_mwh']:,.1f} MWh at TDP (GPU boards only); "
-        f"{failures['expected_interruptions']:,.1f} interruptions expected, "
-        f"{best['lost_fraction']:.2%} of the run lost with async checkpoints every "
-        f"{best['interval_steps']:,.0f} steps"
+        f"cost: {human_gpu_hours(cost['gpu_hours'])}, {cost['wall_days']:,.1f} days on "
+        f"{cost['world_size']:,} x {cost['gpu']} at {_mfu(cost)} MFU, "
+        f"{human_energy(cost['energy_mwh'])} at TDP (GPU boards only); "
+        f"{format_number(failures['expected_interruptions'])} interruptions expected, "
+        f"{percent(best['lost_fraction'])} of the run lost with async checkpoints every "
+        f"{best['interval_steps']:,} steps"
     )
 
 
-def rich_tables(plan: dict[str, Any]) -> list[Table]:
-    tables = []
-    for title, rows in plan_tables(plan):
-        table = Table(title=title, title_justify="left", show_header=False)
-        table.add_column(style="bold")
-        table.add_column(justify="right")
-        notes = any(row[2] for row in rows)  # no empty column where no row has a note
-        if notes:
-            table.add_column(style="dim")
-        for row in rows:
-            table.add_row(*(Text(cell) for cell in row[: 3 if notes else 2]))  # never markup
-        tables.append(table)
-    return tables
+def _rich_table(part: PlanTable) -> Table:
+    """A table for the terminal; cells are Text, never markup."""
+    table = Table(title=part.title, title_justify="left", show_header=part.header is not None)
+    if part.header is not None:
+        for name in part.header:
+            table.add_column(
+                name, justify="right" if name else "left", style="" if name else "bold"
+            )
+        for row in part.rows:
+            table.add_row(*(Text(cell) for cell in row))
+        return table
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    notes = any(row[2] for row in part.rows)  # no empty column where no row has a note
+    if notes:
+        table.add_column(style="dim")
+    for row in part.rows:
+        table.add_row(*(Text(cell) for cell in row[: 3 if notes else 2]))
+    return table
+
+
+def rich_tables(plan: dict[str, Any], cpu_proxy: bool = False) -> list[Table]:
+    return [_rich_table(part) for part in plan_tables(plan, cpu_proxy)]
 
 
 def markdown_report(plan: dict[str, Any], title: str) -> str:
     lines = [f"# {title}", "", cost_summary(plan), ""]
-    for section, rows in plan_tables(plan):
-        lines += [f"## {section}", "", "| | value | |", "|---|---:|---|"]
-        lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    for part in plan_tables(plan):
+        header = part.header or ("", "value", "")
+        align = "|---|---:|---:|" if part.header else "|---|---:|---|"
+        lines += [f"## {part.title}", "", "| " + " | ".join(header) + " |", align]
+        lines += [f"| {a} | {b} | {c} |" for a, b, c in part.rows]
         lines.append("")
     return "\n".join(lines)

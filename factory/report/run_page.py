@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 from factory.io import staged_directory
-from factory.report.html_parts import escape, figure_png, key_value_table, table
+from factory.report.html_parts import STYLE, escape, figure_png, key_value_table, table
 from factory.report.run_metrics import ReportError, RunMetrics, read_metrics
 from factory.report.run_plots import ACTION_COLOURS, CAPTIONS, MARKS, plots
 from factory.runtime.callbacks import Event
@@ -31,7 +31,9 @@ def _facts(metrics: RunMetrics) -> list[tuple[str, str]]:
     finite = [s for s in metrics.steps if math.isfinite(s.loss) and math.isfinite(s.lm_loss)]
     of = f" of {metrics.run.steps}" if metrics.run else ""
     end = metrics.end
-    reason = f"{end.reason}: {end.message}" if end else "no end line: still running, or killed"
+    reason = "no end line: still running, or killed"
+    if end:
+        reason = f"{end.reason}: {end.message}" if end.message else end.reason
     loss = "no finite loss"
     if finite:
         f = finite[-1]
@@ -117,11 +119,10 @@ def _html(metrics: RunMetrics, drawn: list[tuple[str, bytes]]) -> str:
     # the action column in the plots' colours
     css = "".join(f"tr.{a} td:nth-child(4){{color:{c}}}" for a, c in ACTION_COLOURS.items())
     return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>{name}: training report</title>
-<style>body{{font-family:sans-serif;max-width:960px;margin:2em auto}}
-table{{border-collapse:collapse;margin:1em 0}}td,th{{border:1px solid #ccc;padding:4px 8px;
-text-align:left;vertical-align:top}}img{{max-width:100%}}figure{{margin:1.5em 0}}
-figcaption{{font-size:90%;color:#444}}{css}</style></head><body>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{name}: training report</title>
+<style>{STYLE}body{{max-width:960px}}{css}</style></head><body>
 <h1>{name}</h1>{key_value_table(_facts(metrics))}
 <h2>Events</h2>{_events_html(metrics)}{_rollbacks_html(metrics)}
 <h2>Plots</h2><p>{escape(MARKS)}</p>{figures}

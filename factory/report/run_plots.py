@@ -32,6 +32,12 @@ WARN = {"marker": 2, "ls": "", "color": ACTION_COLOURS["warn"], "ms": 8, "mew": 
 TITLE_PAD = 12
 """Points between the frame and a title: room for the warning ticks."""
 CHECKPOINT = {"marker": "^", "ls": "", "color": "#1b9e77", "ms": 6}
+PAGE_WIDTH = 9.0
+"""Inches (100 px each) of a plot on the run page, one plot a row."""
+COLUMN_WIDTH = 6.0
+"""Inches of a plot in one of the build page's two columns (about 580 px at 1400 px)."""
+LEGEND_SIZE = 10
+"""Points: legends read like the axis labels, not smaller."""
 
 
 def _colour(action: str) -> str:
@@ -66,6 +72,9 @@ def _mark(ax: Any, metrics: RunMetrics, on_map: bool = False) -> None:
     rollback as a span over the updates it discarded with an arrow back to where training
     resumed, checkpoints as triangles on the x axis. On a heat map the span is a dashed
     white outline: a tint would change the colours it is read by."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # updates are whole: no 0.5 ticks
     limits = ax.get_xlim(), ax.get_ylim()
     across = ax.get_xaxis_transform()  # x in updates, y from 0 (bottom) to 1 (top)
     span_colour = "white" if on_map else _colour("rollback")
@@ -111,10 +120,10 @@ def _legend(figure: Any, metrics: RunMetrics, handles: list[Any], on_map: bool =
         handles.append(Line2D([], [], label="checkpoint", **CHECKPOINT))
     if handles:
         ncol = min(len(handles), 7)
-        figure.legend(handles=handles, loc="outside lower center", ncol=ncol, fontsize=8)
+        figure.legend(handles=handles, loc="outside lower center", ncol=ncol, fontsize=LEGEND_SIZE)
 
 
-def _figure(height: float, width: float = 9.0) -> Any:
+def _figure(height: float, width: float = PAGE_WIDTH) -> Any:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -134,8 +143,8 @@ def _dots(updates: list[int]) -> dict[str, Any]:
     return {"marker": "." if len(updates) < 30 else ""}
 
 
-def _loss_png(metrics: RunMetrics) -> bytes:
-    figure = _figure(5.2)
+def _loss_png(metrics: RunMetrics, width: float) -> bytes:
+    figure = _figure(5.2, width)
     top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[3, 1])
     updates = [s.update for s in metrics.steps]
     # blues: orange, red and purple belong to the events
@@ -154,8 +163,8 @@ def _loss_png(metrics: RunMetrics) -> bytes:
     return _png(figure)
 
 
-def _line_png(metrics: RunMetrics, attr: str, title: str, log: bool) -> bytes:
-    figure = _figure(3.6)
+def _line_png(metrics: RunMetrics, attr: str, title: str, log: bool, width: float) -> bytes:
+    figure = _figure(3.6, width)
     ax = figure.subplots()
     updates = [s.update for s in metrics.steps]
     values = [_finite(getattr(s, attr)) for s in metrics.steps]
@@ -186,7 +195,9 @@ def _layers(metrics: RunMetrics, attr: str) -> list[str]:
     return sorted(names, key=lambda n: (order.get(n, len(order)), _natural(n)))
 
 
-def _heatmap_png(metrics: RunMetrics, attr: str, label: str, log: bool) -> bytes | None:
+def _heatmap_png(
+    metrics: RunMetrics, attr: str, label: str, log: bool, width: float
+) -> bytes | None:
     import numpy as np
     from matplotlib.colors import LogNorm, Normalize
 
@@ -203,7 +214,7 @@ def _heatmap_png(metrics: RunMetrics, attr: str, label: str, log: bool) -> bytes
     seen = grid[np.isfinite(grid)]
     low, high = (seen.min(), seen.max()) if seen.size else (1.0, 1.0)
     norm = LogNorm(low, max(high, low * 1.01)) if log else Normalize(0.0, max(high, 1e-9))
-    figure = _figure(min(2.4 + 0.14 * len(layers), 10.0))
+    figure = _figure(min(2.4 + 0.14 * len(layers), 10.0), width)
     ax = figure.subplots()
     ax.set_facecolor("#dddddd")  # grey: no value logged for that layer at that update
     rows = np.arange(len(layers) + 1) - 0.5
@@ -262,14 +273,17 @@ CAPTIONS = {
 }
 
 
-def plots(metrics: RunMetrics) -> list[tuple[str, bytes]]:
-    """(file name, PNG) of every plot the run has data for (no MoE layers: no MaxVio map)."""
+def plots(metrics: RunMetrics, width: float = PAGE_WIDTH) -> list[tuple[str, bytes]]:
+    """(file name, PNG) of every plot the run has data for (no MoE layers: no MaxVio map),
+    ``width`` inches wide: the width the page shows them at, so their text reads at its size."""
     drawn = {
-        "loss.png": _loss_png(metrics),
-        "lr.png": _line_png(metrics, "lr", "learning rate", log=False),
-        "grad_norm.png": _line_png(metrics, "grad_norm", "gradient norm", log=True),
-        "max_vio.png": _heatmap_png(metrics, "max_vio", "MaxVio", log=False),
-        "residual_rms.png": _heatmap_png(metrics, "residual_rms", "residual RMS", log=True),
+        "loss.png": _loss_png(metrics, width),
+        "lr.png": _line_png(metrics, "lr", "learning rate", log=False, width=width),
+        "grad_norm.png": _line_png(metrics, "grad_norm", "gradient norm", log=True, width=width),
+        "max_vio.png": _heatmap_png(metrics, "max_vio", "MaxVio", log=False, width=width),
+        "residual_rms.png": _heatmap_png(
+            metrics, "residual_rms", "residual RMS", log=True, width=width
+        ),
     }
     return [(name, png) for name, png in drawn.items() if png is not None]
 
@@ -285,7 +299,7 @@ def distributed_loss_png(
     relative difference."""
     from matplotlib.ticker import MaxNLocator
 
-    figure = _figure(4.6, width=6.4)
+    figure = _figure(4.6, width=COLUMN_WIDTH)
     top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[3, 1])
     shared = min(len(steps), len(losses), len(smoke_losses))
     x = list(steps)[:shared]
@@ -294,7 +308,6 @@ def distributed_loss_png(
     )
     top.plot(x, list(losses)[:shared], "x--", color="#08519c", ms=8, label="distributed")
     top.set(ylabel="loss", title=title)
-    top.legend(fontsize=9)
     difference = [
         abs(a - b) / max(abs(b), 1e-12)
         for a, b in zip(losses[:shared], smoke_losses[:shared], strict=True)
@@ -302,8 +315,10 @@ def distributed_loss_png(
     bottom.plot(x, difference, "o-", color="#555555", ms=4, label="relative difference")
     bottom.axhline(tolerance, color="#d62728", ls="--", lw=1, label="tolerance")
     bottom.set(xlabel="step", ylabel="rel. diff.", ylim=(0, max([tolerance, *difference]) * 1.15))
-    bottom.legend(fontsize=8, loc="upper left")
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    # One legend below both panels: inside either it would cover a curve or the tolerance line.
+    handles = top.get_legend_handles_labels()[0] + bottom.get_legend_handles_labels()[0]
+    figure.legend(handles=handles, loc="outside lower center", ncol=2, fontsize=LEGEND_SIZE)
     return _png(figure)

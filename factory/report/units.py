@@ -1,33 +1,66 @@
-"""Numbers for people: counts, FLOPs, bytes and durations with their units, and a value
-formatted by what its key's suffix says it measures. Every report page formats numbers here."""
+"""Numbers for people: counts, FLOPs, bytes, durations, energy and shares with their units,
+thousands separators, and never an exponent. Every report, the terminal's plan included,
+formats numbers here."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import math
 
 __all__ = [
-    "format_named_value", "format_number", "human_bytes", "human_count", "human_duration",
-    "human_flops", "percent",
+    "format_number", "human_bytes", "human_count", "human_duration", "human_energy",
+    "human_flops", "human_gpu_hours", "percent", "plain",
 ]  # fmt: skip
 
+SMALLEST = 1e-12
+"""Below this a plain decimal would be a wall of zeros: such a value prints as '≈ 0' (nothing
+this module formats means anything that small)."""
 
-def _scaled(n: float, units: tuple[tuple[str, float], ...]) -> str:
+
+def _trim(text: str) -> str:
+    """'10.00' -> '10', '1.50' -> '1.5': trailing zeros of a fixed-point number add nothing."""
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def plain(value: float, digits: int = 3) -> str:
+    """``value`` with about ``digits`` significant digits as a plain decimal: 0.0000197, 2.62,
+    50,677; never '1.97e-05'."""
+    if not math.isfinite(value):
+        return str(value)
+    size = abs(value)
+    if size == 0:
+        return "0"
+    if size < SMALLEST:
+        return "≈ 0"
+    decimals = max(0, digits - 1 - math.floor(math.log10(size)))
+    return _trim(f"{value:,.{decimals}f}")
+
+
+def format_number(value: float) -> str:
+    """Integers (and whole floats) with thousands separators; other numbers with about four
+    significant digits, whole from 1,000 up."""
+    if isinstance(value, int) or (math.isfinite(value) and float(value).is_integer()):
+        return f"{int(value):,}"
+    return plain(value, 4) if abs(value) < 1000 else f"{value:,.0f}"
+
+
+def _scaled(n: float, units: tuple[tuple[str, float], ...], below: str = "") -> str:
     for unit, scale in units:
         if abs(n) >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return f"{n:g}"
+            return f"{n / scale:,.2f}{unit}"
+    return plain(n) + below
 
 
 def human_count(n: float) -> str:
-    """Parameter-style counts: 3.58B, 31.58B (B for billions, as model cards write them)."""
+    """Parameter-style counts: 3.58B, 31.58B (B for billions, as model cards write them); below
+    a thousand, the number itself."""
     return _scaled(n, (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)))
 
 
 def human_flops(n: float) -> str:
-    """FLOPs with SI prefixes: 22.28 GFLOP, 5.20e+23 = 520.20 ZFLOP."""
-    units = (("Y", 1e24), ("Z", 1e21), ("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9))
-    return _scaled(n, tuple((f" {u}FLOP", s) for u, s in units)) if n else "0"
+    """FLOPs with SI prefixes: 38.95 MFLOP, 22.28 GFLOP, 520.20 ZFLOP."""
+    units = (("Y", 1e24), ("Z", 1e21), ("E", 1e18), ("P", 1e15), ("T", 1e12), ("G", 1e9),
+             ("M", 1e6), ("K", 1e3))  # fmt: skip
+    return _scaled(n, tuple((f" {u}FLOP", s) for u, s in units), " FLOP")
 
 
 def human_bytes(n: float) -> str:
@@ -37,74 +70,42 @@ def human_bytes(n: float) -> str:
 
 
 def human_duration(seconds: float) -> str:
-    """Seconds as the largest unit that keeps the number at least 1: 1.88 min, 500.64 days."""
-    if seconds < 60:
-        return f"{seconds:.2f} s"
-    return _scaled(seconds, ((" days", 86400.0), (" h", 3600.0), (" min", 60.0)))
+    """The largest unit that keeps the number at least 1: 58 ms, 2.62 s, 10 min, 9.99 h,
+    2,111.54 days."""
+    if abs(seconds) < 1:
+        return f"{plain(seconds * 1000)} ms" if seconds else "0 s"
+    for unit, scale in ((" days", 86400.0), (" h", 3600.0), (" min", 60.0), (" s", 1.0)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:,.2f}".removesuffix(".00") + unit
+    raise AssertionError("unreachable: |seconds| >= 1")
 
 
-def format_number(value: float) -> str:
-    """Integers with thousands separators; other numbers with about four significant digits."""
-    if isinstance(value, int) or (float(value).is_integer() and abs(value) < 1e15):
-        return f"{int(value):,}"
-    size = abs(value)
-    if size < 1e-3 or size >= 1e15:
-        return f"{value:.3e}"
-    if size >= 1e5:
-        return f"{value:,.0f}"
-    return f"{value:,.1f}" if size >= 1e3 else f"{value:.4g}"
+def human_energy(mwh: float) -> str:
+    """Energy from MWh in the unit that keeps the number at least 1: 269.1 MWh, 3.2 kWh, 11 Wh."""
+    if abs(mwh) >= 1:
+        return f"{mwh:,.1f} MWh"
+    if abs(mwh) >= 1e-3:
+        return f"{plain(mwh * 1e3)} kWh"
+    return f"{plain(mwh * 1e6)} Wh"
+
+
+def human_gpu_hours(hours: float) -> str:
+    """384,490 GPU-hours; under one, the GPU time as a duration (58 ms of GPU time)."""
+    if abs(hours) < 1:
+        return f"{human_duration(hours * 3600)} of GPU time"
+    whole = math.isfinite(hours) and abs(hours) >= 100  # a fraction of an hour adds nothing there
+    return f"{format_number(round(hours) if whole else hours)} GPU-hours"
 
 
 def percent(fraction: float) -> str:
-    return f"{fraction * 100:.3g}%" if abs(fraction) < 0.1 else f"{fraction * 100:.1f}%"
-
-
-def _with(unit: str) -> Callable[[float], str]:
-    return lambda v: f"{format_number(v)} {unit}"
-
-
-def _seconds(value: float) -> str:
-    pretty = human_duration(value)
-    return pretty if value < 60 else f"{pretty} ({format_number(value)} s)"
-
-
-def _hours(value: float) -> str:
-    return f"{format_number(value)} h" + (f" ({value / 24:,.1f} days)" if value >= 48 else "")
-
-
-def _bytes(value: float) -> str:
-    return f"{human_bytes(value)} ({format_number(value)} B)"
-
-
-SUFFIXES: tuple[tuple[str, Callable[[float], str]], ...] = (
-    ("_gpu_hours", _with("GPU-hours")),
-    ("_per_gpu_hour", _with("per GPU-hour")),
-    ("_hours", _hours),
-    ("_days", _with("days")),
-    ("_seconds", _seconds),
-    ("_mwh", _with("MWh")),
-    ("_kwh", _with("kWh")),
-    ("_watts", _with("W")),
-    ("_bytes_per_param", _with("B per parameter")),
-    ("_bytes", _bytes),
-    ("_fraction", percent),
-    ("_flops_per_gpu", lambda v: human_flops(v).replace("FLOP", "FLOP/s")),
-    ("_flops", human_flops),
-    ("_steps", _with("steps")),
-    ("_usd", lambda v: f"${v:,.0f}"),
-    ("mfu", percent),
-)
-"""Key suffix -> formatter; the first match wins, so longer suffixes come first."""
-
-
-def format_named_value(key: str, value: Any) -> str:
-    """``value`` formatted for the unit its ``key`` names (``wall_days`` -> '500.6 days')."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        if isinstance(value, list | tuple):
-            return ", ".join(format_named_value(key, v) for v in value)
-        return "—" if value is None else str(value)
-    leaf = key.rsplit(".", 1)[-1].lower()
-    for suffix, formatter in SUFFIXES:
-        if leaf.endswith(suffix) or leaf == suffix.lstrip("_"):
-            return formatter(value)
-    return format_number(value)
+    """A share as a percentage, one decimal from 10% up and three significant digits below (a
+    column of them lines up): 38.0%, 12.5%, 0.637%, 0.0400%, 4.00%; under 0.001%, '< 0.001%'."""
+    value = fraction * 100
+    if value == 0:
+        return "0%"
+    if abs(value) < 1e-3:
+        return "< 0.001%"
+    if abs(value) >= 10:
+        return f"{value:,.1f}%"
+    decimals = max(0, 2 - math.floor(math.log10(abs(value))))  # three significant digits
+    return f"{value:.{decimals}f}%"
