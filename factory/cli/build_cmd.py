@@ -6,11 +6,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 
 import factory
 from factory.checks.validate import load
-from factory.cli.output import EXIT_INVALID, print_diagnostics
+from factory.cli.output import (
+    EXIT_INVALID,
+    LogFormat,
+    LogFormatOption,
+    print_diagnostics,
+    progress_console,
+)
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.errors import BlueprintError
@@ -43,11 +48,12 @@ def build(
     ] = None,
     workers: Annotated[int, typer.Option("--workers", min=1, help="Data worker processes.")] = 1,
     overrides: SetOption = None,
+    log_format: LogFormatOption = LogFormat.auto,
 ) -> None:
     """Run the whole factory: validate, plan, the model on the meta device, the precision
     table, the HF and Megatron exports, the curated data, a smoke run of the proxy, a
     2-process layout check and one report page. A rerun reuses what is done."""
-    console = Console(stderr=True)
+    console = progress_console(log_format)
     for stage in skip or []:
         if stage not in STAGES:
             raise typer.BadParameter(
@@ -67,7 +73,7 @@ def build(
         )
 
     try:
-        with RichProgress(console) as progress:
+        with RichProgress(console, log_format=log_format.value) as progress:
             result = factory.build(  # imports numpy and torch when it runs
                 loaded.blueprint,
                 out=out,

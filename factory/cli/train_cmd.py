@@ -23,7 +23,13 @@ import typer
 from rich.console import Console
 
 from factory.checks.validate import load
-from factory.cli.output import EXIT_INVALID, print_diagnostics
+from factory.cli.output import (
+    EXIT_INVALID,
+    LogFormat,
+    LogFormatOption,
+    print_diagnostics,
+    progress_console,
+)
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.data.build_refusals import BuildRefused
@@ -45,7 +51,7 @@ from factory.jobs.train import (
     prepare_training,
 )
 from factory.precision.backends import PrecisionBackend
-from factory.progress import RichProgress
+from factory.progress import RichProgress, plain_log
 from factory.runtime.stop_signals import exit_status
 
 BACKENDS = typing.get_args(PrecisionBackend)
@@ -108,10 +114,11 @@ def train(
         ),
     ] = None,
     overrides: SetOption = None,
+    log_format: LogFormatOption = LogFormat.auto,
 ) -> None:
     """Train on the blueprint's data recipe with checkpoints and stability monitors; write
     data/, checkpoints/, metrics.jsonl, and at the end train.json, model/ and report/."""
-    console = Console(stderr=True)
+    console = progress_console(log_format)
     loaded = load(target, overrides or [])
     main_rank = os.environ.get("RANK", "0") == "0"
     if main_rank:  # one copy of each message, not one per process
@@ -131,10 +138,11 @@ def train(
     if request.layout_changes and main_rank:
         console.print("proxy layout: " + "; ".join(request.layout_changes), highlight=False)
     policy = CheckpointPolicy(checkpoint_every, keep, async_checkpoint, resume)
+    shown = "plain" if plain_log(log_format.value, console) else "rich"
     try:
-        with RichProgress(console) as progress:
+        with RichProgress(console, log_format=log_format.value) as progress:
             result = request.run(out=out, steps=steps, data=data, seed=seed, progress=progress,
-                                 show_steps=sys.stderr.isatty(), checkpoints=policy,
+                                 show_steps=shown, checkpoints=policy,
                                  notice=_notices(console, main_rank))  # fmt: skip
     except (TrainRefused, BuildRefused) as exc:  # BuildRefused: the recipe curated to nothing
         _refuse(f"factory train: {exc}", main_rank)

@@ -45,12 +45,13 @@ from factory.jobs.train import (
     CannotResume,
     CheckpointPolicy,
     RankLost,
+    StepsShown,
     TrainRefused,
     TrainRequest,
     TrainResult,
 )
 from factory.planner.layout import resolve_layout
-from factory.progress import Progress
+from factory.progress import PLAIN_EVERY_S, PLAIN_EVERY_STEPS, Progress
 from factory.report.run_metrics import ReportError
 from factory.report.run_page import write_report
 from factory.runtime.callbacks import Callback
@@ -74,7 +75,7 @@ def run_rank(
     seed: int,
     workers: int,
     progress: Progress,
-    show_steps: bool,
+    show_steps: StepsShown,
     checkpoints: CheckpointPolicy,
     notice: Callable[[str], None],
 ) -> TrainResult:
@@ -203,7 +204,7 @@ def _fit(
     policy: CheckpointPolicy,
     ranks: Ranks,
     progress: Progress,
-    show_steps: bool,
+    show_steps: StepsShown,
     notice: Callable[[str], None],
 ) -> RunHistory:
     """Train ``compiled`` on this rank's data-parallel share of ``shards``."""
@@ -215,7 +216,9 @@ def _fit(
         async_checkpoint=policy.async_save,
         resume=policy.resume or bool(complete_checkpoints(out / "checkpoints")),
         seed=seed,
-        progress=show_steps,
+        progress=show_steps == "rich",
+        log_every=PLAIN_EVERY_STEPS if show_steps == "plain" else 0,
+        log_every_s=PLAIN_EVERY_S if show_steps == "plain" else 0.0,
         ranks=ranks,
         stop_on_signals=True,
         notice=notice,

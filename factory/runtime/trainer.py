@@ -118,7 +118,9 @@ class RunOptions:
     progress: bool = False
     """Draw a rich progress bar (rank 0)."""
     log_every: int = 0
-    """Without the bar, print a plain line every this many steps (0: none)."""
+    """Without the bar, log a timestamped step line every this many steps (0: not by steps)."""
+    log_every_s: float = 0.0
+    """... or this many seconds after the last, whichever comes first (0: not by time)."""
     description: str = "train"
     ranks: Ranks = field(default_factory=SingleProcess)
     """The other processes of a distributed run (``factory.runtime.ranks``); this rank's
@@ -197,7 +199,9 @@ def standard_callbacks(
     if options.run_dir is not None:
         callbacks.append(MetricsLog(metrics_path(options.run_dir, options.ranks)))
     callbacks.append(Monitors(training.stability))
-    callbacks.append(StepDisplay(options.progress, options.log_every, options.description))
+    callbacks.append(
+        StepDisplay(options.progress, options.log_every, options.description, options.log_every_s)
+    )
     callbacks.extend(on_step)
     if options.run_dir is not None:
         every = options.checkpoint_every or training.checkpoint_interval
