@@ -31,7 +31,11 @@ def _facts(metrics: RunMetrics) -> list[tuple[str, str]]:
     finite = [s for s in metrics.steps if math.isfinite(s.loss) and math.isfinite(s.lm_loss)]
     of = f" of {metrics.run.steps}" if metrics.run else ""
     end = metrics.end
-    reason = f"{end.reason}: {end.message}" if end else "no end line: still running, or killed"
+    reason = (
+        ": ".join(filter(None, (end.reason, end.message)))
+        if end
+        else "no end line: still running, or killed"
+    )
     loss = "no finite loss"
     if finite:
         f = finite[-1]
