@@ -185,6 +185,12 @@ def _launch(request: TrainRequest, out: Path | None, world: int, console: Consol
 
 def _say_how_it_ended(result: TrainResult, console: Console, main_rank: bool) -> None:
     name, records, history = result.blueprint.meta.name, result.records, result.history
+    if result.found_complete_at is not None:
+        if main_rank:
+            console.print(f"factory train: {name} already complete at step "
+                          f"{result.found_complete_at} ({result.out}); nothing to do",
+                          markup=False, highlight=False, soft_wrap=True)  # fmt: skip
+        raise typer.Exit(0)
     if history.end == "interrupted":
         if main_rank:
             console.print(f"factory train: {history.message}; rerun the same command to resume",

@@ -19,7 +19,9 @@ one process is world size 1 of the same code. The run folder holds:
   (``factory report``), each written whole by rank 0.
 
 Rerunning into the same folder (or ``resume=True``, which insists) continues
-from the latest complete checkpoint, exactly as the uninterrupted run would.
+from the latest complete checkpoint, exactly as the uninterrupted run would; a
+rerun of a run that completed all its steps changes nothing and says so
+(:attr:`TrainResult.found_complete_at`).
 What cannot run is refused by :func:`prepare_training` before any work: a model
 whose fp32 weights, gradients and Adam states would not fit this machine's
 memory (:class:`ModelTooBig`), a backend that is not installed, a launch that
@@ -146,6 +148,9 @@ class TrainResult:
     """The shards it trained on."""
     history: RunHistory
     """The trainer's records (one per optimizer step) and how the run ended."""
+    found_complete_at: int | None = None
+    """The step a rerun found the run folder's training complete at, having changed nothing
+    (``history`` is then ``train.json``'s); None when this call trained."""
 
     @property
     def records(self) -> list[StepRecord]:
