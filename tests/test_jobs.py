@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 import typing
 from pathlib import Path
 
@@ -237,6 +238,44 @@ def test_a_piped_train_logs_its_steps(proxy_data, tmp_path: Path) -> None:
     for step in (1, 2):
         pattern = f"{stamp}train: step {step}/2, {numbers}$"
         assert any(re.match(pattern, line) for line in lines), lines
+
+
+def _in_a_terminal(args: list[str], timeout: float = 600) -> tuple[int, str]:
+    """Run ``args`` with a pseudo-terminal as stdout and stderr: its status and output."""
+    import os
+    import pty
+    import select
+
+    master, terminal = pty.openpty()
+    child = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=terminal, stderr=terminal)
+    os.close(terminal)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: the child closed the terminal's last descriptor
+                    break
+                if not chunk:
+                    break
+                chunks.append(chunk)
+    finally:
+        os.close(master)
+        if child.poll() is None:
+            child.kill()
+    return child.wait(), b"".join(chunks).decode(errors="replace")
+
+
+def test_log_format_plain_logs_lines_in_a_terminal(proxy_data, tmp_path: Path) -> None:
+    status, output = _in_a_terminal(
+        [sys.executable, "-m", "factory", "train", "nano", "--proxy", "--steps", "2",
+         "--data", str(proxy_data[0]), "--out", str(tmp_path / "run"), "--log-format", "plain"]
+    )  # fmt: skip
+    assert status == 0, output[-2000:]
+    stamp = r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} "
+    assert re.search(f"(?m)^{stamp}train: step 2/2, loss ", output), output[-2000:]
+    assert "\x1b[?25l" not in output  # no live display hid the cursor
 
 
 def test_a_piped_data_build_logs_its_stages(tmp_path: Path) -> None:
