@@ -278,6 +278,16 @@ def test_log_format_plain_logs_lines_in_a_terminal(proxy_data, tmp_path: Path) -
     assert "\x1b[?25l" not in output  # no live display hid the cursor
 
 
+def test_off_a_terminal_each_build_stage_is_a_timestamped_line(cli, tmp_path: Path) -> None:
+    skip = ["--skip", "model", "--skip", "export", "--skip", "data", "--skip", "smoke"]
+    skip += ["--skip", "distributed", "--skip", "report"]
+    status, _, err = cli("build", "nano", "--out", str(tmp_path / "nano"), *skip)
+    assert status == 0, err
+    stamp = r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} "
+    stages = [line for line in err.splitlines() if re.match(f"{stamp}. (validate|plan) ", line)]
+    assert len(stages) == 2, err
+
+
 def test_a_piped_data_build_logs_its_stages(tmp_path: Path) -> None:
     """Run as a job runs it, output piped: every line of the log says something."""
     out = tmp_path / "shards"

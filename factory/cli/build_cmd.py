@@ -20,7 +20,7 @@ from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.errors import BlueprintError
 from factory.jobs.build_defaults import DEFAULT_CHECK_STEPS, DEFAULT_SMOKE_STEPS
-from factory.progress import RichProgress
+from factory.progress import RichProgress, plain_log, stamped
 from factory.report.build_folder import STAGES
 
 if TYPE_CHECKING:
@@ -63,11 +63,14 @@ def build(
         loaded = load(target, overrides or [])
     print_diagnostics(loaded.warnings)
 
+    plain = plain_log(log_format.value, console)
+
     def say(record: StageRecord) -> None:
         mark = _MARK.get(record.status, "[red]✗[/red]")
         reused = " (reused)" if record.status == "reused" else ""
+        line = f"{mark} {record.stage:<11} {record.seconds:7.1f} s  {record.result}{reused}"
         console.print(
-            f"{mark} {record.stage:<11} {record.seconds:7.1f} s  {record.result}{reused}",
+            stamped(line) if plain else line,  # in a log, as its progress lines are
             highlight=False,
             soft_wrap=True,  # one line per stage, also in logs narrower than the line
         )
