@@ -61,7 +61,7 @@ class StepDisplay(Callback):
         self._first = 0
 
     @property
-    def logging(self) -> bool:
+    def writes_lines(self) -> bool:
         """Whether plain lines are written (no bar, and a cadence asked for)."""
         return self.bar is None and bool(self.log_every or self.log_every_s)
 
@@ -104,7 +104,7 @@ class StepDisplay(Callback):
         if self.bar is not None:
             status = f"{loss} {lr} |g| {record.grad_norm:.3f} {tokens_per_s}"
             self.bar.update(self.task, completed=step, status=status)
-        elif self.logging and self._due(step):
+        elif self.writes_lines and self._due(step):
             self._said = self.clock()
             self.say(
                 f"{self.description}: step {step}/{self.total}, {loss}, {lr}, "
@@ -142,7 +142,7 @@ class StepDisplay(Callback):
         """Print above the bar when there is one, else as a timestamped log line."""
         if self.bar is not None:
             self.bar.console.print(line, markup=False, highlight=False)
-        elif self.logging and self.console is not None:
+        elif self.writes_lines and self.console is not None:
             self.console.print(stamped(line), markup=False, highlight=False, soft_wrap=True)
 
 
