@@ -177,7 +177,7 @@ def main(argv: list[str]) -> int:
     if BASELINE in names:  # the baseline first, so gaps can be shown as runs finish
         names.remove(BASELINE)
         names.insert(0, BASELINE)
-    progress = sys.stdout.isatty() if args.progress is None else args.progress
+    progress = sys.stderr.isatty() if args.progress is None else args.progress  # the bar's stream
 
     import torch
 

@@ -7,7 +7,10 @@ the terminal to another live display between stages (the training loop draws
 its own bar): rich allows one live display at a time. Where the output is not a
 terminal (CI, Slurm, nohup, ``| tee``) a live display would leave blank lines, so
 the same calls become plain timestamped lines: a stage's start, its count every
-:data:`PLAIN_EVERY_S` seconds, and its end with the time it took.
+:data:`PLAIN_EVERY_S` seconds, and its end with the time it took. A
+:data:`LogFormat` forces either (``--log-format``); :func:`stamped` and
+:func:`duration` are the log's line and duration formats, which the training
+loop's step lines share (``factory.runtime.display``).
 """
 
 from __future__ import annotations
@@ -15,15 +18,32 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from types import TracebackType
+from typing import Literal
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichBar
 
-__all__ = ["PLAIN_EVERY_S", "Progress", "RichProgress", "silent"]
+__all__ = [
+    "PLAIN_EVERY_S",
+    "PLAIN_EVERY_STEPS",
+    "LogFormat",
+    "Progress",
+    "RichProgress",
+    "duration",
+    "plain_log",
+    "silent",
+    "stamped",
+]
 
 PLAIN_EVERY_S = 30.0
 """Seconds between two plain lines of one stage's count (a log's pace, not a bar's)."""
+PLAIN_EVERY_STEPS = 10
+"""Optimizer steps between two plain step lines of a training, at most (or PLAIN_EVERY_S)."""
+
+LogFormat = Literal["auto", "plain", "rich"]
+"""How progress is shown: ``rich`` a live display, ``plain`` timestamped lines, ``auto`` the
+first in a terminal and the second elsewhere (CI, Slurm, nohup, a pipe)."""
 
 Progress = Callable[[str, int, int], None]
 """``progress(stage, done, total)``: ``done`` of ``total`` units of ``stage`` are finished
@@ -49,10 +69,13 @@ class RichProgress:
     """
 
     def __init__(
-        self, console: Console | None = None, clock: Callable[[], float] = time.monotonic
+        self,
+        console: Console | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        log_format: LogFormat = "auto",
     ) -> None:
         self.console = console or Console(stderr=True)
-        self.plain = not self.console.is_terminal
+        self.plain = plain_log(log_format, self.console)
         self.clock = clock
         self._bar: RichBar | None = None
         self._stage = ""
@@ -92,15 +115,14 @@ class RichProgress:
             self._say(f"{stage}: started" + (f" ({total:,} to do)" if total else ""))
         count = f"{done:,}/{total:,}" if total else f"{done:,}"
         if 0 < total <= done:
-            self._say(f"{stage}: {count} done in {_duration(now - self._began)}")
+            self._say(f"{stage}: {count} done in {duration(now - self._began)}")
             self._stage = ""
         elif now - self._said >= PLAIN_EVERY_S:
             self._said = now
-            self._say(f"{stage}: {count} after {_duration(now - self._began)}")
+            self._say(f"{stage}: {count} after {duration(now - self._began)}")
 
     def _say(self, line: str) -> None:
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        self.console.print(f"{stamp} {line}", markup=False, highlight=False, soft_wrap=True)
+        self.console.print(stamped(line), markup=False, highlight=False, soft_wrap=True)
 
     @property
     def drawing(self) -> bool:
@@ -125,7 +147,19 @@ class RichProgress:
         self.close()
 
 
-def _duration(seconds: float) -> str:
+def plain_log(log_format: LogFormat, console: Console) -> bool:
+    """Whether ``log_format`` means plain lines on ``console`` (``auto``: off a terminal)."""
+    if log_format == "auto":
+        return not console.is_terminal
+    return log_format == "plain"
+
+
+def stamped(line: str) -> str:
+    """``2026-01-31 14:05:09 line``: a log line with the local time it was written."""
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}"
+
+
+def duration(seconds: float) -> str:
     """``42 s``, ``3 min 20 s``, ``2 h 05 min``: a duration as people read it in a log."""
     whole = round(seconds)
     if whole < 60:

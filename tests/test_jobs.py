@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 import typing
 from pathlib import Path
 
@@ -156,6 +157,135 @@ def test_off_a_terminal_progress_is_plain_timestamped_lines() -> None:
         "curate: 3/3 done in 3 min 20 s",
         "shards: started",
     ]
+
+
+def test_a_log_format_forces_lines_or_bars_whatever_the_output() -> None:
+    """``--log-format plain`` logs lines in a terminal; ``rich`` draws bars in a pipe."""
+    terminal, pipe = io.StringIO(), io.StringIO()
+    with RichProgress(Console(file=terminal, force_terminal=True), log_format="plain") as lines:
+        lines("curate", 0, 2)
+        assert lines.plain and lines.drawing
+    assert terminal.getvalue().endswith(" curate: started (2 to do)\n")
+    with RichProgress(Console(file=pipe), log_format="rich") as bars:
+        assert not bars.plain
+        assert RichProgress(Console(file=pipe)).plain  # auto: a pipe gets lines
+
+
+@pytest.mark.parametrize(
+    "command", [["train", "nano"], ["build", "nano"], ["data", "build", "nano"]]
+)
+def test_every_command_with_progress_takes_a_log_format(cli, command: list[str]) -> None:
+    status, out, _ = cli(*command, "--help")
+    assert status == 0 and "--log-format" in out
+    status, _, err = cli(*command, "--out", "unused", "--log-format", "fancy")
+    assert status == 2 and "fancy" in err
+
+
+def test_off_a_terminal_training_logs_a_timestamped_line_per_few_steps() -> None:
+    """The run's first and last steps, every 10 steps or 30 s (whichever first), each with
+    the loss, learning rate, gradient norm, tokens/s and ETA; events and rollbacks too."""
+    from types import SimpleNamespace
+
+    from factory.runtime.callbacks import Event, Rollback
+    from factory.runtime.display import StepDisplay
+    from factory.runtime.trainer import RunHistory
+
+    out, now = io.StringIO(), [0.0]
+    display = StepDisplay(False, 10, log_every_s=30.0, console=Console(file=out),
+                          clock=lambda: now[0])  # fmt: skip
+    trainer = SimpleNamespace(
+        ranks=SimpleNamespace(is_main=True), steps=25, position=SimpleNamespace(step=0)
+    )
+    outcome = SimpleNamespace(tokens=2048)
+    display.pre_train(trainer)
+    for step in range(25):
+        now[0] += 41.0 if step == 13 else 2.0  # one slow step: 30 s passed since the last line
+        record = SimpleNamespace(lm_loss=6.0 - step / 10, lr=3e-4, grad_norm=1.25, seconds=2.0)
+        trainer.position.step = step + 1
+        display.post_step(trainer, record, outcome)
+        if step == 3:
+            display.on_event(trainer, Event(4, 4, "loss_spike", "warn", "loss 9.1 > 3 x median"))
+            display.on_rollback(trainer, Rollback(5, 4, 2, 16, 3))
+    display.post_train(trainer, RunHistory())
+    lines = out.getvalue().splitlines()
+    stamp = r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} "
+    assert all(re.match(stamp, line) for line in lines), lines
+    said = [re.sub(f"^{stamp}", "", line) for line in lines]
+    assert said == [
+        "train: step 1/25, loss 6.0000, lr 3.00e-04, grad norm 1.250, 1,024 tok/s, ETA 48 s",
+        "train: [warn] loss_spike: loss 9.1 > 3 x median",
+        "train: rollback from step 4 to 2, 16 samples skipped",
+        "train: step 10/25, loss 5.1000, lr 3.00e-04, grad norm 1.250, 1,024 tok/s, ETA 30 s",
+        "train: step 14/25, loss 4.7000, lr 3.00e-04, grad norm 1.250, 1,024 tok/s, ETA 53 s",
+        "train: step 20/25, loss 4.1000, lr 3.00e-04, grad norm 1.250, 1,024 tok/s, ETA 20 s",
+        "train: step 25/25, loss 3.6000, lr 3.00e-04, grad norm 1.250, 1,024 tok/s, ETA 0 s",
+    ]
+
+
+def test_a_piped_train_logs_its_steps(proxy_data, tmp_path: Path) -> None:
+    """Run as a job runs it, output piped: no blank line, and a timestamped line for the
+    first and the last step with the loss, learning rate, gradient norm, tokens/s and ETA."""
+    done = subprocess.run(
+        [sys.executable, "-m", "factory", "train", "nano", "--proxy", "--steps", "2",
+         "--data", str(proxy_data[0]), "--out", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = (done.stdout + done.stderr).splitlines()
+    assert lines and all(line.strip() for line in lines), lines
+    stamp = r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} "
+    numbers = r"loss \d+\.\d{4}, lr [\d.e+-]+, grad norm \d+\.\d{3}, [\d,]+ tok/s, ETA \d+ s"
+    for step in (1, 2):
+        pattern = f"{stamp}train: step {step}/2, {numbers}$"
+        assert any(re.match(pattern, line) for line in lines), lines
+
+
+def _in_a_terminal(args: list[str], timeout: float = 600) -> tuple[int, str]:
+    """Run ``args`` with a pseudo-terminal as stdout and stderr: its status and output."""
+    import os
+    import pty
+    import select
+
+    master, terminal = pty.openpty()
+    child = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=terminal, stderr=terminal)
+    os.close(terminal)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 1.0)[0]:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: the child closed the terminal's last descriptor
+                    break
+                if not chunk:
+                    break
+                chunks.append(chunk)
+    finally:
+        os.close(master)
+        if child.poll() is None:
+            child.kill()
+    return child.wait(), b"".join(chunks).decode(errors="replace")
+
+
+def test_log_format_plain_logs_lines_in_a_terminal(proxy_data, tmp_path: Path) -> None:
+    status, output = _in_a_terminal(
+        [sys.executable, "-m", "factory", "train", "nano", "--proxy", "--steps", "2",
+         "--data", str(proxy_data[0]), "--out", str(tmp_path / "run"), "--log-format", "plain"]
+    )  # fmt: skip
+    assert status == 0, output[-2000:]
+    stamp = r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} "
+    assert re.search(f"(?m)^{stamp}train: step 2/2, loss ", output), output[-2000:]
+    assert "\x1b[?25l" not in output  # no live display hid the cursor
+
+
+def test_off_a_terminal_each_build_stage_is_a_timestamped_line(cli, tmp_path: Path) -> None:
+    skip = ["--skip", "model", "--skip", "export", "--skip", "data", "--skip", "smoke"]
+    skip += ["--skip", "distributed", "--skip", "report"]
+    status, _, err = cli("build", "nano", "--out", str(tmp_path / "nano"), *skip)
+    assert status == 0, err
+    stamp = r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} "
+    stages = [line for line in err.splitlines() if re.match(f"{stamp}. (validate|plan) ", line)]
+    assert len(stages) == 2, err
 
 
 def test_a_piped_data_build_logs_its_stages(tmp_path: Path) -> None:

@@ -201,3 +201,21 @@ def test_cli_missing_or_empty_metrics_exit_2(cli: Cli, tmp_path: Path, content: 
     assert status == 2
     assert err.startswith(f"{tmp_path}/metrics.jsonl: "), err
     assert not (tmp_path / "report").exists()
+
+
+def test_a_finished_run_rerun_by_an_earlier_release_counts_its_checkpoint_once(
+    tmp_path: Path,
+) -> None:
+    """Earlier releases saved a finished run's last checkpoint again when it was rerun, and
+    appended another run and end line; the end has no message, so no colon after it."""
+    first = {"kind": "run", "name": "nano-proxy", "steps": 2, "seq_len": 256}
+    saved = {"kind": "checkpoint", "update": 2, "step": 2, "path": "ckpt/step2"}
+    saved |= {"seconds": 0.2, "async": False}
+    end = {"kind": "end", "update": 2, "step": 2, "reason": "completed", "message": ""}
+    once = [first | {"global_batch_size": 8, "layers": LAYERS}, _step(0, 0), _step(1, 1)]
+    run = _write(tmp_path / "run", [*once, saved, end, once[0] | {"resumed_at": 2}, saved, end])
+    metrics = read_metrics(run)
+    assert [(c.update, c.step) for c in metrics.checkpoints] == [(2, 2)]
+    text = write_report(run).read_text(encoding="utf-8")
+    assert "<td>completed</td>" in text and "completed:" not in text
+    assert "<td>1, last at step 2: ckpt/step2</td>" in text

@@ -61,6 +61,47 @@ def _clean(output: str) -> None:
     assert "Traceback" not in output and "internal error" not in output, output[-3000:]
 
 
+def _tree(path: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under ``path`` but the run's lock (each run takes it): bytes and mtime."""
+    return {
+        str(f.relative_to(path)): (f.read_bytes(), f.stat().st_mtime_ns)
+        for f in sorted(path.rglob("*"))
+        if f.is_file() and f.name != ".lock"
+    }
+
+
+@pytest.mark.parametrize("ranks", [(), TWO_RANKS], ids=["one-process", "two-ranks"])
+def test_a_rerun_of_a_finished_run_says_so_and_changes_nothing(
+    inputs: tuple[Path, Path], reference: Path, tmp_path: Path, ranks: tuple[str, ...]
+) -> None:
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    before = _tree(run_dir)
+    rerun = run(train_args(inputs, run_dir, *ranks))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    said = [line for line in rerun.stderr.splitlines() if line.startswith("factory train:")]
+    assert said == [
+        f"factory train: super-proxy already complete at step {STEPS} ({run_dir}); nothing to do"
+    ], rerun.stderr[-3000:]
+    _clean(rerun.stderr)
+    after = _tree(run_dir)
+    assert after["metrics.jsonl"] == before["metrics.jsonl"]  # no second run or end line
+    assert after == before  # no checkpoint saved again, model/ and the report untouched
+
+
+def test_a_rerun_after_the_last_checkpoint_exports_without_saving_it_again(
+    inputs: tuple[Path, Path], reference: Path, tmp_path: Path
+) -> None:
+    run_dir = _unfinished_copy(reference, tmp_path)  # killed between its last save and export
+    checkpoints = _tree(run_dir / "checkpoints")
+    rerun = run(train_args(inputs, run_dir))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert _tree(run_dir / "checkpoints") == checkpoints
+    assert same_weights(run_dir, reference)
+    saved = [r["step"] for r in records(run_dir) if r["kind"] == "checkpoint"]
+    assert saved == [r["step"] for r in records(reference) if r["kind"] == "checkpoint"]
+
+
 def test_a_second_training_into_the_folder_is_refused_naming_the_holder(
     inputs: tuple[Path, Path], tmp_path: Path
 ) -> None:

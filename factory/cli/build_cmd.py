@@ -6,17 +6,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
 from rich.text import Text
 
 import factory
 from factory.checks.validate import load
-from factory.cli.output import EXIT_INVALID, print_diagnostics
+from factory.cli.output import (
+    EXIT_INVALID,
+    LogFormat,
+    LogFormatOption,
+    print_diagnostics,
+    progress_console,
+)
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.errors import BlueprintError
 from factory.jobs.build_defaults import DEFAULT_CHECK_STEPS, DEFAULT_SMOKE_STEPS
-from factory.progress import RichProgress
+from factory.progress import RichProgress, plain_log, stamped
 from factory.report.build_folder import STAGES
 from factory.report.units import human_bytes
 
@@ -46,6 +51,7 @@ def build(
     ] = None,
     workers: Annotated[int, typer.Option("--workers", min=1, help="Data worker processes.")] = 1,
     overrides: SetOption = None,
+    log_format: LogFormatOption = LogFormat.auto,
 ) -> None:
     """Run every stage on a blueprint, into one folder and one report.
 
@@ -53,7 +59,7 @@ def build(
     exports, the curated data, a smoke run of the proxy and a 2-process layout check. A
     rerun reuses what is done.
     """
-    console = Console(stderr=True)
+    console = progress_console(log_format)
     for stage in skip or []:
         if stage not in STAGES:
             raise typer.BadParameter(
@@ -63,17 +69,19 @@ def build(
         loaded = load(target, overrides or [])
     print_diagnostics(loaded.warnings)
 
+    plain = plain_log(log_format.value, console)
+
     def say(record: StageRecord) -> None:
         reused = " (reused)" if record.status == "reused" else ""
         line = f" {record.stage:<11} {record.seconds:7.1f} s  {record.result}{reused}"
         console.print(
-            Text.assemble(_MARK.get(record.status, _FAILED), line),
+            Text.assemble(stamped("") if plain else "", _MARK.get(record.status, _FAILED), line),
             highlight=False,
             soft_wrap=True,  # one line per stage, also in logs narrower than the line
         )
 
     try:
-        with RichProgress(console) as progress:
+        with RichProgress(console, log_format=log_format.value) as progress:
             result = factory.build(  # imports numpy and torch when it runs
                 loaded.blueprint,
                 out=out,

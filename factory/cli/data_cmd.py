@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 import factory
-from factory.cli.output import EXIT_INVALID
+from factory.cli.output import EXIT_INVALID, LogFormat, LogFormatOption, progress_console
 from factory.cli.root import app
 from factory.data.build_refusals import BuildRefused, nothing_survived
 from factory.data.shards.energon_index import META_DIR, check_energon_index
@@ -68,6 +68,7 @@ def build_cmd(
             help="Publish a build that no document survives (0 shards) instead of refusing it.",
         ),
     ] = False,
+    log_format: LogFormatOption = LogFormat.auto,
 ) -> None:
     """Curate a recipe's sources into webdataset shards Energon loads.
 
@@ -84,7 +85,8 @@ def build_cmd(
     if address is not None and executor is not Executor.ray:
         raise typer.BadParameter("--address needs --executor ray", param_hint="--address")
     try:
-        with RichProgress(Console(stderr=True)) as progress:
+        console = progress_console(log_format)
+        with RichProgress(console, log_format=log_format.value) as progress:
             manifest = factory.data.build(  # imports numpy when it runs
                 recipe,
                 out,

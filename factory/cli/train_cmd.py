@@ -21,9 +21,16 @@ from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from factory.checks.validate import load
-from factory.cli.output import EXIT_INVALID, print_diagnostics
+from factory.cli.output import (
+    EXIT_INVALID,
+    LogFormat,
+    LogFormatOption,
+    print_diagnostics,
+    progress_console,
+)
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.data.build_refusals import BuildRefused
@@ -45,7 +52,7 @@ from factory.jobs.train import (
     prepare_training,
 )
 from factory.precision.backends import PrecisionBackend
-from factory.progress import RichProgress
+from factory.progress import RichProgress, plain_log
 from factory.runtime.stop_signals import exit_status
 
 BACKENDS = typing.get_args(PrecisionBackend)
@@ -108,13 +115,14 @@ def train(
         ),
     ] = None,
     overrides: SetOption = None,
+    log_format: LogFormatOption = LogFormat.auto,
 ) -> None:
     """Train a blueprint (or its CPU proxy) on its data recipe.
 
     With checkpoints and stability monitors; writes data/, checkpoints/, metrics.jsonl, and
     at the end train.json, model/ and report/.
     """
-    console = Console(stderr=True)
+    console = progress_console(log_format)
     loaded = load(target, overrides or [])
     main_rank = os.environ.get("RANK", "0") == "0"
     if main_rank:  # one copy of each message, not one per process
@@ -132,12 +140,14 @@ def train(
     if relaunch:
         raise typer.Exit(_launch(request, out, world, console))
     if request.layout_changes and main_rank:
-        console.print("proxy layout: " + "; ".join(request.layout_changes), highlight=False)
+        changes = "; ".join(request.layout_changes)
+        console.print(f"proxy layout: {changes}", markup=False, highlight=False)
     policy = CheckpointPolicy(checkpoint_every, keep, async_checkpoint, resume)
+    shown = "plain" if plain_log(log_format.value, console) else "rich"
     try:
-        with RichProgress(console) as progress:
+        with RichProgress(console, log_format=log_format.value) as progress:
             result = request.run(out=out, steps=steps, data=data, seed=seed, progress=progress,
-                                 show_steps=sys.stderr.isatty(), checkpoints=policy,
+                                 show_steps=shown, checkpoints=policy,
                                  notice=_notices(console, main_rank))  # fmt: skip
     except (TrainRefused, BuildRefused) as exc:  # BuildRefused: the recipe curated to nothing
         _refuse(f"factory train: {exc}", main_rank)
@@ -180,6 +190,12 @@ def _launch(request: TrainRequest, out: Path | None, world: int, console: Consol
 
 def _say_how_it_ended(result: TrainResult, console: Console, main_rank: bool) -> None:
     name, records, history = result.blueprint.meta.name, result.records, result.history
+    if result.found_complete_at is not None:
+        if main_rank:
+            console.print(f"factory train: {name} already complete at step "
+                          f"{result.found_complete_at} ({result.out}); nothing to do",
+                          markup=False, highlight=False, soft_wrap=True)  # fmt: skip
+        raise typer.Exit(0)
     if history.end == "interrupted":
         if main_rank:
             console.print(f"factory train: {history.message}; rerun the same command to resume",
@@ -188,20 +204,15 @@ def _say_how_it_ended(result: TrainResult, console: Console, main_rank: bool) ->
     if not main_rank:
         raise typer.Exit(0 if history.end == "completed" else 1)
     if history.end != "completed":
-        console.print(
-            f"[red]{history.end}[/red]: {history.message}; resumable checkpoint and metrics in "
-            f"{result.out}",
-            highlight=False,
-        )
+        line = f": {history.message}; resumable checkpoint and metrics in {result.out}"
+        console.print(Text.assemble((history.end, "red"), line), highlight=False)
         raise typer.Exit(1)
     if records:
-        console.print(
-            f"[green]trained[/green] {name}: {len(records)} steps, "
-            f"loss {records[-1].lm_loss:.4f} -> {result.out}"
-        )
+        line = f" {name}: {len(records)} steps, loss {records[-1].lm_loss:.4f} -> {result.out}"
+        console.print(Text.assemble(("trained", "green"), line), highlight=False)
     report = result.out / "report" / "report.html"
     if report.is_file():
-        console.print(f"report: {report}", highlight=False)
+        console.print(f"report: {report}", markup=False, highlight=False)
 
 
 def _without_nproc(argv: list[str]) -> list[str]:

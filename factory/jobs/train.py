@@ -19,7 +19,9 @@ one process is world size 1 of the same code. The run folder holds:
   (``factory report``), each written whole by rank 0.
 
 Rerunning into the same folder (or ``resume=True``, which insists) continues
-from the latest complete checkpoint, exactly as the uninterrupted run would.
+from the latest complete checkpoint, exactly as the uninterrupted run would; a
+rerun of a run that completed all its steps changes nothing and says so
+(:attr:`TrainResult.found_complete_at`).
 What cannot run is refused by :func:`prepare_training` before any work: a model
 whose fp32 weights, gradients and Adam states would not fit this machine's
 memory (:class:`ModelTooBig`), a backend that is not installed, a launch that
@@ -33,7 +35,7 @@ import os
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from factory.jobs.launch import LaunchRefused, check_launch, launched_world_size
 from factory.planner.params import count_params
@@ -56,12 +58,17 @@ __all__ = [
     "CheckpointWriteError",
     "ModelTooBig",
     "RankLost",
+    "StepsShown",
     "TrainRefused",
     "TrainRequest",
     "TrainResult",
     "prepare_training",
     "train",
 ]
+
+StepsShown = Literal["rich", "plain"] | None
+"""How the trainer shows its steps itself: a live rich bar, timestamped log lines, or not at
+all (None: the steps go to the ``progress`` callback as stage ``train``)."""
 
 BYTES_PER_PARAM = 16
 """fp32 weight + gradient + two Adam moments: what one process holds per parameter."""
@@ -141,6 +148,9 @@ class TrainResult:
     """The shards it trained on."""
     history: RunHistory
     """The trainer's records (one per optimizer step) and how the run ended."""
+    found_complete_at: int | None = None
+    """The step a rerun found the run folder's training complete at, having changed nothing
+    (``history`` is then ``train.json``'s); None when this call trained."""
 
     @property
     def records(self) -> list[StepRecord]:
@@ -221,7 +231,7 @@ def train(
     seed: int | None = None,
     workers: int = 1,
     progress: Progress | None = None,
-    show_steps: bool = False,
+    show_steps: StepsShown = None,
     checkpoints: CheckpointPolicy | None = None,
     notice: Callable[[str], None] | None = None,
 ) -> TrainResult:
@@ -262,7 +272,7 @@ class TrainRequest:
         seed: int | None = None,
         workers: int = 1,
         progress: Progress | None = None,
-        show_steps: bool = False,
+        show_steps: StepsShown = None,
         checkpoints: CheckpointPolicy | None = None,
         notice: Callable[[str], None] | None = None,
     ) -> TrainResult:
@@ -272,8 +282,10 @@ class TrainRequest:
         ``training.seed``. ``data`` trains on shards built already instead of building the
         recipe (with ``workers`` processes) at the blueprint's ``data.seq_len``.
         ``progress`` gets the data build's stages, ``compile``, ``train`` (optimizer steps)
-        and ``export``; ``show_steps`` lets the trainer draw its own rich bar with the loss
-        per step instead of reporting ``train``. ``checkpoints`` sets the cadence and resume
+        and ``export``; ``show_steps`` lets the trainer show each step's loss, learning rate,
+        gradient norm, tokens/s and ETA itself instead of reporting ``train``: ``"rich"`` a
+        live bar, ``"plain"`` a timestamped line every ``PLAIN_EVERY_STEPS`` steps or
+        ``PLAIN_EVERY_S`` seconds (``factory.progress``). ``checkpoints`` sets the cadence and resume
         behaviour. ``notice`` is told, a line at a time, what the run repaired or skipped
         (a damaged checkpoint passed over for an older one, a torn line of metrics.jsonl).
 

@@ -45,12 +45,13 @@ from factory.jobs.train import (
     CannotResume,
     CheckpointPolicy,
     RankLost,
+    StepsShown,
     TrainRefused,
     TrainRequest,
     TrainResult,
 )
 from factory.planner.layout import resolve_layout
-from factory.progress import Progress
+from factory.progress import PLAIN_EVERY_S, PLAIN_EVERY_STEPS, Progress
 from factory.report.run_metrics import ReportError
 from factory.report.run_page import write_report
 from factory.runtime.callbacks import Callback
@@ -59,7 +60,7 @@ from factory.runtime.display import StepProgress
 from factory.runtime.loader import DataError, ShardLoader
 from factory.runtime.placement import full_weights, lay_out, materialize_shards
 from factory.runtime.ranks import Ranks, is_transport_failure, joined_ranks
-from factory.runtime.trainer import RunHistory, RunOptions, Trainer, fit
+from factory.runtime.trainer import RunHistory, RunOptions, StepRecord, Trainer, fit
 from factory.schemas.blueprint import Blueprint
 
 __all__ = ["run_rank"]
@@ -74,7 +75,7 @@ def run_rank(
     seed: int,
     workers: int,
     progress: Progress,
-    show_steps: bool,
+    show_steps: StepsShown,
     checkpoints: CheckpointPolicy,
     notice: Callable[[str], None],
 ) -> TrainResult:
@@ -82,6 +83,9 @@ def run_rank(
     bp = request.blueprint
     try:
         with joined_ranks(resolve_layout(bp)) as ranks, _holding(out, ranks):
+            finished = _finished(bp, out, steps, data, ranks)
+            if finished is not None:
+                return finished
             shards = _curated(bp, out, data, workers, progress, ranks)
             if ranks.is_main:
                 progress("compile", 0, 1)
@@ -117,6 +121,42 @@ def run_rank(
             "rerunning the same command resumes from the last checkpoint"
         ) from exc
     return result
+
+
+def _finished(
+    bp: Blueprint, out: Path, steps: int | None, data: Path | None, ranks: Ranks
+) -> TrainResult | None:
+    """The run in ``out`` when it already completed all its steps, as rank 0 finds it: the
+    rerun then writes nothing (no checkpoint saved again, no ``run`` and ``end`` lines
+    appended to metrics.jsonl, no new report). ``train.json`` and ``model/`` are written
+    last: with both there, ``train.json`` saying completed and the newest checkpoint at the
+    last step, the export finished too; without them the rerun resumes there and exports."""
+    total = bp.training_steps if steps is None else steps
+    done = _completed_at(out, bp.meta.name) == total if ranks.is_main else False
+    if not ranks.agree(done):
+        return None
+    summary = json.loads((out / "train.json").read_text(encoding="utf-8"))
+    known = {f.name for f in dataclasses.fields(StepRecord)}  # train.json of older releases
+    records = [StepRecord(**{k: v for k, v in r.items() if k in known}) for r in summary["records"]]
+    history = RunHistory(records, message=summary.get("message", ""))
+    return TrainResult(out, bp, summary["device"], summary["precision"], summary["seed"],
+                       data if data is not None else out / "data", history, total)  # fmt: skip
+
+
+def _completed_at(out: Path, name: str) -> int | None:
+    """The step of the newest checkpoint of a completed, exported run of ``name`` in ``out``."""
+    try:
+        summary = json.loads((out / "train.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(summary, dict):
+        return None
+    model = out / "model"
+    exported = (model / "config.json").is_file() and (model / "model.safetensors").is_file()
+    if summary.get("end") != "completed" or summary.get("blueprint") != name or not exported:
+        return None
+    newest = complete_checkpoints(out / "checkpoints")[-1:]
+    return newest[0][0] if newest else None
 
 
 def _recipes(compiled: Compiled) -> dict[str, int]:
@@ -202,7 +242,7 @@ def _fit(
     policy: CheckpointPolicy,
     ranks: Ranks,
     progress: Progress,
-    show_steps: bool,
+    show_steps: StepsShown,
     notice: Callable[[str], None],
 ) -> RunHistory:
     """Train ``compiled`` on this rank's data-parallel share of ``shards``."""
@@ -214,7 +254,9 @@ def _fit(
         async_checkpoint=policy.async_save,
         resume=policy.resume or bool(complete_checkpoints(out / "checkpoints")),
         seed=seed,
-        progress=show_steps,
+        progress=show_steps == "rich",
+        log_every=PLAIN_EVERY_STEPS if show_steps == "plain" else 0,
+        log_every_s=PLAIN_EVERY_S if show_steps == "plain" else 0.0,
         ranks=ranks,
         stop_on_signals=True,
         notice=notice,

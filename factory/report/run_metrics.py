@@ -140,6 +140,12 @@ def _objects(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], bool]:
     return out, cut_short
 
 
+def _once(saved: list[CheckpointSaved]) -> tuple[CheckpointSaved, ...]:
+    """Each checkpoint once: earlier releases saved a finished run's last checkpoint again
+    when it was rerun (the same update and step, the same folder): one checkpoint, not two."""
+    return tuple({(c.update, c.step): c for c in saved}.values())
+
+
 def read_metrics(run_dir: Path | str) -> RunMetrics:
     """Parse ``run_dir/metrics.jsonl``; raise :class:`ReportError` if it is missing or damaged."""
     path = Path(run_dir) / METRICS
@@ -155,7 +161,7 @@ def read_metrics(run_dir: Path | str) -> RunMetrics:
         run=found["run"][0] if found["run"] else None,  # a resumed run may repeat it
         steps=tuple(found["step"]),
         events=tuple(found["event"]),
-        checkpoints=tuple(found["checkpoint"]),
+        checkpoints=_once(found["checkpoint"]),
         rollbacks=tuple(found["rollback"]),
         end=found["end"][-1] if found["end"] else None,
         cut_short=cut_short,

@@ -1,17 +1,23 @@
-"""What the user sees while a run trains: a rich bar, plain lines, or progress reports.
+"""What the user sees while a run trains: a rich bar, plain log lines, or progress reports.
 
 :class:`StepDisplay` draws a rich progress bar with the step, loss, learning
 rate, gradient norm, tokens/s and ETA, and prints the monitor events and
-rollbacks above it as they happen; without a terminal it prints a plain line
-every ``log_every`` steps instead. :class:`StepProgress` reports the steps to a
-job's ``progress(stage, done, total)`` callback (``factory.progress``). Only rank
-0 shows anything.
+rollbacks above it as they happen. Without a terminal (CI, Slurm, nohup, a pipe)
+it writes the same as plain timestamped lines instead (``factory.progress``'s
+format): a step line for the run's first and last steps and every ``log_every``
+steps or ``log_every_s`` seconds, whichever comes first, and a line for each
+event and rollback. :class:`StepProgress` reports the steps to a job's
+``progress(stage, done, total)`` callback (``factory.progress``). Only rank 0
+shows anything; everything goes to stderr, where the jobs' progress goes.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -21,7 +27,7 @@ from rich.progress import (
 )
 from rich.progress import Progress as Bar
 
-from factory.progress import Progress
+from factory.progress import Progress, duration, stamped
 from factory.runtime.callbacks import Callback, Event, Rollback
 
 if TYPE_CHECKING:
@@ -32,18 +38,40 @@ __all__ = ["StepDisplay", "StepProgress"]
 
 
 class StepDisplay(Callback):
-    """A rich bar when ``bar``; else a plain line every ``log_every`` steps (0: none)."""
+    """A rich bar when ``bar``; else a timestamped line every ``log_every`` steps or
+    ``log_every_s`` seconds (both 0: nothing), and at the run's first and last steps."""
 
-    def __init__(self, bar: bool, log_every: int = 0, description: str = "train") -> None:
-        self.enabled, self.log_every, self.description = bar, log_every, description
+    def __init__(
+        self,
+        bar: bool,
+        log_every: int = 0,
+        description: str = "train",
+        log_every_s: float = 0.0,
+        console: Console | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.enabled, self.description = bar, description
+        self.log_every, self.log_every_s = log_every, log_every_s
+        self.console = console
+        self.clock = clock
         self.bar: Any = None
         self.task: Any = None
         self.total = 0
+        self._began = self._said = 0.0
+        self._first = 0
+
+    @property
+    def writes_lines(self) -> bool:
+        """Whether plain lines are written (no bar, and a cadence asked for)."""
+        return self.bar is None and bool(self.log_every or self.log_every_s)
 
     def pre_train(self, trainer: Trainer) -> None:
         if not trainer.ranks.is_main:
-            self.enabled, self.log_every = False, 0
-        self.total = trainer.steps
+            self.enabled, self.log_every, self.log_every_s = False, 0, 0.0
+        self.total, self._first = trainer.steps, trainer.position.step
+        self._began = self._said = self.clock()
+        if self.console is None:  # a forced bar draws even where stderr is not a terminal
+            self.console = Console(stderr=True, force_terminal=True if self.enabled else None)
         if not self.enabled:
             return
         self.bar = Bar(
@@ -53,6 +81,7 @@ class StepDisplay(Callback):
             TextColumn("{task.fields[status]}"),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
+            console=self.console,
         )
         self.bar.__enter__()
         self.task = self.bar.add_task(
@@ -60,25 +89,43 @@ class StepDisplay(Callback):
         )
 
     def on_event(self, trainer: Trainer, event: Event) -> None:
-        self.say(f"[{event.action}] {event.monitor}: {event.message}")
+        self.say(f"{self.description}: [{event.action}] {event.monitor}: {event.message}")
 
     def on_rollback(self, trainer: Trainer, rollback: Rollback) -> None:
         self.say(
-            f"rollback: step {rollback.from_step} -> {rollback.to_step}, "
-            f"{rollback.skipped_samples} samples skipped"
+            f"{self.description}: rollback from step {rollback.from_step} to "
+            f"{rollback.to_step}, {rollback.skipped_samples} samples skipped"
         )
 
     def post_step(self, trainer: Trainer, record: StepRecord, outcome: StepOutcome) -> None:
         step = trainer.position.step
-        tokens_per_s = outcome.tokens / max(record.seconds, 1e-9)
-        status = (
-            f"loss {record.lm_loss:.4f} lr {record.lr:.2e} |g| {record.grad_norm:.3f} "
-            f"{tokens_per_s:,.0f} tok/s"
-        )
+        tokens_per_s = f"{outcome.tokens / max(record.seconds, 1e-9):,.0f} tok/s"
+        loss, lr = f"loss {record.lm_loss:.4f}", f"lr {record.lr:.2e}"
         if self.bar is not None:
+            status = f"{loss} {lr} |g| {record.grad_norm:.3f} {tokens_per_s}"
             self.bar.update(self.task, completed=step, status=status)
-        elif self.log_every and step % self.log_every == 0:
-            self.say(f"{self.description} step {step}/{self.total}: {status}")
+        elif self.writes_lines and self._due(step):
+            self._said = self.clock()
+            self.say(
+                f"{self.description}: step {step}/{self.total}, {loss}, {lr}, "
+                f"grad norm {record.grad_norm:.3f}, {tokens_per_s}, {self._eta(step)}"
+            )
+
+    def _due(self, step: int) -> bool:
+        """The run's first and last steps, every ``log_every`` steps, or ``log_every_s``
+        seconds after the last line."""
+        if step in (self._first + 1, self.total):
+            return True
+        if self.log_every and step % self.log_every == 0:
+            return True
+        return bool(self.log_every_s) and self.clock() - self._said >= self.log_every_s
+
+    def _eta(self, step: int) -> str:
+        """The time left at this run's pace so far (rollbacks included)."""
+        done = step - self._first
+        if done <= 0 or step >= self.total:
+            return "ETA 0 s"
+        return f"ETA {duration((self.clock() - self._began) / done * (self.total - step))}"
 
     def post_train(self, trainer: Trainer, history: RunHistory) -> None:
         if history.end != "completed":
@@ -92,11 +139,11 @@ class StepDisplay(Callback):
             self.bar = None
 
     def say(self, line: str) -> None:
-        """Print above the bar when there is one, else plainly (nohup logs)."""
+        """Print above the bar when there is one, else as a timestamped log line."""
         if self.bar is not None:
-            self.bar.console.print(line)
-        elif self.enabled or self.log_every:
-            print(line, flush=True)
+            self.bar.console.print(line, markup=False, highlight=False)
+        elif self.writes_lines and self.console is not None:
+            self.console.print(stamped(line), markup=False, highlight=False, soft_wrap=True)
 
 
 class StepProgress(Callback):

@@ -118,7 +118,9 @@ class RunOptions:
     progress: bool = False
     """Draw a rich progress bar (rank 0)."""
     log_every: int = 0
-    """Without the bar, print a plain line every this many steps (0: none)."""
+    """Without the bar, log a timestamped step line every this many steps (0: not by steps)."""
+    log_every_s: float = 0.0
+    """... or this many seconds after the last, whichever comes first (0: not by time)."""
     description: str = "train"
     ranks: Ranks = field(default_factory=SingleProcess)
     """The other processes of a distributed run (``factory.runtime.ranks``); this rank's
@@ -197,7 +199,9 @@ def standard_callbacks(
     if options.run_dir is not None:
         callbacks.append(MetricsLog(metrics_path(options.run_dir, options.ranks)))
     callbacks.append(Monitors(training.stability))
-    callbacks.append(StepDisplay(options.progress, options.log_every, options.description))
+    callbacks.append(
+        StepDisplay(options.progress, options.log_every, options.description, options.log_every_s)
+    )
     callbacks.extend(on_step)
     if options.run_dir is not None:
         every = options.checkpoint_every or training.checkpoint_interval
@@ -253,7 +257,7 @@ class Trainer:
             with catching_stop_signals(o.stop_on_signals) as stop:
                 self._train(stop)
             if self.checkpointer is not None:
-                if self.history.end == "completed":
+                if self.history.end == "completed" and not self._saved_this_step():
                     self.save()
                 self.checkpointer.wait()
             for callback in self.callbacks:
@@ -281,13 +285,19 @@ class Trainer:
         self.history.message = f"stopped by {name} at step {step}"
         if self.checkpointer is not None:
             self.checkpointer.wait()
-            # Just saved (a periodic save, a resume): writing it again would only spend the
-            # grace period, and replacing it leaves a moment with no checkpoint of this step.
-            newest = complete_checkpoints(self.checkpointer.root)[-1:]
-            if not self.ranks.agree(bool(newest) and newest[0][0] == step):
+            if not self._saved_this_step():
                 self.save()
             path = self.checkpointer.wait() or self.checkpointer.root / f"step_{step:08d}"
             self.history.message += f"; checkpoint {path}"
+
+    def _saved_this_step(self) -> bool:
+        """Whether the newest complete checkpoint is of this step (a periodic save, or the
+        one a resume started from): writing it again would only spend time (a stop signal's
+        grace period), and replacing it leaves a moment with no checkpoint of this step."""
+        assert self.checkpointer is not None
+        self.checkpointer.wait()
+        newest = complete_checkpoints(self.checkpointer.root)[-1:]
+        return bool(self.ranks.agree(bool(newest) and newest[0][0] == self.position.step))
 
     def _check_batch_split(self) -> None:
         par = self.compiled.blueprint.parallelism
