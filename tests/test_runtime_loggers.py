@@ -8,6 +8,7 @@ import shutil
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -193,3 +194,28 @@ def test_wandb_offline_run_holds_each_step_and_resumes_the_same_run(
     for row in [*parts[0][:2], *parts[1]]:  # step 2 as re-run
         expected = _expected_scalars(records[row["step"]])
         assert {k: row[k] for k in expected} == pytest.approx(expected, rel=1e-6)
+
+
+def test_wandb_that_cannot_start_is_a_notice_not_a_failed_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WANDB_MODE=online without a login: the run goes on with metrics.jsonl, saying why."""
+    wandb = pytest.importorskip("wandb")
+    from factory.runtime.loggers.wandb_log import WandbLog
+
+    def refuse(**settings: Any) -> None:
+        raise wandb.errors.UsageError("No API key configured.\nUse `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    notices: list[str] = []
+    trainer = SimpleNamespace(
+        compiled=SimpleNamespace(blueprint=tiny_blueprint()),
+        position=SimpleNamespace(step=3),
+        options=SimpleNamespace(notice=notices.append),
+    )
+    tracker = WandbLog(tmp_path)
+    tracker.pre_train(trainer)  # type: ignore[arg-type]
+    tracker.scalars(3, {"loss": 1.0})
+    tracker.close(trainer)  # type: ignore[arg-type]
+    assert len(notices) == 1
+    assert notices[0].startswith("training.loggers: W&B did not start (No API key configured.)")

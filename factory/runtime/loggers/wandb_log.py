@@ -43,15 +43,25 @@ class WandbLog(Tracker):
 
     def open(self, trainer: Trainer) -> None:
         bp = trainer.compiled.blueprint
-        self._run = wandb.init(
-            project=None if os.environ.get("WANDB_PROJECT") else bp.meta.name,
-            name=self.run_dir.name,
-            id=self._run_id(),
-            resume="allow",
-            dir=str(self.run_dir),
-            mode=None if os.environ.get("WANDB_MODE") else "offline",
-            config=bp.model_dump(mode="json"),
-        )
+        try:
+            self._run = wandb.init(
+                project=None if os.environ.get("WANDB_PROJECT") else bp.meta.name,
+                name=self.run_dir.name,
+                id=self._run_id(),
+                resume="allow",
+                dir=str(self.run_dir),
+                mode=None if os.environ.get("WANDB_MODE") else "offline",
+                config=bp.model_dump(mode="json"),
+            )
+        except wandb.errors.Error as exc:  # no login, a server that does not answer
+            # Tracking is not worth a run: metrics.jsonl has every record, and on several
+            # ranks the others would wait at the first step for a rank 0 that has failed.
+            first_line = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+            trainer.options.notice(
+                f"training.loggers: W&B did not start ({first_line}); training goes on "
+                "without it (metrics.jsonl has every record)"
+            )
+            return
         self._run.define_metric("step")
         self._run.define_metric("*", step_metric="step")
 
@@ -66,10 +76,12 @@ class WandbLog(Tracker):
         return run_id
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        self._run.log({"step": step, **values})
+        if self._run is not None:
+            self._run.log({"step": step, **values})
 
     def note(self, step: int, tag: str, text: str) -> None:
-        self._run.log({"step": step, f"notes/{tag}": text})
+        if self._run is not None:
+            self._run.log({"step": step, f"notes/{tag}": text})
 
     def shut(self) -> None:
         if self._run is not None:
