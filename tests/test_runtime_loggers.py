@@ -219,3 +219,15 @@ def test_wandb_that_cannot_start_is_a_notice_not_a_failed_run(
     tracker.close(trainer)  # type: ignore[arg-type]
     assert len(notices) == 1
     assert notices[0].startswith("training.loggers: W&B did not start (No API key configured.)")
+
+
+def test_the_megatron_recipe_lists_the_trackers_it_leaves_to_the_operator() -> None:
+    from factory.exports.megatron_refusals import not_carried
+    from factory.schemas.blueprint import Blueprint
+
+    nano = factory.load_blueprint("nano")
+    assert "training.loggers" not in dict(not_carried(nano))
+    data = nano.model_dump(mode="json")
+    data["training"]["loggers"] = ["jsonl", "tensorboard", "wandb"]
+    why = dict(not_carried(Blueprint.model_validate(data)))["training.loggers"]
+    assert why.startswith("tensorboard, wandb: ")
