@@ -20,7 +20,8 @@ from factory.runtime import loggers
 from factory.runtime.batches import build_shards
 from factory.runtime.callbacks import Callback, Event, StepStats, Verdict
 from factory.runtime.loader import ShardLoader
-from factory.runtime.loggers import LOGGERS, TRACKERS
+from factory.runtime.loggers import LOGGERS, TRACKERS, run_loggers
+from factory.runtime.ranks import SingleProcess
 from factory.runtime.trainer import RunOptions, Trainer, fit
 
 STEP_FIELDS = ("loss", "lm_loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen", "seconds")
@@ -74,6 +75,19 @@ def _expected_scalars(record: dict[str, Any]) -> dict[str, float]:
 
 def test_every_logger_is_metrics_jsonl_or_a_tracker() -> None:
     assert set(LOGGERS) == {"jsonl", *TRACKERS}
+
+
+def test_rank_0_writes_every_tracker_and_the_other_ranks_only_their_own_jsonl(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("wandb")
+    names = ["jsonl", "tensorboard", "wandb"]
+    main = run_loggers(names, tmp_path, SingleProcess())
+    assert [type(c).__name__ for c in main] == ["MetricsLog", "TensorBoardLog", "WandbLog"]
+    other = run_loggers(names, tmp_path, SimpleNamespace(is_main=False, rank=1))  # type: ignore[arg-type]
+    assert [c.path for c in other] == [tmp_path / "ranks" / "rank_00001.jsonl"]  # type: ignore[attr-defined]
+    assert [type(c).__name__ for c in run_loggers([], tmp_path, SingleProcess())] == ["MetricsLog"]
 
 
 def test_an_unknown_or_repeated_logger_is_a_located_error(cli, write_yaml) -> None:
