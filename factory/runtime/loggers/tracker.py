@@ -64,7 +64,8 @@ class Tracker(Callback):
         raise NotImplementedError
 
     def rewind(self, step: int) -> None:
-        """The run went back to ``step``: what is written from here replaces later steps."""
+        """The run went back to ``step``: what was written at it and after is superseded by
+        what follows."""
 
     def shut(self) -> None:
         """Finish writing (always called, also after a failure; see ``completed``)."""
