@@ -56,7 +56,8 @@ def require_loggers(names: Iterable[str]) -> None:
         needs = [f"{n} needs the {PACKAGES[n]} package" for n in missing]
         raise LoggerUnavailable(
             f"training.loggers: {'; '.join(needs)}: pip install "
-            f"'nemotron-factory[{','.join(missing)}]', or take it out of training.loggers"
+            f"'nemotron-factory[{','.join(missing)}]', or leave "
+            f"{'it' if len(missing) == 1 else 'them'} out of training.loggers"
         )
 
 
