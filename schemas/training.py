@@ -1,16 +1,34 @@
-"""The ``training`` section: optimizer, schedule, length, checkpoints, seed and cluster."""
+"""The ``training`` section: optimizer, schedule, length, checkpoints, seed, loggers and cluster."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from factory.schemas.base import Section, Seed, StepCount, TokenCount
 from factory.schemas.cluster import ClusterConfig
 from factory.schemas.stability import StabilityConfig
 
-__all__ = ["OptimizerConfig", "ScheduleConfig", "TrainingConfig"]
+__all__ = ["LOGGERS", "Logger", "OptimizerConfig", "ScheduleConfig", "TrainingConfig"]
+
+Logger = Literal["jsonl", "tensorboard", "wandb"]
+"""Where a run's metrics go (``factory.runtime.loggers``)."""
+LOGGERS: tuple[str, ...] = Logger.__args__  # type: ignore[attr-defined]
+
+
+def _each_logger_once(names: tuple[str, ...]) -> tuple[str, ...]:
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"each logger once; {', '.join(repeated)} given more than once")
+    return names
+
+
+Loggers = Annotated[
+    tuple[Logger, ...],
+    AfterValidator(_each_logger_once),
+    Field(json_schema_extra={"uniqueItems": True}),
+]
 
 
 class OptimizerConfig(Section):
@@ -70,6 +88,13 @@ class TrainingConfig(Section):
     first step pays the compile (seconds per block type); needs a C++ compiler on CPU.
     For now only in one process and with precision off (inductor cannot compile the
     quantized GEMMs' emulated casts)."""
+    loggers: Loggers = ("jsonl",)
+    """Where the run's metrics go. ``jsonl``: ``metrics.jsonl`` in the run folder, which every
+    run writes whether listed or not (resuming and the run report read it). ``tensorboard``:
+    event files in ``<run>/tensorboard/`` (the ``tensorboard`` extra). ``wandb``: a Weights &
+    Biases run in ``<run>/wandb/``, offline unless ``WANDB_MODE`` says otherwise (the
+    ``wandb`` extra). Each gets the same per-step scalars, monitor events, checkpoints and
+    rollbacks, from rank 0."""
     stability: StabilityConfig = StabilityConfig()
     """What the run watches (MoE load, residual stream, loss and gradient spikes, non-finite
     values) and what it does when a threshold is crossed (``factory.runtime.monitors``)."""

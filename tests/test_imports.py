@@ -29,7 +29,7 @@ PACKAGES = {
 HEAVY = {
     "torch", "transformers", "transformer_engine", "mamba_ssm", "triton", "matplotlib", "numpy",
     "tokenizers", "safetensors", "webdataset", "pyarrow", "datasets", "ray", "megatron",
-    "megatron_energon", "xxhash", "jsonschema", "hypothesis", "numba",
+    "megatron_energon", "xxhash", "jsonschema", "hypothesis", "numba", "tensorboard", "wandb",
 }  # fmt: skip
 """Third-party packages worth deferring: torch and the optional extras. The core dependencies
 (pydantic, omegaconf, PyYAML, typer, rich) are imported at the top: ``import factory`` and

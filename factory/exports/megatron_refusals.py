@@ -176,4 +176,13 @@ def not_carried(bp: Blueprint) -> list[tuple[str, str]]:
             "failure plan only (docs/cost.md)",
         ),
     ]
+    trackers = [name for name in bp.training.loggers if name != "jsonl"]
+    if trackers:
+        out.append(
+            (
+                "training.loggers",
+                f"{', '.join(trackers)}: factory's trainer writes them; for Megatron set "
+                "Bridge's LoggerConfig (tensorboard_dir, wandb_project) in the recipe",
+            )
+        )
     return out

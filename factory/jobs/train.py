@@ -44,6 +44,7 @@ from factory.precision.policy import uses_low_precision
 from factory.progress import Progress, silent
 from factory.proxy_layout import derive_proxy_layout
 from factory.runtime.checkpoint_errors import CheckpointWriteError
+from factory.runtime.loggers import require_loggers
 from factory.schemas.blueprint import Blueprint
 
 if TYPE_CHECKING:
@@ -92,7 +93,8 @@ class ModelTooBig(TrainRefused):
 
 
 class BackendUnavailable(TrainRefused, ImportError):
-    """The requested precision backend is not installed (Transformer Engine, for ``te``)."""
+    """The requested precision backend is not installed (Transformer Engine, for ``te``), or
+    the package of a tracker ``training.loggers`` names (tensorboard, wandb)."""
 
 
 class CannotResume(TrainRefused):
@@ -171,7 +173,8 @@ def prepare_training(
     """The training of ``blueprint`` (its CPU proxy laid out on ``world_size`` ranks with
     ``proxy=True``) on ``world_size`` processes (default: this launch's), checked.
 
-    Raises :class:`CannotLaunch`, :class:`ModelTooBig` or :class:`BackendUnavailable`, and
+    Raises :class:`CannotLaunch`, :class:`ModelTooBig` or :class:`BackendUnavailable` (also
+    for a tracker of ``training.loggers`` that is not installed), and
     ``ValueError`` for a precision backend that does not exist or one training.compile
     cannot take. On several processes the launch is checked first (the layout must fit
     them); on one, the model's size (a model too big for one process says to train its
@@ -198,6 +201,10 @@ def prepare_training(
             require_te()
         except ImportError as exc:
             raise BackendUnavailable(str(exc)) from exc
+    try:
+        require_loggers(bp.training.loggers)
+    except ImportError as exc:
+        raise BackendUnavailable(str(exc)) from exc
     params, have = count_params(bp.model).total, _memory_bytes()
     if have and params * BYTES_PER_PARAM > have:
         raise ModelTooBig(bp.meta.name, params, have, proxy)

@@ -38,6 +38,7 @@ __all__ = [
     "StepMetrics",
     "metrics_path",
     "remove_torn_tail",
+    "step_metrics",
 ]
 
 METRICS = "metrics.jsonl"
@@ -91,6 +92,25 @@ class RunEnd:
     step: int
     reason: str
     message: str
+
+
+def step_metrics(record: StepRecord, outcome: StepOutcome) -> StepMetrics:
+    """The record of an applied step, as ``metrics.jsonl`` and every tracker get it."""
+    return StepMetrics(
+        update=record.update,
+        step=record.step,
+        loss=record.loss,
+        lm_loss=record.lm_loss,
+        lr=record.lr,
+        grad_norm=record.grad_norm,
+        tokens_seen=record.tokens_seen,
+        tokens_per_s=outcome.tokens / max(record.seconds, 1e-9),
+        seconds=record.seconds,
+        finite=True,
+        max_vio=outcome.max_vio(),
+        residual_rms=outcome.residual_rms,
+        switched_to_bf16=record.switched_to_bf16,
+    )
 
 
 KINDS: dict[str, type] = {
@@ -199,21 +219,7 @@ class MetricsLog(Callback):
         self.write(rollback)
 
     def post_step(self, trainer: Trainer, record: StepRecord, outcome: StepOutcome) -> None:
-        self.write(StepMetrics(
-            update=record.update,
-            step=record.step,
-            loss=record.loss,
-            lm_loss=record.lm_loss,
-            lr=record.lr,
-            grad_norm=record.grad_norm,
-            tokens_seen=record.tokens_seen,
-            tokens_per_s=outcome.tokens / max(record.seconds, 1e-9),
-            seconds=record.seconds,
-            finite=True,
-            max_vio=outcome.max_vio(),
-            residual_rms=outcome.residual_rms,
-            switched_to_bf16=record.switched_to_bf16,
-        ))  # fmt: skip
+        self.write(step_metrics(record, outcome))
 
     def on_checkpoint(self, trainer: Trainer, path: Path, seconds: float) -> None:
         p = trainer.position

@@ -61,7 +61,7 @@ from factory.runtime.checkpoint import (
 )
 from factory.runtime.display import StepDisplay
 from factory.runtime.gradients import clip_to_norm, norm_masters
-from factory.runtime.metrics import MetricsLog, metrics_path
+from factory.runtime.loggers import run_loggers
 from factory.runtime.monitors import Monitors
 from factory.runtime.optimizer import MasterOptimizer
 from factory.runtime.ranks import Ranks, SingleProcess
@@ -192,12 +192,13 @@ def learning_rate_at(position: Position, steps: int, compiled: Compiled) -> floa
 def standard_callbacks(
     compiled: Compiled, options: RunOptions, on_step: Sequence[Callback] = ()
 ) -> list[Callback]:
-    """The callbacks every run has, in the order they run: ``metrics.jsonl`` (with a run
-    folder), the stability monitors, the display, ``on_step``, periodic checkpoints."""
+    """The callbacks every run has, in the order they run: with a run folder ``metrics.jsonl``
+    and the other ``training.loggers`` (``factory.runtime.loggers``), the stability monitors,
+    the display, ``on_step``, periodic checkpoints."""
     training = compiled.blueprint.training
     callbacks: list[Callback] = []
     if options.run_dir is not None:
-        callbacks.append(MetricsLog(metrics_path(options.run_dir, options.ranks)))
+        callbacks.extend(run_loggers(training.loggers, options.run_dir, options.ranks))
     callbacks.append(Monitors(training.stability))
     callbacks.append(
         StepDisplay(options.progress, options.log_every, options.description, options.log_every_s)
