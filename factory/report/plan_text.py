@@ -11,7 +11,14 @@ from rich.text import Text
 
 from factory.report.units import human_bytes, human_count, human_duration, human_flops
 
-__all__ = ["cost_summary", "flatten", "markdown_report", "plan_tables", "rich_tables"]
+__all__ = [
+    "cost_summary",
+    "flatten",
+    "markdown_report",
+    "performance_table",
+    "plan_tables",
+    "rich_tables",
+]
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -125,6 +132,7 @@ def plan_tables(plan: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, st
             runtime_rows,
         ),
         ("Layout", layout_rows),
+        *performance_table(plan),
         ("Training", training_rows),
         (f"Cost at {plan['cost']['mfu']:.0%} MFU", _cost_rows(plan["cost"])),
         ("Failures and checkpoints", _failure_rows(plan["failures"])),
@@ -225,3 +233,22 @@ def markdown_report(plan: dict[str, Any], title: str) -> str:
         lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
         lines.append("")
     return "\n".join(lines)
+
+
+def performance_table(plan: dict[str, Any]) -> list[tuple[str, list[tuple[str, str, str]]]]:
+    """The predicted speed and where a step's time goes (none for a plan without one)."""
+    perf = plan.get("performance")
+    if not perf:
+        return []
+    step = perf["step_seconds"]
+    peak = human_flops(perf["peak_flops_per_gpu"]).replace("FLOP", "FLOP/s")
+    rows = [
+        ("tokens/s per GPU", f"{perf['tokens_per_s_per_gpu']:,.0f}", f"on {perf['gpu']}"),
+        ("step time", f"{step:.3f} s", ""),
+        ("MFU", f"{perf['mfu']:.1%}", f"of {peak} dense {perf['peak_format'].upper()}"),
+    ]
+    for name, value in flatten(perf["breakdown_seconds"]):
+        rows.append(
+            (name.replace(".", ": ").replace("_", " "), f"{value:.3f} s", f"{value / step:.1%}")
+        )
+    return [("Predicted speed (docs/performance.md)", rows)]
