@@ -14,19 +14,26 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-__all__ = ["COEFFICIENTS", "PerfConstants", "perf_constants"]
+__all__ = ["COEFFICIENTS", "LOWER_BOUNDS", "PerfConstants", "perf_constants"]
 
 COEFFICIENTS = (
     "gemm_hopper",
     "gemm_blackwell",
     "core",
+    "scan",
     "memory",
     "comm",
     "overhead",
+    "routing_sync",
 )
 """The linear coefficients, in the fit's order: GEMM time per tensor-core generation, the
-fused attention / scan cores, memory-bound traffic, exposed communication, and seconds per
-block per micro-batch pass (kernel launches and synchronisation)."""
+fused cores (attention's, and the Mamba conv + SSD scan: ``LayerType.core_coefficient``), memory-bound traffic, exposed communication, seconds per
+block per micro-batch (kernel launches) and seconds per routing block per micro-batch (a
+dropless router's device-to-host wait for the token counts)."""
+
+LOWER_BOUNDS = {"gemm_hopper": 1.0, "gemm_blackwell": 1.0, "core": 1.0, "scan": 1.0, "memory": 1.0}
+"""Nothing runs faster than its data-sheet peak; communication may hide behind compute
+(below 1) and overheads may vanish (absent here: bound 0)."""
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ class BlockTerms:
     gemms: tuple[GemmTerm, ...]
     core_flops: int
     core_bytes: float
+    core_coefficient: str
     elementwise_values: int
     dispatch_values: int
     """Values per token in each expert-parallel all-to-all (0: the block routes no experts)."""
@@ -109,6 +110,7 @@ def _block(layer: LayerSpec, model: ModelConfig, seq_len: int) -> BlockTerms:
         gemms=tuple(g for t in layer.tensors if (g := _gemm(t)) is not None),
         core_flops=core_flops,
         core_bytes=core_bytes,
+        core_coefficient=kind.core_coefficient,
         elementwise_values=kind.elementwise_values(model),
         dispatch_values=kind.dispatch_values(model) if kind.routes_experts else 0,
         selective_core_flops=again_flops,

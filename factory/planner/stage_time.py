@@ -116,10 +116,12 @@ def _block_terms(block: BlockTerms, ctx: StageContext, bf16: bool, key: str) -> 
     gemm_coef = f"gemm_{ctx.generation}"
     terms: list[Term] = [
         ("compute", key, gemm_coef, gemm_s),
-        ("compute", key, "core", 3 * core_fwd),
+        ("compute", key, block.core_coefficient, 3 * core_fwd),
         ("compute", key, "memory", elementwise + cast_s),
         ("overhead", "blocks", "overhead", 1.0),
     ]
+    if block.dispatch_values:  # dropless routing waits for the token counts on the host
+        terms.append(("overhead", "routing", "routing_sync", 1.0))
     comm = _comm_terms(block, ctx)
     terms += comm
     if ctx.recompute == "full":

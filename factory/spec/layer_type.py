@@ -195,6 +195,10 @@ class LayerType:
 
     # Terms of the performance model (factory.planner.performance, docs/performance.md).
 
+    core_coefficient: ClassVar[str] = "core"
+    """The fitted coefficient (``factory.planner.perf_constants``) that turns this layer's
+    ideal :meth:`core_work` time into a predicted one: kernels of one kind share one."""
+
     def core_work(self, model: ModelConfig, seq_len: int) -> tuple[int, float]:
         """(FLOPs, HBM bytes) per token of one forward pass through the layer's fused work
         that is not a weight GEMM (attention's QK^T and PV, the SSD scan): the performance

@@ -55,6 +55,7 @@ class Mamba(LayerType):
     title = "Mamba-2"
     section = "mamba"
     context_parallel = "heads_all_to_all"
+    core_coefficient = "scan"
     hf_block_type = "linear_attention"
     megatron_modules: ClassVar[dict[str, str]] = {
         "mixer.in_proj": "mixer.in_proj",
