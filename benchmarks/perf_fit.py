@@ -5,14 +5,16 @@ an ideal time), except for the GEMM shape constant d0 and two choices the coeffi
 make (the slowest pipeline rank, the DP overlap window). So, for each d0 of a fixed
 grid: start from round coefficients, compute every row's ideal times x_j, minimise the
 squared log error ``log(x . c) - log t`` (damped Gauss-Newton, each coefficient kept
-above its lower bound), and recompute the x_j with the new coefficients; three rounds. The d0 with the smallest
+above its lower bound), and recompute the x_j with the new coefficients; three rounds.
+Each row's error weighs ``1 / sqrt(rows of its family)``, so Llama's 100 rows do not
+drown Nemotron-H's 7. The d0 with the smallest
 sum of squared log errors wins. Coefficients are rounded to 6 significant digits, so
 the stored file is reproducible bit for bit wherever numpy's float64 is IEEE.
 """
 
 from __future__ import annotations
 
-import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,7 +25,15 @@ from factory.planner.layout import resolve_layout
 from factory.planner.perf_constants import COEFFICIENTS, LOWER_BOUNDS, PerfConstants
 from factory.planner.performance import inputs_of, step_terms
 
-__all__ = ["D0_GRID", "Fit", "fit", "measured_seconds", "predicted_seconds"]
+__all__ = [
+    "D0_GRID",
+    "Fit",
+    "abs_error",
+    "fit",
+    "measured_seconds",
+    "median",
+    "predicted_seconds",
+]
 
 D0_GRID = (128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0)
 _ROUNDS = 3
@@ -48,6 +58,7 @@ _START = {
 class Fit:
     constants: PerfConstants
     log_sse: float
+    """The family-weighted sum of squared log errors it reached."""
     rows: int
 
 
@@ -71,7 +82,9 @@ def predicted_seconds(row: Row, constants: PerfConstants) -> float:
     return float(_features(row, constants) @ coefficients)
 
 
-def _gauss_newton(x: np.ndarray, t: np.ndarray, c: np.ndarray, floor: np.ndarray) -> np.ndarray:
+def _gauss_newton(
+    x: np.ndarray, t: np.ndarray, c: np.ndarray, floor: np.ndarray, w: np.ndarray
+) -> np.ndarray:
     """Minimise sum(log(x.c / t)^2) with c = floor + exp(u), so every coefficient stays above
     its bound; damped (Levenberg) steps of at most e in any u."""
     used = np.abs(x).sum(axis=0) > 0
@@ -80,8 +93,8 @@ def _gauss_newton(x: np.ndarray, t: np.ndarray, c: np.ndarray, floor: np.ndarray
     for _ in range(_GAUSS_NEWTON_STEPS):
         excess = np.exp(u)
         pred = x @ (floor + excess)
-        residual = np.log(pred / t)
-        jacobian = x * excess / pred[:, None]
+        residual = w * np.log(pred / t)
+        jacobian = w[:, None] * x * excess / pred[:, None]
         system = np.vstack([jacobian[:, used], damping])
         rhs = np.concatenate([-residual, np.zeros(len(damping))])
         step = np.zeros_like(u)
@@ -103,13 +116,15 @@ def _constants(c: np.ndarray, d0: float) -> PerfConstants:
 
 def _fit_d0(rows: Sequence[Row], d0: float, t: np.ndarray) -> tuple[PerfConstants, float]:
     floor = np.array([LOWER_BOUNDS.get(name, _FLOOR) for name in COEFFICIENTS])
+    sizes = Counter(row.family for row in rows)
+    w = np.array([sizes[row.family] ** -0.5 for row in rows])
     c = np.array([_START[name] for name in COEFFICIENTS])
     constants = _constants(c, d0)
     for _ in range(_ROUNDS):
         x = np.array([_features(row, constants) for row in rows])
-        c = _gauss_newton(x, t, c, floor)
+        c = _gauss_newton(x, t, c, floor, w)
         constants = _constants(c, d0)
-    errors = np.log([predicted_seconds(r, constants) for r in rows] / t)
+    errors = w * np.log([predicted_seconds(r, constants) for r in rows] / t)
     return constants, float(errors @ errors)
 
 
@@ -134,7 +149,3 @@ def median(values: Sequence[float]) -> float:
     ordered = sorted(values)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
-def log_error(row: Row, constants: PerfConstants) -> float:
-    return math.log(predicted_seconds(row, constants) / measured_seconds(row))
