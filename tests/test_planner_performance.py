@@ -14,7 +14,7 @@ from factory.planner.collectives import Links
 from factory.planner.layout import resolve_layout
 from factory.planner.perf_constants import COEFFICIENTS, PerfConstants, perf_constants
 from factory.planner.performance import Performance, predict
-from factory.planner.stage_time import _shape_efficiency
+from factory.planner.stage_time import shape_efficiency
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.parallelism import GPU_SPECS
 
@@ -71,11 +71,11 @@ def test_leaving_the_nvlink_domain_is_never_faster(link, nbytes, size) -> None:
 @fast
 @given(st.floats(1, 1e6), st.floats(1, 1e6), st.floats(1, 1e6), st.floats(1, 1e4))
 def test_gemm_shape_efficiency_is_a_fraction_growing_with_each_dimension(m, k, n, d0) -> None:
-    eff = _shape_efficiency(m, k, n, d0)
+    eff = shape_efficiency(m, k, n, d0)
     assert 0 < eff < 1
-    assert eff <= _shape_efficiency(2 * m, k, n, d0)
-    assert eff <= _shape_efficiency(m, 2 * k, n, d0)
-    assert eff <= _shape_efficiency(m, k, 2 * n, d0)
+    assert eff <= shape_efficiency(2 * m, k, n, d0)
+    assert eff <= shape_efficiency(m, 2 * k, n, d0)
+    assert eff <= shape_efficiency(m, k, 2 * n, d0)
 
 
 # --------------------------------------------------------------------------- whole step
@@ -161,3 +161,23 @@ def test_low_precision_is_faster_where_the_chip_has_it() -> None:
     assert speed("gb200", "nvfp4") > speed("gb200", "mxfp8") > speed("gb200", "bf16")
     # Hopper has no MXFP8 tensor cores: the emulated GEMMs run at BF16 and add casts.
     assert speed("h100", "mxfp8") < speed("h100", "bf16")
+
+
+def test_context_and_pipeline_traffic_appear_only_with_their_groups() -> None:
+    bp = _with(_nano(), global_batch_size=256)
+    comm = {
+        cp: _predict(_with(bp, cp=cp, world_size=32 * cp)).breakdown["communication"]
+        for cp in (1, 2, 4)
+    }
+    assert "cp" not in comm[1] and 0 < comm[2]["cp"] < comm[4]["cp"]
+    assert "pp" not in comm[1]
+    staged = _predict(_with(bp, pp=2, world_size=64)).breakdown["communication"]
+    assert staged["pp"] > 0
+
+
+def test_the_optimizer_step_shrinks_as_its_state_is_sharded_over_more_ranks() -> None:
+    bp = _with(_nano(), global_batch_size=1024)
+    optimizer = [_predict(_with(bp, world_size=32 * k)).breakdown["optimizer"] for k in (1, 2, 4)]
+    assert optimizer[0] > optimizer[1] > optimizer[2] > 0
+    whole = _predict(_with(bp, distributed_optimizer=False)).breakdown["optimizer"]
+    assert whole > optimizer[0]

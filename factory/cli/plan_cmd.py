@@ -72,7 +72,7 @@ def plan(
     if precision:
         _print_precision(blueprint, as_json)
         return
-    if search or gpus is not None or out is not None:
+    if search or gpus is not None or gpu is not None or out is not None:
         _search(blueprint, search, gpus, gpu.value if gpu else None, out, as_json)
         return
     result = make_plan(blueprint).to_dict()

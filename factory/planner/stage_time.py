@@ -30,7 +30,7 @@ from factory.schemas.model import ModelConfig
 from factory.spec.activations import BF16
 from factory.spec.layer_type import layer_type
 
-__all__ = ["StageContext", "Term", "stage_terms"]
+__all__ = ["StageContext", "Term", "shape_efficiency", "stage_terms"]
 
 Term = tuple[str, str, str, float]
 """(group, key, coefficient name, ideal seconds)."""
@@ -64,7 +64,7 @@ class StageContext:
     d0: float
 
 
-def _shape_efficiency(rows: float, k: float, n: float, d0: float) -> float:
+def shape_efficiency(rows: float, k: float, n: float, d0: float) -> float:
     return (rows / (rows + d0)) * (k / (k + d0)) * (n / (n + d0))
 
 
@@ -95,7 +95,7 @@ def _gemm_seconds(g: GemmTerm, ctx: StageContext, bf16: bool) -> tuple[float, fl
     quantized = g.quantizable and not bf16 and ctx.recipe != "bf16"
     peak = ctx.low_peak if quantized else ctx.bf16_peak
     flops = 3 * 2 * tokens * k * n
-    seconds = flops / (peak * _shape_efficiency(rows, k, n, ctx.d0))
+    seconds = flops / (peak * shape_efficiency(rows, k, n, ctx.d0))
     if not quantized:
         return seconds, 0.0
     # Forward casts the input; backward casts the output gradient twice (dgrad and the
