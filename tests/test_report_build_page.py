@@ -207,3 +207,17 @@ def test_a_finished_build_keeps_what_a_rerun_needs_and_no_checkpoints(full_build
     result = factory.build(factory.load_blueprint("nano"), out=full_build, steps=4, check_steps=1)
     assert {r.status for r in result.stages} == {"reused", "done"}  # only the page is redone
     assert result.size == sum(p.stat().st_size for p in full_build.rglob("*") if p.is_file())
+
+
+def test_the_predicted_step_is_drawn_part_by_part(tmp_path: Path) -> None:
+    root = tmp_path / "nano"
+    summary = _write_plan_pieces(root, factory.load_blueprint("nano"))
+    page = _page(root) if write_build_report(root) else ""
+    assert '<section id="speed">' in page
+    perf = summary["performance"]
+    text = _text(page)
+    assert f"{perf['tokens_per_s_per_gpu']:,.0f}" in text
+    parts = [v for group in perf["breakdown_seconds"].values()
+             for v in (group.values() if isinstance(group, dict) else [group]) if v > 0]  # fmt: skip
+    assert page.count('<svg xmlns="http://www.w3.org/2000/svg" class="step"') == 1
+    assert text.count(" s (") >= len(parts)  # every part's hover title: seconds (share)
