@@ -36,6 +36,10 @@ BENCHMARKS = {
         "benchmarks.build",
         "factory build nano|super|ultra end to end, seconds per stage (goal: < 5 min each)",
     ),
+    "perf_model": (
+        "benchmarks.perf_model",
+        "performance model vs published tokens/s per GPU; --fit refits its constants",
+    ),
     "data_pipeline": (
         "benchmarks.data_pipeline",
         "data build throughput vs DataTrove and vs the tokenizer alone",

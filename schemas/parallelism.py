@@ -18,7 +18,8 @@ __all__ = ["GPU_SPECS", "GPUSpec", "ModuleLayout", "ParallelismConfig"]
 
 
 class GPUSpec(Section):
-    """What the planner needs to know about one accelerator."""
+    """What the planner needs to know about one accelerator (``docs/performance.md`` cites
+    every value)."""
 
     memory_bytes: int
     """Device memory."""
@@ -28,9 +29,22 @@ class GPUSpec(Section):
     """Peak dense BF16 tensor-core FLOP/s, for MFU estimates."""
     tdp_watts: float
     """Maximum board power (TDP), for the plan's energy estimate (``factory.planner.cost``)."""
+    generation: Literal["hopper", "blackwell"] = "hopper"
+    """Tensor-core generation: the performance model fits one GEMM efficiency per generation."""
+    dense_flops: dict[str, float] = Field(default_factory=dict)
+    """Peak dense tensor-core FLOP/s per GEMM format ('bf16', 'fp8', 'mxfp8', 'nvfp4'); a
+    format the chip has no tensor cores for is absent (factory emulates it: the performance
+    model then runs its GEMMs at the BF16 peak and adds the casts)."""
+    hbm_bytes_per_s: float = 0.0
+    """Peak HBM bandwidth, bytes/s."""
+    nvlink_bytes_per_s: float = 0.0
+    """NVLink bandwidth per GPU in one direction, bytes/s (half the data sheet's total)."""
+    network_bytes_per_s: float = 0.0
+    """Scale-out network bandwidth per GPU in one direction, bytes/s (one NIC per GPU)."""
 
 
 GiB = 1024**3
+TB = 1e12
 # Vendor data-sheet peaks (dense, no sparsity) and maximum board power per GPU:
 # - H100 SXM, H200 SXM: 700 W ("up to 700W (configurable)", NVIDIA H100 and H200 data sheets).
 # - B200 in HGX B200: 1,000 W; B300 in HGX B300: 1,100 W (NVIDIA HGX B200 / B300 specifications).
@@ -38,22 +52,88 @@ GiB = 1024**3
 #   (2 GPUs + 1 Grace CPU) as configurable up to 2,700 W, i.e. 1,200 W per GPU with ~300 W for
 #   Grace, the value widely reported for GB200; 1,400 W per GPU is the widely reported GB300
 #   value. Both are assumptions (docs/cost.md says so).
+# Peaks per format, HBM, NVLink and network (docs/performance.md, 'Hardware', cites each):
+# - Hopper (H100/H200 SXM data sheet): 989 TFLOP/s BF16, 1,979 FP8 (dense = half the sparse
+#   figure); no MXFP8 or NVFP4 tensor cores. NVLink 4: 900 GB/s per GPU both directions.
+#   HBM 3.35 TB/s (H100), 4.8 TB/s (H200). Network: one 400 Gb/s ConnectX-7 per GPU (DGX H100).
+# - Blackwell (HGX B200 / B300, GB200 / GB300 NVL72 data sheets, per GPU = system / GPUs,
+#   dense = half the sparse figure): MXFP8 runs at the FP8 rate; NVFP4 is 2x FP8 on B200 and
+#   GB200, 3x on Blackwell Ultra (B300 108 PFLOPS dense / 8, GB300 1,080 / 72). NVLink 5:
+#   1.8 TB/s per GPU both directions; HBM3e 8 TB/s. Network: ConnectX-7 400 Gb/s per GPU on
+#   B200 and GB200, ConnectX-8 800 Gb/s on B300 and GB300 (assumed one NIC per GPU).
+_HOPPER_PEAKS = {"bf16": 989e12, "fp8": 1979e12}
+_NVLINK4, _NVLINK5 = 450e9, 900e9  # per direction
+_CX7, _CX8 = 400e9 / 8, 800e9 / 8  # bytes/s per direction
+
+
+def _blackwell_peaks(bf16: float, nvfp4_over_fp8: float) -> dict[str, float]:
+    return {"bf16": bf16, "fp8": 2 * bf16, "mxfp8": 2 * bf16, "nvfp4": 2 * bf16 * nvfp4_over_fp8}
+
+
 GPU_SPECS: dict[str, GPUSpec] = {
-    "h100": GPUSpec(memory_bytes=80 * GiB, nvlink_domain=8, bf16_dense_flops=989e12, tdp_watts=700),
+    "h100": GPUSpec(
+        memory_bytes=80 * GiB,
+        nvlink_domain=8,
+        bf16_dense_flops=989e12,
+        tdp_watts=700,
+        dense_flops=_HOPPER_PEAKS,
+        hbm_bytes_per_s=3.35 * TB,
+        nvlink_bytes_per_s=_NVLINK4,
+        network_bytes_per_s=_CX7,
+    ),
     "h200": GPUSpec(
-        memory_bytes=141 * GiB, nvlink_domain=8, bf16_dense_flops=989e12, tdp_watts=700
+        memory_bytes=141 * GiB,
+        nvlink_domain=8,
+        bf16_dense_flops=989e12,
+        tdp_watts=700,
+        dense_flops=_HOPPER_PEAKS,
+        hbm_bytes_per_s=4.8 * TB,
+        nvlink_bytes_per_s=_NVLINK4,
+        network_bytes_per_s=_CX7,
     ),
     "b200": GPUSpec(
-        memory_bytes=180 * GiB, nvlink_domain=8, bf16_dense_flops=2.25e15, tdp_watts=1000
+        memory_bytes=180 * GiB,
+        nvlink_domain=8,
+        bf16_dense_flops=2.25e15,
+        tdp_watts=1000,
+        generation="blackwell",
+        dense_flops=_blackwell_peaks(2.25e15, 2),
+        hbm_bytes_per_s=8 * TB,
+        nvlink_bytes_per_s=_NVLINK5,
+        network_bytes_per_s=_CX7,
     ),
     "b300": GPUSpec(
-        memory_bytes=270 * GiB, nvlink_domain=8, bf16_dense_flops=2.25e15, tdp_watts=1100
+        memory_bytes=270 * GiB,
+        nvlink_domain=8,
+        bf16_dense_flops=2.25e15,
+        tdp_watts=1100,
+        generation="blackwell",
+        dense_flops=_blackwell_peaks(2.25e15, 3),
+        hbm_bytes_per_s=8 * TB,
+        nvlink_bytes_per_s=_NVLINK5,
+        network_bytes_per_s=_CX8,
     ),
     "gb200": GPUSpec(
-        memory_bytes=186 * GiB, nvlink_domain=72, bf16_dense_flops=2.5e15, tdp_watts=1200
+        memory_bytes=186 * GiB,
+        nvlink_domain=72,
+        bf16_dense_flops=2.5e15,
+        tdp_watts=1200,
+        generation="blackwell",
+        dense_flops=_blackwell_peaks(2.5e15, 2),
+        hbm_bytes_per_s=8 * TB,
+        nvlink_bytes_per_s=_NVLINK5,
+        network_bytes_per_s=_CX7,
     ),
     "gb300": GPUSpec(
-        memory_bytes=279 * GiB, nvlink_domain=72, bf16_dense_flops=2.5e15, tdp_watts=1400
+        memory_bytes=279 * GiB,
+        nvlink_domain=72,
+        bf16_dense_flops=2.5e15,
+        tdp_watts=1400,
+        generation="blackwell",
+        dense_flops=_blackwell_peaks(2.5e15, 3),
+        hbm_bytes_per_s=8 * TB,
+        nvlink_bytes_per_s=_NVLINK5,
+        network_bytes_per_s=_CX8,
     ),
 }
 

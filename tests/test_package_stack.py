@@ -37,7 +37,16 @@ STACK: list[tuple[str, set[str]]] = [
     ("model", {"spec", "nn", "layers", "graph", "data"}),
     (
         "plan, precision, parallel",
-        {"planner", "precision", "checks", "distributed", "proxy", "proxy_layout", "compilation"},
+        {
+            "planner",
+            "precision",
+            "checks",
+            "distributed",
+            "proxy",
+            "proxy_layout",
+            "layout_search",
+            "compilation",
+        },
     ),
     ("train", {"runtime"}),
     ("exports, report", {"exports", "report"}),

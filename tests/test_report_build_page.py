@@ -249,3 +249,17 @@ def test_the_cost_section_is_the_plans_tables_with_units(tmp_path: Path) -> None
     assert not re.search(r"\d[eE][+-]?\d", cost)
     assert not re.search(r"\d\.\d+ (steps|checkpoints)", cost)
     assert "synchronous" in cost and "asynchronous" in cost and "GPU-hours" in cost
+
+
+def test_the_predicted_step_is_drawn_part_by_part(tmp_path: Path) -> None:
+    root = tmp_path / "nano"
+    summary = _write_plan_pieces(root, factory.load_blueprint("nano"))
+    page = _page(root) if write_build_report(root) else ""
+    assert '<section id="speed">' in page
+    perf = summary["performance"]
+    text = _text(page)
+    assert f"{perf['tokens_per_s_per_gpu']:,.0f}" in text
+    parts = [v for group in perf["breakdown_seconds"].values()
+             for v in (group.values() if isinstance(group, dict) else [group]) if v > 0]  # fmt: skip
+    assert page.count('<svg xmlns="http://www.w3.org/2000/svg" class="step"') == 1
+    assert text.count(" s (") >= len(parts)  # every part's hover title: seconds (share)

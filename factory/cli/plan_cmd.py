@@ -3,22 +3,31 @@
 from __future__ import annotations
 
 import json
+from enum import StrEnum
+from pathlib import Path
 from typing import Annotated
 
 import typer
+import yaml
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from factory.checks.validate import load
-from factory.cli.output import print_diagnostics
+from factory.cli.output import EXIT_INVALID, print_diagnostics
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
+from factory.io import atomic_write_text
+from factory.layout_search import search_layouts
 from factory.planner.plan import plan as make_plan
 from factory.precision.policy import flops_share, resolve_policy
 from factory.proxy import derive_proxy
 from factory.report.plan_text import cost_summary, rich_tables
+from factory.report.search_text import search_records, search_table
 from factory.schemas.blueprint import Blueprint
+from factory.schemas.parallelism import GPU_SPECS
+
+GPUType = StrEnum("GPUType", {name: name for name in GPU_SPECS})
 
 
 @app.command()
@@ -33,6 +42,23 @@ def plan(
         bool,
         typer.Option("--precision", help="Print the per-module precision table and FLOPs shares."),
     ] = False,
+    search: Annotated[
+        bool,
+        typer.Option(
+            "--search",
+            help="Rank every layout that validates and fits on --gpus GPUs by predicted "
+            "tokens/s per GPU (docs/performance.md) and print the ten fastest.",
+        ),
+    ] = False,
+    gpus: Annotated[int | None, typer.Option("--gpus", min=1, help="GPUs to search on.")] = None,
+    gpu: Annotated[
+        GPUType | None,
+        typer.Option("--gpu", help="GPU type to search on (default: the blueprint's)."),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", help="With --search: write the fastest layout's blueprint here."),
+    ] = None,
 ) -> None:
     """Count a blueprint's parameters, FLOPs, memory per rank and cost.
 
@@ -46,6 +72,9 @@ def plan(
     if precision:
         _print_precision(blueprint, as_json)
         return
+    if search or gpus is not None or gpu is not None or out is not None:
+        _search(blueprint, search, gpus, gpu.value if gpu else None, out, as_json)
+        return
     result = make_plan(blueprint).to_dict()
     if as_json:
         typer.echo(json.dumps(result, indent=2))
@@ -56,6 +85,41 @@ def plan(
     for table in rich_tables(result, cpu_proxy=proxy):
         console.print(table)
     console.print(cost_summary(result, cpu_proxy=proxy), highlight=False)
+
+
+def _search(
+    blueprint: Blueprint,
+    search: bool,
+    gpus: int | None,
+    gpu: str | None,
+    out: Path | None,
+    as_json: bool,
+) -> None:
+    if not search or gpus is None:
+        raise typer.BadParameter("--search needs --gpus N (and takes --gpu, --out)")
+    results = search_layouts(blueprint, gpus, gpu)
+    if not results:
+        where = f"{gpus} x {gpu or blueprint.parallelism.gpu}"
+        typer.echo(
+            f"factory: no layout of {blueprint.meta.name} validates and fits on {where}", err=True
+        )
+        raise typer.Exit(EXIT_INVALID)
+    best = results[0]
+    if out is not None:
+        atomic_write_text(
+            out,
+            yaml.safe_dump(
+                best.blueprint.model_dump(mode="json", exclude_unset=True), sort_keys=False
+            ),
+        )
+    if as_json:
+        typer.echo(json.dumps({"layouts": search_records(results)}, indent=2))
+        return
+    title = f"{blueprint.meta.name} on {gpus} x {best.blueprint.parallelism.gpu}: fastest layouts"
+    Console().print(search_table(results, title))
+    typer.echo("best as overrides: " + " ".join(f"--set {o}" for o in best.overrides))
+    if out is not None:
+        typer.echo(f"wrote {out}")
 
 
 def _print_precision(blueprint: Blueprint, as_json: bool) -> None:

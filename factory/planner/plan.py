@@ -3,7 +3,8 @@
 Parameters (exact), training FLOPs per token (Megatron's formula and our own
 count), memory per rank (Megatron's accounting, and the model state factory's
 own runtime holds, per pipeline rank), the resolved layout, and what the run
-costs and loses to failures (``factory.planner.cost``), in one object whose
+costs and loses to failures (``factory.planner.cost``), and how fast it is
+predicted to train (``factory.planner.performance``), in one object whose
 ``to_dict()`` is the ``factory plan --json`` document.
 """
 
@@ -17,6 +18,7 @@ from factory.planner.flops import FlopsPerToken, flops_per_token
 from factory.planner.layout import Layout, resolve_layout
 from factory.planner.memory import MemoryPlan, memory_per_rank
 from factory.planner.params import ModelParams, count_params
+from factory.planner.performance import Performance, predict
 from factory.planner.runtime_memory import RuntimeState, runtime_state_by_stage
 from factory.schemas.blueprint import Blueprint
 
@@ -40,6 +42,8 @@ class Plan:
     """GPU-hours, days and energy of the run at ``training.cluster.mfu``."""
     failures: FailurePlan
     """Expected interruptions, checkpoint intervals and time lost (docs/cost.md)."""
+    performance: Performance
+    """Predicted step time, tokens/s per GPU, MFU and their breakdown (docs/performance.md)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -56,6 +60,7 @@ class Plan:
             },
             "cost": self.cost.to_dict(),
             "failures": self.failures.to_dict(),
+            "performance": self.performance.to_dict(),
         }
 
 
@@ -81,6 +86,7 @@ def plan(blueprint: Blueprint) -> Plan:
         total_training_flops=total,
         cost=cost,
         failures=failure_plan(cost, params.total, training.cluster, training.checkpoint_interval),
+        performance=predict(blueprint, layout),
     )
 
 

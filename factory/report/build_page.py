@@ -23,6 +23,7 @@ from factory.report.build_sections_plan import (
     memory_section,
 )
 from factory.report.build_sections_run import data_section, run_section
+from factory.report.build_sections_speed import speed_section
 from factory.report.build_sections_stages import (
     artifacts_section,
     exports_section,
@@ -40,6 +41,7 @@ SECTIONS: tuple[tuple[str, str, Callable[[BuildFolder], str]], ...] = (
     ("layers", "Layer stack", layers_section),
     ("memory", "Memory", memory_section),
     ("flops", "FLOPs", flops_section),
+    ("speed", "Predicted speed", speed_section),
     ("cost", "Cost and failures", cost_section),
     ("model", "Model", model_section),
     ("precision", "Precision", precision_section),

@@ -24,7 +24,7 @@ from factory.report.units import (
 
 __all__ = [
     "PlanTable", "cost_summary", "cost_tables", "flatten", "markdown_report", "model_tables",
-    "plan_tables", "rich_tables",
+    "performance_tables", "plan_tables", "rich_tables",
 ]  # fmt: skip
 
 
@@ -71,8 +71,9 @@ def _flops_label(key: str) -> str:
 def plan_tables(plan: dict[str, Any], cpu_proxy: bool = False) -> list[PlanTable]:
     """Every part of the plan as a table. A CPU proxy's cost and failure figures would price
     GPUs it never uses, so its plan says they do not apply instead."""
-    priced = [PlanTable("Cost and failures", NOT_APPLICABLE)] if cpu_proxy else cost_tables(plan)
-    return [*model_tables(plan), *priced]
+    if cpu_proxy:
+        return [*model_tables(plan), PlanTable("Speed, cost and failures", NOT_APPLICABLE)]
+    return [*model_tables(plan), *performance_tables(plan), *cost_tables(plan)]
 
 
 def model_tables(plan: dict[str, Any]) -> list[PlanTable]:
@@ -325,3 +326,21 @@ def markdown_report(plan: dict[str, Any], title: str) -> str:
         lines += [f"| {a} | {b} | {c} |" for a, b, c in part.rows]
         lines.append("")
     return "\n".join(lines)
+
+
+def performance_tables(plan: dict[str, Any]) -> list[PlanTable]:
+    """The predicted speed and where a step's time goes (none for a plan without one)."""
+    perf = plan.get("performance")
+    if not perf:
+        return []
+    step = perf["step_seconds"]
+    peak = human_flops(perf["peak_flops_per_gpu"]).replace("FLOP", "FLOP/s")
+    rows = [
+        ("tokens/s per GPU", f"{perf['tokens_per_s_per_gpu']:,.0f}", f"on {perf['gpu']}"),
+        ("step time", human_duration(step), ""),
+        ("MFU", percent(perf["mfu"]), f"of {peak} dense {perf['peak_format'].upper()}"),
+    ]
+    for name, value in flatten(perf["breakdown_seconds"]):
+        what = name.replace(".", ": ").replace("_", " ")
+        rows.append((what, human_duration(value), f"{percent(value / step)} of the step"))
+    return [PlanTable("Predicted speed (docs/performance.md)", rows)]

@@ -193,6 +193,41 @@ class LayerType:
         Megatron-LM has none for this layer (the plan then has no Megatron count)."""
         return None
 
+    # Terms of the performance model (factory.planner.performance, docs/performance.md).
+
+    core_coefficient: ClassVar[str] = "core"
+    """The fitted coefficient (``factory.planner.perf_constants``) that turns this layer's
+    ideal :meth:`core_work` time into a predicted one: kernels of one kind share one."""
+
+    def core_work(self, model: ModelConfig, seq_len: int) -> tuple[int, float]:
+        """(FLOPs, HBM bytes) per token of one forward pass through the layer's fused work
+        that is not a weight GEMM (attention's QK^T and PV, the SSD scan): the performance
+        model takes the longer of the two at the BF16 peak and the HBM bandwidth. Default:
+        :meth:`extra_flops` with no memory traffic."""
+        return self.extra_flops(model, seq_len), 0.0
+
+    def elementwise_values(self, model: ModelConfig) -> int:
+        """Values per token one forward pass reads and writes in memory-bound kernels (norms,
+        the residual add, activations, gates), whose time is bytes / HBM bandwidth. Default:
+        the pre-norm (read, write) and the residual add (read two, write one) on the hidden
+        size."""
+        return 5 * model.hidden_size
+
+    def dispatch_values(self, model: ModelConfig) -> int:
+        """Values one token sends in each expert-parallel all-to-all (the combine returns as
+        many); only asked of a layer that ``routes_experts``."""
+        return 0
+
+    def cp_exchange_values(self, model: ModelConfig, cp: int) -> float:
+        """Values per local token a rank receives from the other ``cp - 1`` context-parallel
+        ranks in one forward pass, in its ``context_parallel`` style (token-wise: none)."""
+        return 0.0
+
+    def selective_recompute(self, model: ModelConfig, seq_len: int) -> tuple[int, int]:
+        """(core FLOPs, elementwise values) per token that selective recompute runs again in
+        backward (Megatron's ``core_attn`` and ``moe_act`` modules); none by default."""
+        return 0, 0
+
     def activation_bytes(self, model: ModelConfig, tokens: TokenShards, recompute: str) -> float:
         """Bytes one layer saves for backward per micro-batch on one rank, without recompute
         'full' (the planner handles that: only the layer input is kept)."""

@@ -81,6 +81,29 @@ class SelfAttention(LayerType):
         cfg: AttentionConfig = self.config(model)
         return 2 * cfg.heads * cfg.head_dim * (seq_len + 1)
 
+    def core_work(self, model: ModelConfig, seq_len: int) -> tuple[int, float]:
+        """Flash attention reads Q, K and V and writes O once, whatever the context."""
+        cfg: AttentionConfig = self.config(model)
+        q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        return self.extra_flops(model, seq_len), BF16 * (2 * q + 2 * kv)
+
+    def elementwise_values(self, model: ModelConfig) -> int:
+        """The block's norm and residual add, and RoPE on Q and K where the model uses it."""
+        cfg: AttentionConfig = self.config(model)
+        rope = model.position_embedding == "rope"
+        return 5 * model.hidden_size + (
+            2 * (cfg.heads + cfg.kv_heads) * cfg.head_dim if rope else 0
+        )
+
+    def cp_exchange_values(self, model: ModelConfig, cp: int) -> float:
+        """Every rank's queries need the keys and values of the other ranks' chunks."""
+        cfg: AttentionConfig = self.config(model)
+        return 2 * cfg.kv_heads * cfg.head_dim * (cp - 1)
+
+    def selective_recompute(self, model: ModelConfig, seq_len: int) -> tuple[int, int]:
+        """core_attn: the attention core runs again."""
+        return self.extra_flops(model, seq_len), 0
+
     def megatron_flops(self, model: ModelConfig, seq_len: int) -> int:
         cfg: AttentionConfig = self.config(model)
         h, s = model.hidden_size, seq_len

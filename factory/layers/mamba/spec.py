@@ -55,6 +55,7 @@ class Mamba(LayerType):
     title = "Mamba-2"
     section = "mamba"
     context_parallel = "heads_all_to_all"
+    core_coefficient = "scan"
     hf_block_type = "linear_attention"
     megatron_modules: ClassVar[dict[str, str]] = {
         "mixer.in_proj": "mixer.in_proj",
@@ -148,6 +149,26 @@ class Mamba(LayerType):
         cfg: MambaConfig = self.config(model)
         n, chunk = cfg.state_size, min(cfg.chunk_size, seq_len)
         return 2 * chunk * n * cfg.groups + 2 * chunk * cfg.d_inner + 4 * n * cfg.d_inner
+
+    def core_work(self, model: ModelConfig, seq_len: int) -> tuple[int, float]:
+        """The conv1d and the chunked scan read in_proj's output, write and read the conv's,
+        write y, and write and read every chunk's fp32 state (d_inner x N per chunk)."""
+        cfg: MambaConfig = self.config(model)
+        chunk = min(cfg.chunk_size, seq_len)
+        values = cfg.in_proj_dim + 2 * cfg.conv_dim + cfg.d_inner
+        states = 2 * FP32 * cfg.d_inner * cfg.state_size / chunk
+        return self.extra_flops(model, seq_len), BF16 * values + states
+
+    def elementwise_values(self, model: ModelConfig) -> int:
+        """The block's norm and residual add, and the gated RMSNorm (reads y and z, writes)."""
+        cfg: MambaConfig = self.config(model)
+        return 5 * model.hidden_size + 3 * cfg.d_inner
+
+    def cp_exchange_values(self, model: ModelConfig, cp: int) -> float:
+        """All-to-alls turn sequence shards into head shards before the conv (in_proj's
+        output) and back after the scan (y): each rank keeps 1/cp of both."""
+        cfg: MambaConfig = self.config(model)
+        return (cfg.in_proj_dim + cfg.d_inner) * (cp - 1) / cp
 
     def megatron_flops(self, model: ModelConfig, seq_len: int) -> int:
         """Megatron-LM's hybrid formula, which takes d_inner = 2h whatever heads x head_dim."""

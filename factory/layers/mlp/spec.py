@@ -73,6 +73,12 @@ def swiglu_factor(activation: str, flops: int) -> int:
     return flops * 3 // 2 if activation == "swiglu" else flops
 
 
+def activation_values(width: int, activation: str) -> int:
+    """Values the activation kernel reads and writes per token: relu2 reads fc1's output and
+    writes fc2's input; swiglu reads both halves."""
+    return width * (3 if activation == "swiglu" else 2)
+
+
 @register_layer_type
 class DenseMLP(LayerType):
     symbol = "-"
@@ -108,6 +114,10 @@ class DenseMLP(LayerType):
         return swiglu_factor(
             cfg.activation, 4 * seq_len * model.hidden_size * cfg.intermediate_size
         )
+
+    def elementwise_values(self, model: ModelConfig) -> int:
+        cfg: MLPConfig = self.config(model)
+        return 5 * model.hidden_size + activation_values(cfg.intermediate_size, cfg.activation)
 
     def activation_bytes(self, model: ModelConfig, tokens: TokenShards, recompute: str) -> float:
         cfg: MLPConfig = self.config(model)

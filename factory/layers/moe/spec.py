@@ -15,7 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from factory.layers.mlp.spec import megatron_activation_fields, mlp_tensors, swiglu_factor
+from factory.layers.mlp.spec import (
+    activation_values,
+    megatron_activation_fields,
+    mlp_tensors,
+    swiglu_factor,
+)
 from factory.spec.activations import BF16, FP32, TokenShards, ffn_bytes, prologue_bytes
 from factory.spec.layer_type import (
     LayerFinding,
@@ -310,6 +315,26 @@ class MixtureOfExperts(LayerType):
         return routed + swiglu_factor(
             cfg.activation, 4 * s * h * cfg.shared_expert_intermediate_size
         )
+
+    def elementwise_values(self, model: ModelConfig) -> int:
+        """The block's norm and residual add, the routed and shared activations, and the
+        permutation of top_k copies of every token into expert order and back (each read
+        and written)."""
+        cfg: MoEConfig = self.config(model)
+        width = cfg.latent_size or model.hidden_size
+        routed = cfg.top_k * activation_values(cfg.expert_intermediate_size, cfg.activation)
+        shared = activation_values(cfg.shared_expert_intermediate_size, cfg.activation)
+        return 5 * model.hidden_size + routed + shared + 4 * cfg.top_k * width
+
+    def dispatch_values(self, model: ModelConfig) -> int:
+        """top_k copies of the token at the width experts run in (the latent one, if any)."""
+        cfg: MoEConfig = self.config(model)
+        return cfg.top_k * (cfg.latent_size or model.hidden_size)
+
+    def selective_recompute(self, model: ModelConfig, seq_len: int) -> tuple[int, int]:
+        """moe_act: the routed experts' activation runs again."""
+        cfg: MoEConfig = self.config(model)
+        return 0, cfg.top_k * activation_values(cfg.expert_intermediate_size, cfg.activation)
 
     def activation_bytes(self, model: ModelConfig, tokens: TokenShards, recompute: str) -> float:
         """Router scores (fp32), routed tokens x top_k at the expert width, expert
