@@ -27,10 +27,12 @@ LLAMA3_WRITE_GB_PER_S_PER_GPU = 2e12 / 16_384 / 1e9
 class ClusterConfig(Section):
     """Efficiency, reliability and storage of the cluster, for the plan's cost and failures."""
 
-    mfu: float = Field(default=0.38, ge=0.001, le=1)
-    """Model FLOPs utilisation: achieved / peak dense BF16 FLOP/s. Default 0.38, the low end of
-    the 38-43% BF16 MFU Llama 3 405B reports on 8K-16K H100s (arXiv:2407.21783, Table 4).
-    At least 0.001: below that a run is broken, not slow."""
+    mfu: float | None = Field(default=None, ge=0.001, le=1)
+    """Model FLOPs utilisation to price the run at, overriding the prediction: achieved / peak
+    dense BF16 FLOP/s. Default none: the plan prices the run at the step time the performance
+    model predicts for this layout (docs/performance.md). 0.38 is the low end of the 38-43%
+    BF16 MFU Llama 3 405B reports on 8K-16K H100s (arXiv:2407.21783, Table 4). At least
+    0.001: below that a run is broken, not slow."""
     failures_per_gpu_hour: float = Field(default=LLAMA3_FAILURES_PER_GPU_HOUR, ge=1e-12, le=1)
     """Job interruptions per GPU-hour. Default: Llama 3's 419 interruptions in 54 days on
     16,384 H100s (arXiv:2407.21783, section 3.3.4), about 1.97e-5."""

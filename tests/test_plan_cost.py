@@ -67,7 +67,7 @@ def test_daly_agrees_with_young_when_checkpoints_are_cheap(ratio, mtbf) -> None:
 @fast
 @given(st.floats(1e-8, 1e-3), st.floats(1.01, 10.0))
 def test_lost_time_grows_with_the_failure_rate(rate, factor) -> None:
-    cost = training_cost(1e24, 1000, "h100", 1024, 0.4)
+    cost = training_cost(1e24, 1000, "h100", 1024, mfu=0.4)
     low = ClusterConfig(failures_per_gpu_hour=rate)
     high = ClusterConfig(failures_per_gpu_hour=min(1.0, rate * factor))
     for mode in ("sync", "async"):
@@ -80,7 +80,7 @@ def test_lost_time_grows_with_the_failure_rate(rate, factor) -> None:
 @fast
 @given(st.floats(0.001, 1.0), st.floats(0.001, 1.0), st.sampled_from(sorted(GPU_SPECS)))
 def test_cost_scales_as_one_over_mfu(u, v, gpu) -> None:
-    a, b = (training_cost(3e23, 500, gpu, 256, mfu) for mfu in (u, v))
+    a, b = (training_cost(3e23, 500, gpu, 256, mfu=mfu) for mfu in (u, v))
     assert a.gpu_hours * u == pytest.approx(b.gpu_hours * v, rel=1e-12)
     assert a.energy_mwh * u == pytest.approx(b.energy_mwh * v, rel=1e-12)
     assert a.wall_days * u == pytest.approx(b.wall_days * v, rel=1e-12)
@@ -102,12 +102,30 @@ def test_preset_numbers_are_finite_and_positive(name: str) -> None:
     )
 
 
-def test_nano_cost_by_hand() -> None:
-    bp = factory.load_blueprint("nano")
+def test_the_cost_is_at_the_predicted_step_time_unless_an_mfu_is_given() -> None:
     plan = _plan("nano")
+    cost, steps = plan.cost, plan.steps
+    assert cost.basis == "predicted"
+    assert cost.step_seconds == plan.performance.step_seconds
+    assert cost.wall_seconds == pytest.approx(steps * plan.performance.step_seconds, rel=1e-12)
+    # the MFU both ways is the run's FLOPs over the BF16 peak of its GPUs for that time
+    peak = 32 * GPU_SPECS["h100"].bf16_dense_flops
+    assert cost.mfu == pytest.approx(plan.total_training_flops / (peak * cost.wall_seconds))
+    with pytest.raises(ValueError, match="exactly one"):
+        training_cost(1e24, 10, "h100", 8)
+
+
+def test_nano_cost_by_hand() -> None:
+    bp = factory.load_blueprint("nano", ["training.cluster.mfu=0.38"])
+    plan = factory.plan(bp)
     cost, failures = plan.cost, plan.failures
-    # 32 H100s at 989 TFLOP/s and 38% MFU, 700 W each
-    assert (cost.world_size, cost.gpu, cost.mfu) == (32, "h100", 0.38)
+    # 32 H100s at 989 TFLOP/s and 38% MFU (the blueprint's override), 700 W each
+    assert (cost.world_size, cost.gpu, cost.mfu, cost.basis) == (
+        32,
+        "h100",
+        0.38,
+        "training.cluster.mfu",
+    )
     wall = plan.total_training_flops / (32 * 989e12 * 0.38)
     assert cost.wall_seconds == pytest.approx(wall, rel=1e-12)
     assert cost.gpu_hours == pytest.approx(wall * 32 / 3600, rel=1e-12)
@@ -144,7 +162,7 @@ def test_nano_cost_by_hand() -> None:
 
 
 def test_async_interval_waits_for_the_background_write() -> None:
-    cost = training_cost(1e24, 10**6, "h100", 1024, 0.4)  # steps of about 2.5 s
+    cost = training_cost(1e24, 10**6, "h100", 1024, mfu=0.4)  # steps of about 2.5 s
     slow = ClusterConfig(checkpoint_write_gb_per_s_per_gpu=0.001, host_copy_gb_per_s=10_000)
     plan = failure_plan(cost, 10**11, slow, 100).async_
     assert max(plan.young_interval_seconds, cost.step_seconds) < plan.exposure_seconds
@@ -154,7 +172,7 @@ def test_async_interval_waits_for_the_background_write() -> None:
 
 
 def test_best_interval_is_at_least_one_step() -> None:
-    cost = training_cost(1e24, 10, "h100", 8, 0.4)  # 10 steps of about 10 hours each
+    cost = training_cost(1e24, 10, "h100", 8, mfu=0.4)  # 10 steps of about 10 hours each
     plan = failure_plan(cost, 10**9, ClusterConfig(), 100)
     for mode in (plan.sync, plan.async_):
         assert mode.young_interval_seconds < cost.step_seconds
@@ -163,7 +181,7 @@ def test_best_interval_is_at_least_one_step() -> None:
 
 
 def test_best_interval_is_at_most_the_run() -> None:
-    cost = training_cost(1e18, 100, "b200", 8, 0.5)  # a minute's run: failures are unlikely
+    cost = training_cost(1e18, 100, "b200", 8, mfu=0.5)  # a minute's run: failures are unlikely
     plan = failure_plan(cost, 10**8, ClusterConfig(), 10)
     assert plan.sync.young_interval_seconds > cost.wall_seconds
     assert plan.sync.optimal.interval_seconds == cost.wall_seconds
@@ -173,7 +191,16 @@ def test_best_interval_is_at_most_the_run() -> None:
 def test_cli_plan_shows_cost_and_json_has_the_keys(cli) -> None:
     status, out, err = cli("plan", "nano")
     assert status == 0, err
-    assert "cost: 384,490 GPU-hours, 500.6 days on 32 x h100 at 38% MFU" in out
+    summary = " ".join(out.split())
+    assert re.search(
+        r"cost: [\d,]+ GPU-hours, [\d,.]+ days on 32 x h100 at [\d.]+% MFU \(predicted\)", summary
+    )
+    status, out, err = cli("plan", "nano", "--set", "training.cluster.mfu=0.38")
+    summary = " ".join(out.split())
+    assert (
+        "cost: 384,490 GPU-hours, 500.6 days on 32 x h100 at 38% MFU (training.cluster.mfu)"
+        in summary
+    )
     assert "Failures and checkpoints" in out
     status, out, err = cli("plan", "nano", "--json")
     assert status == 0, err
@@ -228,7 +255,7 @@ def test_lost_share_is_a_fraction_and_intervals_are_whole_steps_in_the_run(
     """However short the run next to a checkpoint (a CPU proxy priced on GPUs: one save takes
     45 times its training), at most all of the job's time is lost, and intervals are whole
     steps no longer than the run."""
-    cost = training_cost(flops, steps, "h100", world, 0.4)
+    cost = training_cost(flops, steps, "h100", world, mfu=0.4)
     cluster = ClusterConfig(failures_per_gpu_hour=rate, checkpoint_write_gb_per_s_per_gpu=write_bw)
     plan = failure_plan(cost, 10**9, cluster, every)
     for mode in (plan.sync, plan.async_):
@@ -246,7 +273,7 @@ def test_the_best_interval_is_within_one_save_of_every_whole_step_count(
 ) -> None:
     """Brute force over every feasible interval: the model's best loses at most one more save
     than the true best (whole saves make lost time jagged in the interval)."""
-    cost = training_cost(flops, steps, "h100", 64, 0.4)
+    cost = training_cost(flops, steps, "h100", 64, mfu=0.4)
     cluster = ClusterConfig(failures_per_gpu_hour=rate, checkpoint_write_gb_per_s_per_gpu=write_bw)
     plan = failure_plan(cost, 10**10, cluster, 1)
     for name, mode in (("sync", plan.sync), ("async", plan.async_)):
@@ -260,8 +287,9 @@ def test_the_best_interval_is_within_one_save_of_every_whole_step_count(
 
 
 def test_a_run_shorter_than_one_save_is_one_checkpoint_and_mostly_lost() -> None:
-    """The Nano proxy priced on one H100: 0.06 s of training, a 2.6 s write."""
-    plan = factory.plan(derive_proxy(factory.load_blueprint("nano")))
+    """The Nano proxy priced on one H100 at 38% MFU: 0.06 s of training, a 2.6 s write."""
+    bp = factory.load_blueprint("nano", ["training.cluster.mfu=0.38"])
+    plan = factory.plan(derive_proxy(bp))
     cost, sync = plan.cost, plan.failures.sync
     assert sync.blocking_seconds > 10 * cost.wall_seconds
     assert (sync.optimal.interval_steps, sync.optimal.checkpoints) == (300, 1)
@@ -292,4 +320,4 @@ def test_cli_plan_of_a_proxy_says_gpu_cost_does_not_apply(cli) -> None:
     assert "not applicable" in out and "trains on CPU" in out
     assert "GPU-hours" in out and "GPU time" not in out  # named as not applicable, not priced
     status, out, err = cli("plan", "nano")
-    assert "not applicable" not in out and "384,490 GPU-hours" in out
+    assert "not applicable" not in out and "GPU time" in out

@@ -1,9 +1,12 @@
 """What a run costs and how often it breaks, from the plan's exact FLOPs (``docs/cost.md``).
 
-Cost: at ``training.cluster.mfu`` of the GPU's peak dense BF16 rate, the run's
-FLOPs take ``wall = flops / (world_size * peak * mfu)`` seconds, i.e.
-``wall * world_size`` GPU-seconds, and draw at most the GPU's TDP (board power
-only: no CPUs, network or cooling).
+Cost: the run takes ``steps`` times the step time the performance model
+predicts (``factory.planner.performance``), or, where ``training.cluster.mfu``
+overrides it, ``wall = flops / (world_size * peak * mfu)`` seconds at that share
+of the GPU's peak dense BF16 rate. That is ``wall * world_size`` GPU-seconds,
+drawing at most the GPU's TDP (board power only: no CPUs, network or cooling).
+Either way the MFU reported is the run's FLOPs over the BF16 peak, so that the
+two compare.
 
 Failures: interruptions arrive at ``failures_per_gpu_hour * world_size`` per
 hour (a Poisson process), so the job's MTBF is its inverse. A checkpoint every
@@ -57,6 +60,10 @@ class CostPlan:
     gpu: str
     world_size: int
     mfu: float
+    """Model FLOPs over the GPUs' dense BF16 peak for the wall-clock time below."""
+    basis: str
+    """Where the time comes from: ``predicted`` (the performance model) or
+    ``training.cluster.mfu``."""
     peak_flops_per_gpu: float
     total_flops: float
     steps: int
@@ -74,16 +81,32 @@ class CostPlan:
 
 
 def training_cost(
-    total_flops: float, steps: int, gpu: str, world_size: int, mfu: float
+    total_flops: float,
+    steps: int,
+    gpu: str,
+    world_size: int,
+    *,
+    mfu: float | None = None,
+    step_seconds: float | None = None,
 ) -> CostPlan:
-    """Price ``total_flops`` on ``world_size`` GPUs of type ``gpu`` running at ``mfu``."""
+    """Price ``total_flops`` on ``world_size`` GPUs of type ``gpu``, taking ``step_seconds``
+    per step (a prediction) or running at ``mfu`` of the BF16 peak: exactly one of them."""
+    if (mfu is None) == (step_seconds is None):
+        raise ValueError("give exactly one of mfu and step_seconds")
     spec = GPU_SPECS[gpu]
-    wall = total_flops / (world_size * spec.bf16_dense_flops * mfu)
+    capacity = world_size * spec.bf16_dense_flops
+    if mfu is not None:
+        wall, basis = total_flops / (capacity * mfu), "training.cluster.mfu"
+    else:
+        assert step_seconds is not None
+        wall, basis = steps * step_seconds, "predicted"
+        mfu = total_flops / (capacity * wall)
     gpu_hours = wall * world_size / HOUR
     return CostPlan(
         gpu=gpu,
         world_size=world_size,
         mfu=mfu,
+        basis=basis,
         peak_flops_per_gpu=spec.bf16_dense_flops,
         total_flops=total_flops,
         steps=steps,

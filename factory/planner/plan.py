@@ -39,7 +39,8 @@ class Plan:
     total_training_flops: float
     """Training FLOPs of the whole run by our exact count."""
     cost: CostPlan
-    """GPU-hours, days and energy of the run at ``training.cluster.mfu``."""
+    """GPU-hours, days and energy of the run at the predicted step time (or at
+    ``training.cluster.mfu`` where the blueprint sets it)."""
     failures: FailurePlan
     """Expected interruptions, checkpoint intervals and time lost (docs/cost.md)."""
     performance: Performance
@@ -73,7 +74,12 @@ def plan(blueprint: Blueprint) -> Plan:
     params = count_params(blueprint.model)
     total = flops.exact * per_step * steps
     training, parallel = blueprint.training, blueprint.parallelism
-    cost = training_cost(total, steps, parallel.gpu, parallel.world_size, training.cluster.mfu)
+    performance = predict(blueprint, layout)
+    gpus = (total, steps, parallel.gpu, parallel.world_size)
+    if training.cluster.mfu is not None:  # the user's MFU overrides the prediction
+        cost = training_cost(*gpus, mfu=training.cluster.mfu)
+    else:
+        cost = training_cost(*gpus, step_seconds=performance.step_seconds)
     return Plan(
         name=blueprint.meta.name,
         params=params,
@@ -86,7 +92,7 @@ def plan(blueprint: Blueprint) -> Plan:
         total_training_flops=total,
         cost=cost,
         failures=failure_plan(cost, params.total, training.cluster, training.checkpoint_interval),
-        performance=predict(blueprint, layout),
+        performance=performance,
     )
 
 

@@ -193,7 +193,7 @@ def cost_tables(plan: dict[str, Any]) -> list[PlanTable]:
     page's cost section."""
     cost, failures = plan["cost"], plan["failures"]
     return [
-        PlanTable(f"Cost at {_mfu(cost)} MFU", _cost_rows(cost, plan["training"]["steps"])),
+        PlanTable(_cost_title(cost), _cost_rows(cost, plan["training"]["steps"])),
         PlanTable("Failures and checkpoints", _failure_rows(failures)),
         PlanTable(
             "Checkpoint intervals",
@@ -204,15 +204,23 @@ def cost_tables(plan: dict[str, Any]) -> list[PlanTable]:
 
 
 def _mfu(cost: dict[str, Any]) -> str:
-    """The MFU as the blueprint writes it, in percent: 38%, 38.5%."""
+    """The MFU in percent: as the blueprint writes it (38%, 38.5%), or as predicted (17.2%)."""
+    if cost["basis"] == "predicted":
+        return percent(cost["mfu"])
     return f"{plain(cost['mfu'] * 100)}%"
+
+
+def _cost_title(cost: dict[str, Any]) -> str:
+    if cost["basis"] == "predicted":
+        return f"Cost at the predicted speed ({_mfu(cost)} MFU)"
+    return f"Cost at {_mfu(cost)} MFU (training.cluster.mfu)"
 
 
 def _cost_rows(cost: dict[str, Any], steps: int) -> list[tuple[str, str, str]]:
     peak = human_flops(cost["peak_flops_per_gpu"]).replace("FLOP", "FLOP/s")
     return [
         ("GPUs", f"{cost['world_size']:,} x {cost['gpu']}", f"peak {peak} dense BF16 each"),
-        ("MFU", _mfu(cost), "training.cluster.mfu"),
+        ("MFU", _mfu(cost), _MFU_BASIS[cost["basis"]]),
         ("wall-clock", human_duration(cost["wall_seconds"]), f"{steps:,} steps"),
         ("time per step", human_duration(cost["step_seconds"]), ""),
         ("GPU time", human_gpu_hours(cost["gpu_hours"]), ""),
@@ -222,6 +230,12 @@ def _cost_rows(cost: dict[str, Any], steps: int) -> list[tuple[str, str, str]]:
             f"{cost['tdp_watts']:,.0f} W per GPU, boards only",
         ),
     ]
+
+
+_MFU_BASIS = {
+    "predicted": "predicted (docs/performance.md), of the BF16 peak",
+    "training.cluster.mfu": "training.cluster.mfu",
+}
 
 
 def _failure_rows(failures: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -284,7 +298,8 @@ def cost_summary(plan: dict[str, Any], cpu_proxy: bool = False) -> str:
     best = failures["async"]["optimal"]
     return (
         f"cost: {human_gpu_hours(cost['gpu_hours'])}, {cost['wall_days']:,.1f} days on "
-        f"{cost['world_size']:,} x {cost['gpu']} at {_mfu(cost)} MFU, "
+        f"{cost['world_size']:,} x {cost['gpu']} at {_mfu(cost)} MFU "
+        f"({'predicted' if cost['basis'] == 'predicted' else 'training.cluster.mfu'}), "
         f"{human_energy(cost['energy_mwh'])} at TDP (GPU boards only); "
         f"{format_number(failures['expected_interruptions'])} interruptions expected, "
         f"{percent(best['lost_fraction'])} of the run lost with async checkpoints every "
