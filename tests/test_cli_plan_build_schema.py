@@ -54,6 +54,7 @@ def test_build_writes_resolved_plan_and_report(cli, tmp_path: Path) -> None:
         "report.html",
         "report.md",
         "resolved.yaml",
+        "search.json",
     ]
     plan = json.loads((out / "plan.json").read_text())
     assert plan["params"]["total"] == 31_577_940_288

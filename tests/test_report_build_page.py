@@ -263,3 +263,21 @@ def test_the_predicted_step_is_drawn_part_by_part(tmp_path: Path) -> None:
              for v in (group.values() if isinstance(group, dict) else [group]) if v > 0]  # fmt: skip
     assert page.count('<svg xmlns="http://www.w3.org/2000/svg" class="step"') == 1
     assert text.count(" s (") >= len(parts)  # every part's hover title: seconds (share)
+
+
+def test_the_searchs_fastest_layouts_are_listed_with_the_best_overrides(full_build: Path) -> None:
+    """The plan stage searches the blueprint's GPUs; the page lists what it found, fastest
+    first, and the overrides that turn the blueprint into the best."""
+    found = json.loads((full_build / "search.json").read_text())
+    layouts = found["layouts"]
+    assert found["gpus"] == factory.load_blueprint("nano").parallelism.world_size
+    speeds = [entry["performance"]["tokens_per_s_per_gpu"] for entry in layouts]
+    assert layouts and speeds == sorted(speeds, reverse=True)
+    section = _page(full_build).split('<section id="speed">', 1)[1].split("</section>", 1)[0]
+    rows = re.findall(r"<tr><td>(\d+)</td><td>([^<]*)</td><td>([^<]*)</td>", section)
+    assert [(int(n), layout) for n, layout, _ in rows] == [
+        (i, entry["layout"]) for i, entry in enumerate(layouts, 1)
+    ]
+    assert [speed for _, _, speed in rows] == [f"{s:,.0f}" for s in speeds]
+    for override in layouts[0]["overrides"]:
+        assert f"--set {override}" in html.unescape(section)

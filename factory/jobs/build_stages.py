@@ -29,11 +29,13 @@ from factory.io import atomic_write_text, staged_directory
 from factory.jobs.build_checks import compare_losses, loss_falls, run_losses
 from factory.jobs.build_distributed import run_layout_check
 from factory.jobs.train import CheckpointPolicy
+from factory.layout_search import search_layouts
 from factory.planner.plan import plan
 from factory.precision.policy import flops_share, resolve_policy
 from factory.progress import Progress
 from factory.report.build_page import write_build_report
 from factory.report.plan_text import markdown_report
+from factory.report.search_text import search_records
 
 if TYPE_CHECKING:
     from factory.schemas.blueprint import Blueprint
@@ -85,10 +87,19 @@ def _plan(ctx: BuildContext) -> str:
     atomic_write_text(ctx.out / "plan.json", json.dumps(summary, indent=2) + "\n")
     title = f"{bp.meta.name}: {bp.meta.description}".rstrip(": ")
     atomic_write_text(ctx.out / "report.md", markdown_report(summary, title))
+    gpus = bp.parallelism.world_size
+    found = search_layouts(bp, gpus)
+    search = {"gpus": gpus, "gpu": bp.parallelism.gpu, "layouts": search_records(found)}
+    atomic_write_text(ctx.out / "search.json", json.dumps(search, indent=2) + "\n")
     peak = result.memory.total / 2**30
+    speed = result.performance.tokens_per_s_per_gpu
+    best = (
+        f" (best layout found: {found[0].performance.tokens_per_s_per_gpu:,.0f})" if found else ""
+    )
     return (
         f"{result.params.total / 1e9:.2f}B parameters ({result.params.active / 1e9:.2f}B active), "
-        f"{result.flops_per_token.exact / 1e9:.1f} GFLOPs/token, peak rank {peak:.1f} GiB"
+        f"{result.flops_per_token.exact / 1e9:.1f} GFLOPs/token, peak rank {peak:.1f} GiB; "
+        f"predicted {speed:,.0f} tokens/s per GPU{best}"
     )
 
 

@@ -32,7 +32,7 @@ STAGES = (
 
 OUTPUTS: dict[str, tuple[str, ...]] = {
     "validate": ("resolved.yaml",),
-    "plan": ("plan.json", "report.md"),
+    "plan": ("plan.json", "report.md", "search.json"),
     "model": ("model_check.json",),
     "precision": ("precision.json",),
     "export": ("exports",),
@@ -98,6 +98,10 @@ class BuildFolder:
     @cached_property
     def plan(self) -> dict[str, Any] | None:
         return self.read_json("plan.json")
+
+    @cached_property
+    def search(self) -> dict[str, Any] | None:
+        return self.read_json("search.json")
 
     @cached_property
     def precision(self) -> dict[str, Any] | None:
