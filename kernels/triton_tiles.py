@@ -32,6 +32,7 @@ __all__ = [
     "round_to_bf16",
     "round_to_fp8",
     "tile_amax",
+    "tile_grid",
 ]
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
