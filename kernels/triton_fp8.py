@@ -32,7 +32,7 @@ import triton.language as tl
 from factory.kernels import fp8
 from factory.kernels.triton_tiles import launch_options, round_to_fp8, tile_amax, tile_grid
 
-__all__ = ["fake_quantize_mxfp8", "fake_quantize_tensorwise"]
+__all__ = ["fake_quantize_mxfp8", "fake_quantize_tensorwise", "matrix_amax"]
 
 #: Per format: (mantissa bits, smallest normal, rounding constant of the subnormal grid).
 _GRID = {"e4m3": (3, 2.0**-6, 2.0**14), "e5m2": (2, 2.0**-14, 2.0**7)}
@@ -91,6 +91,12 @@ def _check(x: torch.Tensor, fmt: str, ndim: int) -> None:
         raise ValueError(f"expected a non-empty float tensor of >= {ndim} dims, got {x.shape}")
 
 
+def matrix_amax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [B]: max |x| of each matrix of ``x [..., rows, cols]`` (ValueError if non-finite)."""
+    _check(x, "e4m3", 2)
+    return tile_amax(x.reshape(-1, *x.shape[-2:]), 1, None, "fp8 quantization")
+
+
 def fake_quantize_tensorwise(
     x: torch.Tensor, fmt: fp8.FP8Format = "e4m3", amax: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -101,7 +107,7 @@ def fake_quantize_tensorwise(
     x3 = x.reshape(-1, *x.shape[-2:])
     b, rows, cols = x3.shape
     if amax is None:
-        amax = tile_amax(x3, 1, None, "fp8 quantization")
+        amax = matrix_amax(x3)
     amax = amax.to(device=x.device, dtype=torch.float32).reshape(-1).expand(b).contiguous()
     out = torch.empty((b, rows, cols), dtype=torch.float32, device=x.device)
     grid = tile_grid(rows, cols, _ROWS, _COLS, b)
