@@ -36,7 +36,8 @@ def _triton_modules() -> tuple[ModuleType, ModuleType] | None:
     """(triton_nvfp4, triton_fp8), or None where Triton is not installed."""
     if importlib.util.find_spec("triton") is None:
         return None
-    from factory.kernels import triton_fp8, triton_nvfp4
+    import factory.kernels.triton_fp8 as triton_fp8
+    import factory.kernels.triton_nvfp4 as triton_nvfp4
 
     return triton_nvfp4, triton_fp8
 
