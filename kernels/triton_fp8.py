@@ -19,8 +19,10 @@ compiled code agree bit for bit; scaling by a power of two is exact in fp32
 except where the result is an fp32 subnormal, which rounds once, as the
 emulation's float64 product rounds once on its way to fp32.
 
-Not verified without a GPU: that compiled code keeps fp32 subnormals (a block
-whose amax is below 2**-119 uses the scale 2**-127, itself subnormal).
+Subnormals matter here (a block whose amax is below 2**-119 uses the scale
+2**-127, itself subnormal): compiled for sm_90 the kernels keep them (no
+``.ftz``, checked in ``tests/test_kernels_triton.py``). Not verified without a
+GPU: a compiled run's bits and speed (``python -m benchmarks gpu``).
 """
 
 from __future__ import annotations

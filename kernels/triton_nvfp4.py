@@ -27,9 +27,10 @@ emulation's ``hadamard.rht`` is a matrix product whose summation order is
 the BLAS library's. Both give the same bits whenever the 16-term sums are exact in
 fp32, and otherwise may differ in the last bit of a rotated value.
 
-Not verified without a GPU: that compiled code keeps fp32 subnormals (if a
-device flushed them to zero, blocks of subnormal inputs would quantize to 0
-where the emulation keeps them), and the kernels' speed.
+Compiled for sm_90, every fp32 add, multiply and divide is IEEE round-to-nearest
+with subnormals kept (no FMA, no ``.ftz``; ``tests/test_kernels_triton.py`` reads
+the PTX). Not verified without a GPU: a compiled run's bits, and the speed
+(``python -m benchmarks gpu`` checks both).
 """
 
 from __future__ import annotations

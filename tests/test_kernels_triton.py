@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -346,6 +348,25 @@ def test_the_quantizers_cast_alike_through_the_kernels(kernels, monkeypatch):
             via_kernels = operands(make())
         for got, expected in zip(via_kernels, emulated, strict=True):
             assert_same_bits(got, expected)
+
+
+def test_compiled_for_hopper_every_fp32_operation_is_ieee(kernels):
+    """Compiled for sm_90 (no GPU needed), the kernels' fp32 arithmetic is what the interpreter
+    computes: no FMA contraction, no flush-to-zero, no approximate division."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    driver = Path(__file__).with_name("triton_ptx_driver.py")
+    done = subprocess.run(
+        [sys.executable, str(driver)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    variants = json.loads(done.stdout)
+    assert len(variants) == 6
+    for name, ops in variants.items():
+        arithmetic = [op for op in ops if op.split(".")[0] in ("add", "sub", "mul", "div", "fma")]
+        assert {"mul.rn.f32", "add.rn.f32"} & set(arithmetic), name
+        assert all(op.split(".")[:2] in (["add", "rn"], ["sub", "rn"], ["mul", "rn"],
+                                         ["div", "rn"]) for op in arithmetic), (name, arithmetic)  # fmt: skip
+        assert not [op for op in ops if "ftz" in op or "approx" in op], (name, ops)
 
 
 def test_factory_and_the_cpu_path_never_import_triton():
