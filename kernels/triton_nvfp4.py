@@ -233,8 +233,12 @@ def global_amax(
 
 
 def _amax_for(
-    x3: torch.Tensor, tile: tuple[int, int], amax: torch.Tensor | None, rotation
+    x3: torch.Tensor,
+    tile: tuple[int, int],
+    amax: torch.Tensor | None,
+    rotation: torch.Tensor | None,
 ) -> torch.Tensor:
+    """Each matrix's amax: the given one (checked), or measured by the amax kernel."""
     if amax is None:
         return tile_amax(x3, tile[0], rotation, "nvfp4.quantize")
     amax = amax.to(device=x3.device, dtype=torch.float32).reshape(-1)
@@ -293,7 +297,10 @@ def fake_quantize(
     return out.reshape(x.shape)
 
 
-def _uniforms(uniform: torch.Tensor, padded: tuple[int, int, int], device) -> torch.Tensor:
+def _uniforms(
+    uniform: torch.Tensor, padded: tuple[int, int, int], device: torch.device
+) -> torch.Tensor:
+    """The stochastic-rounding numbers as fp32 [B, rows_pad, cols_pad] on ``device``."""
     u3 = uniform.to(device=device, dtype=torch.float32).reshape(-1, *uniform.shape[-2:])
     if tuple(u3.shape) != padded:
         raise ValueError(f"uniform must have the padded shape {padded}, got {uniform.shape}")

@@ -167,7 +167,9 @@ def _amax_kernel(
     tl.store(bad_ptr + slot, tl.sum(bad, axis=0))
 
 
-def tile_grid(rows: int, cols: int, block_rows: int, block_cols: int, batch: int) -> tuple:
+def tile_grid(
+    rows: int, cols: int, block_rows: int, block_cols: int, batch: int
+) -> tuple[int, int]:
     """Programs over ``[batch, rows, cols]``: row-tile x column-tile on axis 0, matrix on 1."""
     return (triton.cdiv(rows, block_rows) * triton.cdiv(cols, block_cols), batch)
 
