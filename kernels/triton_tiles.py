@@ -17,6 +17,8 @@ the emulation's zero padding.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -47,11 +49,18 @@ def launch_options() -> dict[str, bool]:
 
 def rotation_matrix(signs: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``diag(signs) @ H_16`` as fp32 [16, 16] on ``device``: the matrix ``hadamard.rht``
-    right-multiplies each run of 16 elements by."""
-    signs = signs.to(torch.float32).reshape(-1)
-    if signs.shape != (_RUN,) or not bool((signs.abs() == 1).all()):
+    right-multiplies each run of 16 elements by. Built once per sign vector and device
+    (every wgrad operand asks for it)."""
+    values = tuple(float(s) for s in signs.reshape(-1).tolist())
+    if len(values) != _RUN or any(abs(s) != 1 for s in values):
         raise ValueError(f"signs must be {_RUN} values of ±1")
-    return (signs[:, None] * hadamard.hadamard_matrix(_RUN)).contiguous().to(device)
+    return _rotation(values, str(torch.device(device)))
+
+
+@functools.lru_cache(maxsize=16)
+def _rotation(signs: tuple[float, ...], device: str) -> torch.Tensor:
+    vector = torch.tensor(signs, dtype=torch.float32)
+    return (vector[:, None] * hadamard.hadamard_matrix(_RUN)).contiguous().to(device)
 
 
 @triton.jit
