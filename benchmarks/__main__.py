@@ -44,6 +44,10 @@ BENCHMARKS = {
         "benchmarks.data_pipeline",
         "data build throughput vs DataTrove and vs the tokenizer alone",
     ),
+    "gpu": (
+        "benchmarks.gpu",
+        "one CUDA device: Triton kernel bandwidth vs HBM peak (--dry-run: CPU, interpreter)",
+    ),
 }
 
 

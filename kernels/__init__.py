@@ -14,6 +14,10 @@ What lives here:
   tile-wise to weight-gradient GEMM inputs.
 * ``factory.kernels.fp8`` and ``factory.kernels.mor``: FP8 (current, delayed,
   blockwise), MXFP8, and Mixture-of-Representations selection.
+* ``factory.kernels.triton_nvfp4``, ``triton_fp8`` (helpers in ``triton_tiles``):
+  the NVFP4, FP8 current-scaling and MXFP8 casts as Triton kernels, bit-exact
+  with the emulation; ``factory.kernels.cast_dispatch`` picks them for CUDA
+  tensors (the only place they, and so Triton, are imported from).
 * ``factory.kernels.tensor_parts``: the whole tensor behind a quantizer's operand
   (its amax, sums and stochastic-rounding numbers), for tensors split over ranks.
 

@@ -35,9 +35,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from factory.kernels import fp8, hadamard, mor, nvfp4
+from factory.kernels import cast_dispatch, fp8, hadamard, mor
 from factory.kernels.tensor_parts import TensorPart
 from factory.precision.policy import split_block
 from factory.precision.splits import WHOLE_GEMM, GemmSplit
@@ -165,16 +164,18 @@ class NVFP4Quantizer(GemmQuantizer):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.generator.set_state(state["generator"])
 
-    def _grad_q(self, g: torch.Tensor, part: TensorPart) -> torch.Tensor:
+    def _grad_q(
+        self, g: torch.Tensor, part: TensorPart, rht_signs: torch.Tensor | None = None
+    ) -> torch.Tensor:
         sr = self.options.stochastic_rounding
-        return nvfp4.fake_quantize(g, (1, 16), stochastic=sr, generator=self.generator, part=part)
+        return cast_dispatch.nvfp4_fake_quantize(g, (1, 16), sr, self.generator, part, rht_signs)
 
     def input(self, x: torch.Tensor, split: GemmSplit = WHOLE_GEMM) -> torch.Tensor:
-        return nvfp4.fake_quantize(x, (1, 16), part=split.part("tokens", "in"))
+        return cast_dispatch.nvfp4_fake_quantize(x, (1, 16), part=split.part("tokens", "in"))
 
     def weight(self, w: torch.Tensor, split: GemmSplit = WHOLE_GEMM) -> torch.Tensor:
         tile = (16, 16) if self.weight_2d else (1, 16)
-        return nvfp4.fake_quantize(w, tile, part=split.part("out", "in"))
+        return cast_dispatch.nvfp4_fake_quantize(w, tile, part=split.part("out", "in"))
 
     def dgrad_weight(
         self, w: torch.Tensor, w_fprop: torch.Tensor | None, split: GemmSplit = WHOLE_GEMM
@@ -182,7 +183,8 @@ class NVFP4Quantizer(GemmQuantizer):
         if self.weight_2d:  # a 16x16 tile is its own transpose: reuse fprop's values
             return super().dgrad_weight(w, w_fprop, split)
         # 1x16 blocks along N instead
-        return _t(nvfp4.fake_quantize(_t(w), (1, 16), part=split.part("in", "out")))
+        part = split.part("in", "out")
+        return _t(cast_dispatch.nvfp4_fake_quantize(_t(w), (1, 16), part=part))
 
     def grad(self, dy: torch.Tensor, split: GemmSplit = WHOLE_GEMM) -> torch.Tensor:
         return self._grad_q(dy, split.part("tokens", "out"))
@@ -195,14 +197,12 @@ class NVFP4Quantizer(GemmQuantizer):
         x_q: torch.Tensor | None = None,
         split: GemmSplit = WHOLE_GEMM,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        dy_t, x_t = _t(dy), _t(x)
-        if self.options.hadamard:
-            pad = -dy_t.shape[-1] % _TILE  # rotate whole 16-token tiles; zero tokens add nothing
-            dy_t = hadamard.rht(F.pad(dy_t, (0, pad)), self.signs)
-            x_t = hadamard.rht(F.pad(x_t, (0, pad)), self.signs)
+        # Rotated operands are zero-padded to whole 16-token tiles; zero tokens add nothing.
+        signs = self.signs if self.options.hadamard else None
+        x_part = split.part("in", "tokens")
         return (
-            self._grad_q(dy_t, split.part("out", "tokens")),
-            nvfp4.fake_quantize(x_t, (1, 16), part=split.part("in", "tokens")),
+            self._grad_q(_t(dy), split.part("out", "tokens"), signs),
+            cast_dispatch.nvfp4_fake_quantize(_t(x), (1, 16), part=x_part, rht_signs=signs),
         )
 
 
@@ -269,7 +269,7 @@ class FP8Quantizer(GemmQuantizer):
         fmt = self.bwd_fmt if role == "grad" else self.fwd_fmt
         scaling = self.options.scaling
         if scaling == "tensorwise":
-            return _per_matrix(lambda m: fp8.quantize_tensorwise(m, fmt, part).dequantize(), x)
+            return cast_dispatch.fp8_tensorwise(x, fmt, part)
         if scaling == "blockwise":
             return _per_matrix(lambda m: fp8.quantize_blockwise(m, block, fmt).dequantize(), x)
         return self.delayed[role].quantize(x, part).dequantize()
@@ -339,7 +339,7 @@ class MXFP8Quantizer(_OneCastQuantizer):
 
     def _q(self, x: torch.Tensor, part: TensorPart) -> torch.Tensor:
         """Every scale is a block's own: a split holding whole blocks needs nothing else."""
-        return fp8.quantize_mxfp8(x, "e4m3").dequantize()
+        return cast_dispatch.mxfp8(x, "e4m3")
 
     def dgrad_weight(
         self, w: torch.Tensor, w_fprop: torch.Tensor | None, split: GemmSplit = WHOLE_GEMM

@@ -1,0 +1,154 @@
+"""Kernel bandwidth: the Triton quantization kernels on one square BF16 input, bytes moved per
+second against the device's HBM peak, each checked bit for bit against the emulation.
+
+Bytes are what the kernels read and write: the input once per pass (the global
+amax is its own pass unless given), the output, and the scales. The goal in
+issue 30 is 60% of the HBM peak on 8192x8192. Each case is also run once on a
+1024x1024 input (64x64 in a dry run) and compared with the PyTorch emulation on
+CPU, which checks on the device what the CPU tests cannot: compiled code
+against the reference.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+__all__ = ["KernelResult", "hbm_peak", "markdown", "measure"]
+
+#: HBM bandwidth in bytes/s by device name (NVIDIA H100 and H200 data sheets).
+_HBM_PEAK = (("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12), ("H200", 4.8e12))
+
+
+@dataclass(frozen=True)
+class KernelResult:
+    """One kernel case: its traffic, median time, and the check against the emulation."""
+
+    case: str
+    shape: tuple[int, int]
+    bytes_moved: int
+    seconds: float
+    bytes_per_second: float
+    share_of_hbm_peak: float | None
+    bit_exact: bool
+
+
+def hbm_peak(device: torch.device) -> float | None:
+    """The device's HBM bandwidth in bytes/s, or None for a device not in the table."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in _HBM_PEAK if key in name), None)
+
+
+@dataclass(frozen=True)
+class _Case:
+    name: str
+    run: Callable[[torch.Tensor, torch.Tensor], object]
+    """The kernel on (input, its amax); returns device tensors."""
+    reference: Callable[[torch.Tensor], object]
+    """The emulation on the CPU input."""
+    bytes_per_element: float
+    """Input reads, output and scale writes per element of the BF16 input."""
+
+
+def _cases() -> list[_Case]:
+    from factory.kernels import fp8, nvfp4, triton_fp8, triton_nvfp4
+
+    def packed(q: nvfp4.NVFP4Tensor) -> tuple:
+        return q.data, q.scale.view(torch.uint8), q.amax
+
+    bf16 = torch.bfloat16
+    # bf16 input: 2 bytes a read; NVFP4 writes half a byte and a scale byte per 16 elements.
+    return [
+        _Case("nvfp4 quantize", lambda x, a: packed(triton_nvfp4.quantize(x)),
+              lambda x: packed(nvfp4.quantize(x)), 2 + 2 + 0.5 + 1 / 16),
+        _Case("nvfp4 quantize, given amax", lambda x, a: packed(triton_nvfp4.quantize(x, amax=a)),
+              lambda x: packed(nvfp4.quantize(x)), 2 + 0.5 + 1 / 16),
+        _Case("nvfp4 fake-quant to bf16",
+              lambda x, a: triton_nvfp4.fake_quantize(x, out_dtype=bf16),
+              lambda x: nvfp4.fake_quantize(x).to(bf16), 2 + 2 + 2),
+        _Case("nvfp4 fake-quant to bf16, given amax",
+              lambda x, a: triton_nvfp4.fake_quantize(x, amax=a, out_dtype=bf16),
+              lambda x: nvfp4.fake_quantize(x).to(bf16), 2 + 2),
+        _Case("mxfp8 fake-quant to fp32", lambda x, a: triton_fp8.fake_quantize_mxfp8(x),
+              lambda x: fp8.quantize_mxfp8(x).dequantize(), 2 + 4),
+        _Case("fp8 current scaling fake-quant to fp32",
+              lambda x, a: triton_fp8.fake_quantize_tensorwise(x),
+              lambda x: fp8.quantize_tensorwise(x).dequantize(), 2 + 2 + 4),
+    ]  # fmt: skip
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal bits (device results against CPU references)."""
+    if isinstance(a, tuple):
+        return all(_same(x, y) for x, y in zip(a, b, strict=True))  # type: ignore[arg-type]
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    a = a.cpu()
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8),
+                                                                     b.view(-1).view(torch.uint8))  # fmt: skip
+
+
+def _seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median seconds of one call, each timed between device synchronizations."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    run()  # compile (or, under the interpreter, warm up) first
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(device: torch.device, size: int, check_size: int, repeats: int) -> list[KernelResult]:
+    """Every case on a ``size x size`` BF16 input on ``device``; checked on ``check_size``."""
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(size, size, generator=gen).to(torch.bfloat16).to(device)
+    small = torch.randn(check_size, check_size, generator=gen).to(torch.bfloat16)
+    peak = hbm_peak(device)
+    results = []
+    for case in _cases():
+        exact = _same(case.run(small.to(device), _amax(small.to(device))), case.reference(small))
+        amax = _amax(big)
+        seconds = _seconds(lambda case=case, amax=amax: case.run(big, amax), device, repeats)
+        moved = int(case.bytes_per_element * size * size)
+        rate = moved / seconds
+        share = None if peak is None else rate / peak
+        results.append(KernelResult(case.name, (size, size), moved, seconds, rate, share, exact))
+    return results
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    """The global amax as a split tensor's ranks would hand it over: fp32 [1]."""
+    return x.abs().amax().float().reshape(1)
+
+
+def markdown(results: list[KernelResult]) -> str:
+    """The results as a Markdown table for BENCHMARKS.md."""
+    lines = [
+        "| kernel | input | bytes moved | time | bandwidth | of HBM peak | bit-exact |",
+        "|---|---|--:|--:|--:|--:|---|",
+    ]
+    for r in results:
+        share = "n/a" if r.share_of_hbm_peak is None else f"{r.share_of_hbm_peak:.0%}"
+        lines.append(
+            f"| {r.case} | {r.shape[0]}x{r.shape[1]} bf16 | {_size(r.bytes_moved)} "
+            f"| {r.seconds * 1e3:,.3f} ms | {r.bytes_per_second / 1e9:,.1f} GB/s | {share} "
+            f"| {'yes' if r.bit_exact else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+
+def as_json(results: list[KernelResult]) -> list[dict]:
+    """The results as JSON-ready dicts."""
+    return [asdict(r) for r in results]
