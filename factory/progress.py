@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from enum import StrEnum
 from types import TracebackType
-from typing import Literal
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, TimeElapsedColumn
@@ -41,9 +41,15 @@ PLAIN_EVERY_S = 30.0
 PLAIN_EVERY_STEPS = 10
 """Optimizer steps between two plain step lines of a training, at most (or PLAIN_EVERY_S)."""
 
-LogFormat = Literal["auto", "plain", "rich"]
-"""How progress is shown: ``rich`` a live display, ``plain`` timestamped lines, ``auto`` the
-first in a terminal and the second elsewhere (CI, Slurm, nohup, a pipe)."""
+
+class LogFormat(StrEnum):
+    """How progress is shown: ``rich`` a live display, ``plain`` timestamped lines, ``auto``
+    the first in a terminal and the second elsewhere (CI, Slurm, nohup, a pipe)."""
+
+    auto = "auto"
+    plain = "plain"
+    rich = "rich"
+
 
 Progress = Callable[[str, int, int], None]
 """``progress(stage, done, total)``: ``done`` of ``total`` units of ``stage`` are finished
@@ -72,7 +78,7 @@ class RichProgress:
         self,
         console: Console | None = None,
         clock: Callable[[], float] = time.monotonic,
-        log_format: LogFormat = "auto",
+        log_format: LogFormat = LogFormat.auto,
     ) -> None:
         self.console = console or Console(stderr=True)
         self.plain = plain_log(log_format, self.console)

@@ -12,7 +12,6 @@ import factory
 from factory.checks.validate import load
 from factory.cli.output import (
     EXIT_INVALID,
-    LogFormat,
     LogFormatOption,
     print_diagnostics,
     progress_console,
@@ -21,7 +20,7 @@ from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.errors import BlueprintError
 from factory.jobs.build_defaults import DEFAULT_CHECK_STEPS, DEFAULT_SMOKE_STEPS
-from factory.progress import RichProgress, plain_log, stamped
+from factory.progress import LogFormat, RichProgress, plain_log, stamped
 from factory.report.build_folder import STAGES
 from factory.report.units import human_bytes
 
@@ -69,7 +68,7 @@ def build(
         loaded = load(target, overrides or [])
     print_diagnostics(loaded.warnings)
 
-    plain = plain_log(log_format.value, console)
+    plain = plain_log(log_format, console)
 
     def say(record: StageRecord) -> None:
         reused = " (reused)" if record.status == "reused" else ""
@@ -81,7 +80,7 @@ def build(
         )
 
     try:
-        with RichProgress(console, log_format=log_format.value) as progress:
+        with RichProgress(console, log_format=log_format) as progress:
             result = factory.build(  # imports numpy and torch when it runs
                 loaded.blueprint,
                 out=out,

@@ -13,13 +13,13 @@ from rich.table import Table
 from rich.text import Text
 
 import factory
-from factory.cli.output import EXIT_INVALID, LogFormat, LogFormatOption, progress_console
+from factory.cli.output import EXIT_INVALID, LogFormatOption, progress_console
 from factory.cli.root import app
 from factory.data.build_refusals import BuildRefused, nothing_survived
 from factory.data.shards.energon_index import META_DIR, check_energon_index
 from factory.data.shards.manifest import ManifestError, verify
 from factory.data.token_shares import inspect_table, write_share_plot
-from factory.progress import RichProgress
+from factory.progress import LogFormat, RichProgress
 
 
 class Executor(StrEnum):
@@ -86,7 +86,7 @@ def build_cmd(
         raise typer.BadParameter("--address needs --executor ray", param_hint="--address")
     try:
         console = progress_console(log_format)
-        with RichProgress(console, log_format=log_format.value) as progress:
+        with RichProgress(console, log_format=log_format) as progress:
             manifest = factory.data.build(  # imports numpy when it runs
                 recipe,
                 out,

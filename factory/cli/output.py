@@ -18,11 +18,11 @@ from rich.console import Console
 
 from factory.diagnostic_formats import as_record, github_annotation
 from factory.errors import BlueprintError, Diagnostic
+from factory.progress import LogFormat
 
 __all__ = [
     "EXIT_INVALID",
     "DiagnosticFormat",
-    "LogFormat",
     "LogFormatOption",
     "fail",
     "print_diagnostics",
@@ -39,14 +39,6 @@ class DiagnosticFormat(StrEnum):
     text = "text"
     json = "json"
     github = "github"
-
-
-class LogFormat(StrEnum):
-    """How a long command shows its progress (``factory.progress.LogFormat``)."""
-
-    auto = "auto"
-    plain = "plain"
-    rich = "rich"
 
 
 LogFormatOption = Annotated[

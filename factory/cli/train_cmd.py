@@ -26,7 +26,6 @@ from rich.text import Text
 from factory.checks.validate import load
 from factory.cli.output import (
     EXIT_INVALID,
-    LogFormat,
     LogFormatOption,
     print_diagnostics,
     progress_console,
@@ -52,7 +51,7 @@ from factory.jobs.train import (
     prepare_training,
 )
 from factory.precision.backends import PrecisionBackend
-from factory.progress import RichProgress, plain_log
+from factory.progress import LogFormat, RichProgress, plain_log
 from factory.runtime.stop_signals import exit_status
 
 BACKENDS = typing.get_args(PrecisionBackend)
@@ -143,9 +142,9 @@ def train(
         changes = "; ".join(request.layout_changes)
         console.print(f"proxy layout: {changes}", markup=False, highlight=False)
     policy = CheckpointPolicy(checkpoint_every, keep, async_checkpoint, resume)
-    shown = "plain" if plain_log(log_format.value, console) else "rich"
+    shown = "plain" if plain_log(log_format, console) else "rich"
     try:
-        with RichProgress(console, log_format=log_format.value) as progress:
+        with RichProgress(console, log_format=log_format) as progress:
             result = request.run(out=out, steps=steps, data=data, seed=seed, progress=progress,
                                  show_steps=shown, checkpoints=policy,
                                  notice=_notices(console, main_rank))  # fmt: skip
