@@ -79,6 +79,7 @@ def _why_not(cells: dict[str, str]) -> str | None:
         (not notes.startswith("task=pretrain"), "not pretraining (SFT or LoRA)"),
         (not cells["tokens_per_s_per_gpu"], "no tokens/s published"),
         ("WITHDRAWN" in notes, "withdrawn by its source"),
+        ("regression known issue" in notes, "a performance regression its source flags"),
         ("DIFFERS" in notes, "published layout differs from every config"),
         (cells["model"] in SKIPPED, SKIPPED.get(cells["model"], "")),
         (cells["model"] not in FAMILIES, "architecture not in benchmarks.perf_families"),

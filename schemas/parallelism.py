@@ -41,6 +41,9 @@ class GPUSpec(Section):
     """NVLink bandwidth per GPU in one direction, bytes/s (half the data sheet's total)."""
     network_bytes_per_s: float = 0.0
     """Scale-out network bandwidth per GPU in one direction, bytes/s (one NIC per GPU)."""
+    exp_per_s: float = 0.0
+    """Peak rate of the special-function units' exponentials (MUFU.EX2), per second:
+    softmax's exponentials run there, beside the tensor cores (0: not modelled)."""
 
 
 GiB = 1024**3
@@ -61,6 +64,10 @@ TB = 1e12
 #   GB200, 3x on Blackwell Ultra (B300 108 PFLOPS dense / 8, GB300 1,080 / 72). NVLink 5:
 #   1.8 TB/s per GPU both directions; HBM3e 8 TB/s. Network: ConnectX-7 400 Gb/s per GPU on
 #   B200 and GB200, ConnectX-8 800 Gb/s on B300 and GB300 (assumed one NIC per GPU).
+# - Exponentials (softmax): 16 per SM per clock on Hopper and Blackwell, 32 on Blackwell
+#   Ultra (B300, GB300: NVIDIA, "Making Softmax More Efficient with NVIDIA Blackwell Ultra"),
+#   against 4,096 dense BF16 tensor FLOPs per SM per clock on Hopper and 8,192 on Blackwell
+#   (FlashAttention-4, Together AI): the BF16 peak / 256 (Hopper, Blackwell Ultra) or / 512.
 _HOPPER_PEAKS = {"bf16": 989e12, "fp8": 1979e12}
 _NVLINK4, _NVLINK5 = 450e9, 900e9  # per direction
 _CX7, _CX8 = 400e9 / 8, 800e9 / 8  # bytes/s per direction
@@ -80,6 +87,7 @@ GPU_SPECS: dict[str, GPUSpec] = {
         hbm_bytes_per_s=3.35 * TB,
         nvlink_bytes_per_s=_NVLINK4,
         network_bytes_per_s=_CX7,
+        exp_per_s=989e12 / 256,
     ),
     "h200": GPUSpec(
         memory_bytes=141 * GiB,
@@ -90,6 +98,7 @@ GPU_SPECS: dict[str, GPUSpec] = {
         hbm_bytes_per_s=4.8 * TB,
         nvlink_bytes_per_s=_NVLINK4,
         network_bytes_per_s=_CX7,
+        exp_per_s=989e12 / 256,
     ),
     "b200": GPUSpec(
         memory_bytes=180 * GiB,
@@ -101,6 +110,7 @@ GPU_SPECS: dict[str, GPUSpec] = {
         hbm_bytes_per_s=8 * TB,
         nvlink_bytes_per_s=_NVLINK5,
         network_bytes_per_s=_CX7,
+        exp_per_s=2.25e15 / 512,
     ),
     "b300": GPUSpec(
         memory_bytes=270 * GiB,
@@ -112,6 +122,7 @@ GPU_SPECS: dict[str, GPUSpec] = {
         hbm_bytes_per_s=8 * TB,
         nvlink_bytes_per_s=_NVLINK5,
         network_bytes_per_s=_CX8,
+        exp_per_s=2.25e15 / 256,
     ),
     "gb200": GPUSpec(
         memory_bytes=186 * GiB,
@@ -123,6 +134,7 @@ GPU_SPECS: dict[str, GPUSpec] = {
         hbm_bytes_per_s=8 * TB,
         nvlink_bytes_per_s=_NVLINK5,
         network_bytes_per_s=_CX7,
+        exp_per_s=2.5e15 / 512,
     ),
     "gb300": GPUSpec(
         memory_bytes=279 * GiB,
@@ -134,6 +146,7 @@ GPU_SPECS: dict[str, GPUSpec] = {
         hbm_bytes_per_s=8 * TB,
         nvlink_bytes_per_s=_NVLINK5,
         network_bytes_per_s=_CX8,
+        exp_per_s=2.5e15 / 256,
     ),
 }
 

@@ -181,3 +181,19 @@ def test_the_optimizer_step_shrinks_as_its_state_is_sharded_over_more_ranks() ->
     assert optimizer[0] > optimizer[1] > optimizer[2] > 0
     whole = _predict(_with(bp, distributed_optimizer=False)).breakdown["optimizer"]
     assert whole > optimizer[0]
+
+
+def test_softmax_exponentials_slow_attention_only_where_the_special_units_lag() -> None:
+    """B300 doubles B200's exponential rate at the same BF16 peak and HBM: head_dim 64
+    attention (more exponentials per FLOP) is faster there, head_dim 128 is not."""
+
+    def attention_compute(head_dim: int, gpu: str) -> float:
+        bp = _with(_nano(), gpu=gpu)
+        attention = bp.model.attention.model_copy(update={"head_dim": head_dim})
+        bp = bp.model_copy(update={"model": bp.model.model_copy(update={"attention": attention})})
+        bp = bp.model_copy(update={"precision": bp.precision.model_copy(update={"recipe": "bf16"})})
+        return _predict(bp).breakdown["compute"]["attention"]
+
+    assert attention_compute(64, "b200") > attention_compute(64, "b300")
+    assert attention_compute(128, "b200") == attention_compute(128, "b300")
+    assert GPU_SPECS["b300"].exp_per_s == 2 * GPU_SPECS["b200"].exp_per_s

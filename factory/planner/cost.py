@@ -111,7 +111,7 @@ def training_cost(
         total_flops=total_flops,
         steps=steps,
         wall_seconds=wall,
-        step_seconds=wall / steps,
+        step_seconds=step_seconds if step_seconds is not None else wall / steps,
         wall_days=wall / DAY,
         gpu_hours=gpu_hours,
         tdp_watts=spec.tdp_watts,

@@ -51,6 +51,8 @@ class BlockTerms:
     core_flops: int
     core_bytes: float
     core_coefficient: str
+    core_exponentials: float
+    """Softmax exponentials per token of one forward pass (``LayerType.core_exponentials``)."""
     elementwise_values: int
     dispatch_values: int
     """Values per token in each expert-parallel all-to-all (0: the block routes no experts)."""
@@ -111,6 +113,7 @@ def _block(layer: LayerSpec, model: ModelConfig, seq_len: int) -> BlockTerms:
         core_flops=core_flops,
         core_bytes=core_bytes,
         core_coefficient=kind.core_coefficient,
+        core_exponentials=kind.core_exponentials(model, seq_len),
         elementwise_values=kind.elementwise_values(model),
         dispatch_values=kind.dispatch_values(model) if kind.routes_experts else 0,
         selective_core_flops=again_flops,

@@ -106,6 +106,7 @@ def _context(inputs: StepInputs, layout: Layout, model: ModelConfig, d0: float) 
         hbm=spec.hbm_bytes_per_s,
         links=Links(spec.nvlink_domain, spec.nvlink_bytes_per_s, spec.network_bytes_per_s),
         d0=d0,
+        exp_rate=spec.exp_per_s,
     )
 
 

@@ -6,8 +6,9 @@ tokens per tensor-parallel group:
 - its GEMMs: ``3 x 2 x rows x k x n`` FLOPs (forward, data and weight gradients) on
   the rank's shard, at the peak of the GEMM's format times a shape efficiency, and the
   casts a quantized GEMM needs (memory bound);
-- its fused core (attention, the SSD scan): the longer of FLOPs at the BF16 peak and
-  bytes at the HBM bandwidth, three times (backward ~ 2x forward);
+- its fused core (attention, the SSD scan): the longest of FLOPs at the BF16 peak, bytes
+  at the HBM bandwidth and softmax exponentials at the special-function units' rate,
+  forward, then backward at twice the FLOPs and bytes and the exponentials once again;
 - its elementwise traffic at the HBM bandwidth;
 - communication: TP/SP all-gather and reduce-scatter of the block input (two each way),
   the EP all-to-alls (dispatch and combine, each way), the CP exchange;
@@ -62,6 +63,8 @@ class StageContext:
     hbm: float
     links: Links
     d0: float
+    exp_rate: float = 0.0
+    """Exponentials per second (``GPUSpec.exp_per_s``; 0: not modelled)."""
 
 
 def shape_efficiency(rows: float, k: float, n: float, d0: float) -> float:
@@ -111,12 +114,16 @@ def _block_terms(block: BlockTerms, ctx: StageContext, bf16: bool, key: str) -> 
     for g in block.gemms:
         g_s, c_s = _gemm_seconds(g, ctx, bf16)
         gemm_s, cast_s = gemm_s + g_s, cast_s + c_s
-    core_fwd = max(block.core_flops * m / tp / ctx.bf16_peak, block.core_bytes * m / tp / ctx.hbm)
+    flops_s = block.core_flops * m / tp / ctx.bf16_peak
+    bytes_s = block.core_bytes * m / tp / ctx.hbm
+    exp_s = block.core_exponentials * m / tp / ctx.exp_rate if ctx.exp_rate else 0.0
+    # Backward doubles the products and the traffic but recomputes the softmax only once.
+    core_s = max(flops_s, bytes_s, exp_s) + max(2 * flops_s, 2 * bytes_s, exp_s)
     elementwise = 3 * BF16 * block.elementwise_values * m / tp / ctx.hbm
     gemm_coef = f"gemm_{ctx.generation}"
     terms: list[Term] = [
         ("compute", key, gemm_coef, gemm_s),
-        ("compute", key, block.core_coefficient, 3 * core_fwd),
+        ("compute", key, block.core_coefficient, core_s),
         ("compute", key, "memory", elementwise + cast_s),
         ("overhead", "blocks", "overhead", 1.0),
     ]
@@ -128,7 +135,8 @@ def _block_terms(block: BlockTerms, ctx: StageContext, bf16: bool, key: str) -> 
         terms += [("recompute", key, c, s / 3) for _, _, c, s in terms[:3]]
         terms += [("recompute", key, c, s / 2) for _, _, c, s in comm]
     elif ctx.recompute == "selective":
-        again_core = block.selective_core_flops * m / tp / ctx.bf16_peak
+        again_flops = block.selective_core_flops * m / tp / ctx.bf16_peak
+        again_core = max(again_flops, exp_s) if again_flops else 0.0
         again_memory = 2 * BF16 * block.selective_elementwise_values * m / tp / ctx.hbm
         terms += [
             ("recompute", key, "core", again_core),

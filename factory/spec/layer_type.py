@@ -223,6 +223,12 @@ class LayerType:
         ranks in one forward pass, in its ``context_parallel`` style (token-wise: none)."""
         return 0.0
 
+    def core_exponentials(self, model: ModelConfig, seq_len: int) -> float:
+        """Exponentials per token of one forward pass through :meth:`core_work` (softmax's):
+        they run on the special-function units, which can be slower than the tensor cores
+        at the core's FLOPs (``GPUSpec.exp_per_s``); none by default."""
+        return 0.0
+
     def selective_recompute(self, model: ModelConfig, seq_len: int) -> tuple[int, int]:
         """(core FLOPs, elementwise values) per token that selective recompute runs again in
         backward (Megatron's ``core_attn`` and ``moe_act`` modules); none by default."""

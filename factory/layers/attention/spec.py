@@ -87,6 +87,12 @@ class SelfAttention(LayerType):
         q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         return self.extra_flops(model, seq_len), BF16 * (2 * q + 2 * kv)
 
+    def core_exponentials(self, model: ModelConfig, seq_len: int) -> float:
+        """One per query head and causal key: (s + 1) / 2 per token, as :meth:`extra_flops`
+        counts; with head_dim 64 they take longer than QK^T and PV on Blackwell."""
+        cfg: AttentionConfig = self.config(model)
+        return cfg.heads * (seq_len + 1) / 2
+
     def elementwise_values(self, model: ModelConfig) -> int:
         """The block's norm and residual add, and RoPE on Q and K where the model uses it."""
         cfg: AttentionConfig = self.config(model)
