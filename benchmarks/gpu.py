@@ -113,7 +113,9 @@ def _write(out: Path, device: str, dry_run: bool, sections: dict[str, dict[str, 
     text = f"Device: {device}\n"
     for number, (name, section) in enumerate(sections.items(), start=1):
         module = importlib.import_module(SECTIONS[name])
-        text += f"\n### {number}. {section['title']} ({section['status']}, {section['seconds']} s)\n\n"
+        text += (
+            f"\n### {number}. {section['title']} ({section['status']}, {section['seconds']} s)\n\n"
+        )
         try:
             text += module.markdown(section["results"]) if section["results"] else ""
         except (KeyError, TypeError, ValueError, IndexError) as error:  # a section cut short
@@ -129,7 +131,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, help="folder for results.json/.md")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes, interpreter")
     parser.add_argument("--size", type=int, default=None, help="kernel input edge (8192)")
-    parser.add_argument("--only", default="", help="comma-separated sections: " + ",".join(SECTIONS))
+    parser.add_argument(
+        "--only", default="", help="comma-separated sections: " + ",".join(SECTIONS)
+    )
     parser.add_argument("--prepare", action="store_true", help="gather wheels into .gpu_wheels/")
     parser.add_argument("--section", choices=SECTIONS, help=argparse.SUPPRESS)
     return parser
@@ -151,7 +155,7 @@ def main(argv: list[str]) -> int:
         print(f"gpu: unknown section(s) {', '.join(unknown)}", file=sys.stderr)
         return 2
     if not args.dry_run:
-        from benchmarks.gpu_prepare import install_offline_if_needed
+        from benchmarks.gpu_install import install_offline_if_needed
 
         install_offline_if_needed()
         import torch

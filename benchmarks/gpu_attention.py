@@ -65,7 +65,9 @@ def _methods(ids: torch.Tensor, dry_run: bool) -> dict[str, Callable[..., torch.
     }
 
 
-def _forward_backward(method: Callable[..., torch.Tensor], qkv: list[torch.Tensor]) -> list[torch.Tensor]:
+def _forward_backward(
+    method: Callable[..., torch.Tensor], qkv: list[torch.Tensor]
+) -> list[torch.Tensor]:
     leaves = [t.detach().clone().requires_grad_() for t in qkv]
     out = method(*leaves)
     out.float().square().sum().backward()
@@ -73,13 +75,16 @@ def _forward_backward(method: Callable[..., torch.Tensor], qkv: list[torch.Tenso
 
 
 def measure(ctx: SectionContext, length: int, heads: tuple[int, int, int]) -> dict[str, Any]:
-    from factory.layers.attention.module import _masked
     from factory.kernels.document_attention import QueryRun
+    from factory.layers.attention.module import _masked
 
     h, kv, d = heads
     gen = torch.Generator().manual_seed(0)
     ids = documents(length, MEAN_DOCUMENT if not ctx.dry_run else 16).to(ctx.device)
-    qkv = [torch.randn(1, n, length, d, generator=gen).to(ctx.device, torch.bfloat16) for n in (h, kv, kv)]
+    qkv = [
+        torch.randn(1, n, length, d, generator=gen).to(ctx.device, torch.bfloat16)
+        for n in (h, kv, kv)
+    ]
     reference = _forward_backward(lambda q, k, v: _masked(q.float(), k.float(), v.float(), ids,
                                                           [QueryRun(0, 0, length)]), qkv)  # fmt: skip
     result: dict[str, Any] = {"documents": int(ids.max()) + 1}
@@ -92,7 +97,9 @@ def measure(ctx: SectionContext, length: int, heads: tuple[int, int, int]) -> di
             ctx.fail(f"{name} at {length} tokens: {type(error).__name__}: {error}")
             continue
         if result[name]["relative_error"] > TOLERANCE:
-            ctx.fail(f"{name} at {length} tokens: relative error {result[name]['relative_error']:.3g}")
+            ctx.fail(
+                f"{name} at {length} tokens: relative error {result[name]['relative_error']:.3g}"
+            )
     return result
 
 
@@ -104,10 +111,16 @@ def _measure_one(ctx: SectionContext, method: Callable[..., torch.Tensor], qkv: 
     else:
         with torch.no_grad():
             got, reference = [method(*qkv).float()], reference[:1]
-    error = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, reference, strict=True))
+    error = max(
+        float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, reference, strict=True)
+    )
     with torch.no_grad():
         forward = median_seconds(lambda: method(*qkv), ctx.device, repeats)
-    both = median_seconds(lambda: _forward_backward(method, qkv), ctx.device, repeats) if backward else None
+    both = (
+        median_seconds(lambda: _forward_backward(method, qkv), ctx.device, repeats)
+        if backward
+        else None
+    )
     return {"relative_error": error, "forward_s": forward, "forward_backward_s": both}
 
 

@@ -41,7 +41,9 @@ def shape(dry_run: bool) -> dict[str, int]:
             "d": moe.latent_size or bp.model.hidden_size, "ff": moe.expert_intermediate_size}  # fmt: skip
 
 
-def routing(s: dict[str, int], skewed: bool, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def routing(
+    s: dict[str, int], skewed: bool, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k expert indices [T, k] and their normalized sigmoid weights [T, k]."""
     scores = torch.randn(s["tokens"], s["experts"], generator=gen)
     if skewed:
@@ -71,7 +73,10 @@ def _outputs(fn: Any, leaves: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
-    return max(float((x - y).abs().max() / y.abs().max().clamp_min(1e-30)) for x, y in zip(a, b, strict=True))
+    return max(
+        float((x - y).abs().max() / y.abs().max().clamp_min(1e-30))
+        for x, y in zip(a, b, strict=True)
+    )
 
 
 def compare(ctx: SectionContext, s: dict[str, int], skewed: bool) -> dict[str, Any]:
@@ -84,8 +89,12 @@ def compare(ctx: SectionContext, s: dict[str, int], skewed: bool) -> dict[str, A
     dispatch = route_tokens(index.to(device), s["experts"])
     load = dispatch.tokens_per_expert.float()
     x = torch.randn(s["tokens"], s["d"], generator=gen).to(device, dtype)
-    up = (torch.randn(s["experts"], s["ff"], s["d"], generator=gen) / s["d"] ** 0.5).to(device, dtype)
-    down = (torch.randn(s["experts"], s["d"], s["ff"], generator=gen) / s["ff"] ** 0.5).to(device, dtype)
+    up = (torch.randn(s["experts"], s["ff"], s["d"], generator=gen) / s["d"] ** 0.5).to(
+        device, dtype
+    )
+    down = (torch.randn(s["experts"], s["d"], s["ff"], generator=gen) / s["ff"] ** 0.5).to(
+        device, dtype
+    )
     leaves = [x, up, down, weights.to(device, torch.float32)]
     expected = _outputs(lambda x, u, d, w: reference(x, index.to(device), w, u, d), leaves)
     result: dict[str, Any] = {"load_max_over_mean": float(load.max() / load.mean())}
@@ -94,7 +103,12 @@ def compare(ctx: SectionContext, s: dict[str, int], skewed: bool) -> dict[str, A
         if impl == "grouped_mm" and not available:
             result[impl] = "not available"
             continue
-        fn = lambda x, u, d, w, impl=impl: grouped_mlp(x, dispatch, u, d, "relu2", weights=w, impl=impl)  # noqa: E731
+
+        def fn(
+            x: torch.Tensor, u: torch.Tensor, d: torch.Tensor, w: torch.Tensor, impl: str = impl
+        ) -> torch.Tensor:
+            return grouped_mlp(x, dispatch, u, d, "relu2", weights=w, impl=impl)
+
         error = _relative(_outputs(fn, leaves), expected)
         seconds = median_seconds(lambda fn=fn: _outputs(fn, leaves), device,
                                  repeats=1 if ctx.dry_run else 10)  # fmt: skip

@@ -121,4 +121,6 @@ def markdown(results: dict[str, Any]) -> str:
              ", ".join(f"{s * 1e3:.0f}" for s in steps),
              ", ".join(f"{x:.3f}" for x in results.get("lm_loss_after_each_step", [])),
              results.get("checkpoint_round_trip")]]  # fmt: skip
-    return table(["backend", "DTensor params", "step ms", "LM loss after each step", "DCP round trip"], rows)
+    return table(
+        ["backend", "DTensor params", "step ms", "LM loss after each step", "DCP round trip"], rows
+    )

@@ -113,7 +113,9 @@ def build_pair(blueprint: Any, device: torch.device) -> tuple[torch.nn.Module, t
 
 
 @torch.no_grad()
-def max_logit_difference(ours: torch.nn.Module, theirs: torch.nn.Module, ids: torch.Tensor) -> float:
+def max_logit_difference(
+    ours: torch.nn.Module, theirs: torch.nn.Module, ids: torch.Tensor
+) -> float:
     ours.eval(), theirs.eval()
     diff = (ours(ids).logits.float() - theirs(ids, use_cache=False).logits.float()).abs().max()
     ours.train(), theirs.train()
@@ -218,7 +220,7 @@ def run(ctx: SectionContext) -> None:
     compile_blocks(compiled, backend="aot_eager" if ctx.dry_run else "inductor")
     steps = {"ours eager": our_step(ours, ids, scale), "theirs eager": their_step(theirs, ids),
              "ours compiled": our_step(compiled, ids, scale)}  # fmt: skip
-    repeats, warmup = (1, 1) if ctx.dry_run else (5, 3)
+    repeats, warmup = (1, 0) if ctx.dry_run else (5, 3)
     times = interleaved(steps, repeats, warmup)
     flops, peak = flops_per_token(blueprint, seq), bf16_peak(ctx.device)
     measured = {}
