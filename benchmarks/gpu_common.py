@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SectionContext", "bf16_peak", "gpu_key", "median_seconds", "sync", "timed"]
+__all__ = ["SectionContext", "attempt", "bf16_peak", "gpu_key", "median_seconds", "sync", "timed"]
 
 
 @dataclass
@@ -34,6 +34,16 @@ class SectionContext:
     def fail(self, message: str) -> None:
         """A check that did not hold: the section is reported failed (it still goes on)."""
         self.record("failures", [*self.results.get("failures", []), message])
+
+
+def attempt(ctx: SectionContext, what: str, run: Callable[[], Any]) -> Any:
+    """``run()``, or None with the error recorded as a failure: one part of a section failing
+    must not cost the parts after it."""
+    try:
+        return run()
+    except Exception as error:
+        ctx.fail(f"{what}: {type(error).__name__}: {error}")
+        return None
 
 
 def sync(device: torch.device) -> None:

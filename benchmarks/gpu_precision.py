@@ -20,7 +20,8 @@ from benchmarks.timing import interleaved
 
 TITLE = "Emulated NVFP4 and MXFP8 steps vs BF16"
 BUDGET_S = 90
-"""On an H100: three 1B models, 2 warm-up and 4 timed rounds of three ~0.2-1 s steps."""
+"""On an H100: three 1B models, 1 warm-up (Triton compiles) and 3 timed rounds of three
+steps; the NVFP4 one may take seconds (its stochastic-rounding bits come from the host)."""
 
 RECIPES = {"bf16": (), "nvfp4": ("precision.recipe=nvfp4",), "mxfp8": ("precision.recipe=mxfp8",)}
 
@@ -43,7 +44,7 @@ def run(ctx: SectionContext) -> None:
     for name in ("nvfp4", "mxfp8"):
         if not formats[name]:
             ctx.fail(f"precision.recipe={name} quantized no linear")
-    repeats, warmup = (1, 0) if ctx.dry_run else (4, 2)
+    repeats, warmup = (1, 0) if ctx.dry_run else (3, 1)
     times = interleaved(steps, repeats, warmup)
     median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     ctx.record("step_s", median)
