@@ -8,8 +8,8 @@ folders included. So, here, with the network:
    extra, and pytest, hypothesis (section 1's tests) and setuptools (the editable install's
    build backend, which pip's isolated build fetches from the folder);
 2. their closure, read from this environment's installed metadata (markers evaluated for
-   CPython 3.12 on x86-64 Linux): small (8 MiB), so nothing the machine may have is left
-   out on a guess about its versions;
+   CPython 3.12 on x86-64 Linux), all of it: it is small (about 8 MiB), and the versions
+   the machine has of what it shares with torch and transformers are unknown;
 3. each one pinned to the version installed here (the versions the tests ran with) where
    that meets the project's bound, else the newest release within the bound,
    downloaded as a CPython 3.12 manylinux wheel (``pip download --only-binary=:all:
@@ -41,7 +41,7 @@ LIMIT_BYTES = 40 * 2**20
 """Room left for the tree (~10 MiB) under the device's 64 MiB."""
 
 ON_DEVICE = ("torch", "triton", "transformers")
-"""What the GPU machine has (docs: /work/shared/GPU.md, the device tool's KINDS.md)."""
+"""What the GPU machine has, as its lender describes it (with CUDA 13, no network)."""
 
 EXTRAS = ("torch",)
 ALSO_NEEDED = ("pytest>=8", "hypothesis>=6.100", "setuptools>=77")
