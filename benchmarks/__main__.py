@@ -46,7 +46,8 @@ BENCHMARKS = {
     ),
     "gpu": (
         "benchmarks.gpu",
-        "one CUDA device: Triton kernel bandwidth vs HBM peak (--dry-run: CPU, interpreter)",
+        "one CUDA device, 7 sections (CUDA tests, kernels, 1B step, MoE, precision, attention, "
+        "NCCL); --dry-run on CPU, --prepare packs wheels",
     ),
 }
 

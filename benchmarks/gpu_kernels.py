@@ -17,7 +17,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["KernelResult", "hbm_peak", "markdown", "measure"]
+from benchmarks.gpu_common import SectionContext
+
+__all__ = ["BUDGET_S", "TITLE", "KernelResult", "hbm_peak", "markdown", "measure", "run"]
+
+TITLE = "Kernel bandwidth"
+BUDGET_S = 50
+"""On an H100: six cases of 20 timed calls on 128 MiB, and the Triton compiles (seconds)."""
 
 #: HBM bandwidth in bytes/s by device name (NVIDIA H100 and H200 data sheets).
 _HBM_PEAK = (("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12), ("H200", 4.8e12))
@@ -129,8 +135,23 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
     return x.abs().amax().float().reshape(1)
 
 
-def markdown(results: list[KernelResult]) -> str:
-    """The results as a Markdown table for BENCHMARKS.md."""
+def run(ctx: SectionContext) -> None:
+    """Every case at ``--size`` (8192; 64 in a dry run), checked on 1024 (64)."""
+    size = ctx.results.get("size") or (64 if ctx.dry_run else 8192)
+    kernels = measure(ctx.device, size, min(size, 1024), repeats=1 if ctx.dry_run else 20)
+    ctx.record("kernels", as_json(kernels))
+    for kernel in kernels:
+        if not kernel.bit_exact:
+            ctx.fail(f"{kernel.case}: not bit-exact with the emulation on the device")
+
+
+def markdown(results: dict) -> str:
+    """The section's results as a Markdown table for BENCHMARKS.md."""
+    kernels = [KernelResult(**{**k, "shape": tuple(k["shape"])}) for k in results["kernels"]]
+    return _table(kernels)
+
+
+def _table(results: list[KernelResult]) -> str:
     lines = [
         "| kernel | input | bytes moved | time | bandwidth | of HBM peak | bit-exact |",
         "|---|---|--:|--:|--:|--:|---|",

@@ -21,15 +21,17 @@ from factory.spec.layer_type import layer_type
 __all__ = ["compile_blocks"]
 
 
-def compile_blocks(model: nn.Module) -> list[str]:
+def compile_blocks(model: nn.Module, backend: str = "inductor") -> list[str]:
     """Compile every :class:`Block` of ``model`` whose layer type has static shapes, in
     place; return their paths (``backbone.layers.0`` ...). The first step then pays the
     compile time (seconds per distinct block type); later steps with the same batch shape
     reuse the graphs. Blocks are compiled with ``dynamic=False``: a new batch shape compiles
-    again, rather than every shape paying for symbolic sizes."""
+    again, rather than every shape paying for symbolic sizes. ``backend`` is torch.compile's
+    (``aot_eager`` traces the same graphs without generating code: the GPU benchmark's dry
+    run checks the compiled path on CPU with it, in seconds)."""
     compiled = []
     for name, module in model.named_modules():
         if isinstance(module, Block) and layer_type(module.symbol).static_shapes:
-            module.compile(dynamic=False)
+            module.compile(dynamic=False, backend=backend)
             compiled.append(name)
     return compiled

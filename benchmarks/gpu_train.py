@@ -1,0 +1,277 @@
+"""Section 3: one BF16 training step of the 1B blueprint (``benchmarks/blueprints/gpu_1b.yaml``:
+Mamba-2, attention, LatentMoE, one MTP block), ours against transformers' NemotronH.
+
+Both models hold the same weights: ours is built by ``factory.compile`` in BF16 (router in
+fp32) and exported with ``write_hf_checkpoint``; theirs is that export loaded by
+``AutoModelForCausalLM`` in BF16 (its PyTorch Mamba path: the device has no ``mamba_ssm``).
+Both see the same batch (the blueprint's micro-batch x seq_len of random tokens) and run
+forward, backward and a plain ``torch.optim.AdamW`` step on their BF16 parameters. Ours
+computes its training loss (next-token CE, the MTP depth at its loss scale, the router's
+aux loss); theirs has no MTP and computes plain CE. Three steps run interleaved, so noise
+hits each alike: ours eager, theirs eager, and ours with ``training.compile`` (its blocks
+under ``torch.compile``; the warm-up pays the compile).
+
+Reported: tokens/s per model; MFU = the plan's exact training FLOPs per token (for theirs
+without the MTP share, which it does not run) x tokens/s / the device's dense BF16 peak
+(factory's GPU table, matched by device name); the largest logit difference between the
+two in eval (BF16: a few 1e-2 is rounding); forward and backward time per layer type
+(device events around each block: forward hooks, and gradient hooks on each block's
+input and output for the backward); and the performance model's prediction for the same
+run (``factory.plan(...).performance``: H100, world size 1, the same batch) beside the
+measurement. The dry run does all of it on the blueprint's CPU proxy at a tiny batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.gpu_common import SectionContext, attempt, bf16_peak, sync, table, timed
+from benchmarks.timing import interleaved
+
+TITLE = "Training step in BF16, 1B blueprint: ours vs transformers"
+BUDGET_S = 210
+"""On an H100: building and exporting 1B parameters (~30 s), theirs loading them, the
+compile of ours in its first step (~60-90 s), then 1 warm-up and 4 timed rounds of three
+~0.3-3 s steps."""
+
+BLUEPRINT = Path(__file__).resolve().parent / "blueprints" / "gpu_1b.yaml"
+DRY_BATCH, DRY_SEQ, DRY_WIDTH = 2, 64, 64
+
+Step = Callable[[], float]
+
+
+def load(dry_run: bool, overrides: tuple[str, ...] = ()) -> Any:
+    """The section's blueprint (with ``overrides``); its CPU proxy in a dry run."""
+    import factory
+    from factory.proxy import derive_proxy
+
+    blueprint = factory.load_blueprint(BLUEPRINT, list(overrides))
+    return derive_proxy(blueprint, width=DRY_WIDTH) if dry_run else blueprint
+
+
+def batch_shape(blueprint: Any, dry_run: bool) -> tuple[int, int]:
+    """(micro-batch, seq_len) of the step: the blueprint's, or a tiny one in a dry run."""
+    if dry_run:
+        return DRY_BATCH, DRY_SEQ
+    return blueprint.parallelism.micro_batch_size, blueprint.data.seq_len
+
+
+def random_batch(blueprint: Any, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, blueprint.model.vocab_size, shape, generator=gen).to(device)
+
+
+def our_step(model: torch.nn.Module, ids: torch.Tensor, mtp_scale: float) -> Step:
+    """Ours: its training loss (LM + MTP + aux), backward, AdamW; returns its seconds."""
+    from factory.graph.loss import language_model_loss
+
+    return _step(model, lambda: language_model_loss(model(ids), ids, mtp_loss_scale=mtp_scale).total,
+                 ids.device)  # fmt: skip
+
+
+def their_step(model: torch.nn.Module, ids: torch.Tensor) -> Step:
+    """Theirs: next-token cross-entropy on its logits, backward, AdamW."""
+
+    def loss() -> torch.Tensor:
+        logits = model(ids, use_cache=False).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+    return _step(model, loss, ids.device)
+
+
+def _step(model: torch.nn.Module, loss: Callable[[], torch.Tensor], device: torch.device) -> Step:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss().backward()
+        optimizer.step()
+
+    return lambda: timed(step, device)
+
+
+def build_ours(blueprint: Any, device: torch.device) -> torch.nn.Module:
+    """Ours in BF16 on ``device`` (the router in fp32)."""
+    import factory
+
+    return factory.compile(blueprint, device=device, seed=0, dtype=torch.bfloat16,
+                           precision="off").model.train()  # fmt: skip
+
+
+def load_theirs(ours: torch.nn.Module, blueprint: Any, device: torch.device) -> torch.nn.Module:
+    """transformers' model loaded in BF16 from our HF export of ``ours``."""
+    from transformers import AutoModelForCausalLM
+
+    from factory.exports.hf import write_hf_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_hf_checkpoint(ours, blueprint, Path(tmp) / "hf")
+        theirs = AutoModelForCausalLM.from_pretrained(Path(tmp) / "hf", dtype=torch.bfloat16)
+    return theirs.to(device).train()
+
+
+def working(ctx: SectionContext, steps: dict[str, Step]) -> dict[str, Step]:
+    """The steps that run: each once (the compile happens here), a failing one recorded and
+    left out of the timing."""
+    return {name: step for name, step in steps.items()
+            if attempt(ctx, f"{name} step", step) is not None}  # fmt: skip
+
+
+@torch.no_grad()
+def max_logit_difference(
+    ours: torch.nn.Module, theirs: torch.nn.Module, ids: torch.Tensor
+) -> float:
+    ours.eval(), theirs.eval()
+    diff = (ours(ids).logits.float() - theirs(ids, use_cache=False).logits.float()).abs().max()
+    ours.train(), theirs.train()
+    return float(diff)
+
+
+def _mark(device: torch.device) -> Any:
+    """A point in the device's time: a recorded CUDA event, or perf_counter on CPU."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    import time
+
+    return time.perf_counter()
+
+
+def _seconds_between(start: Any, end: Any) -> float:
+    if isinstance(start, float):
+        return end - start
+    return start.elapsed_time(end) / 1e3
+
+
+def layer_type_times(model: torch.nn.Module, step: Step, device: torch.device) -> dict[str, Any]:
+    """Forward and backward seconds of one step per layer type (summed over its blocks).
+
+    Forward: marks before and after each block. Backward: a block's backward starts when
+    the gradient of its output arrives and ends when the gradient of its input is complete
+    (gradient hooks on both tensors)."""
+    from factory.graph.blocks import Block
+
+    marks: list[tuple[str, str, Any, Any]] = []  # (symbol, phase, start, end)
+    handles = []
+
+    def pre(block: Block, args: tuple) -> None:
+        block._bench_start = _mark(device)  # type: ignore[attr-defined]
+        if args[0].requires_grad:
+            args[0].register_hook(lambda grad, b=block: _end_backward(b))
+
+    def post(block: Block, args: tuple, output: tuple) -> None:
+        marks.append((block.symbol, "forward", block._bench_start, _mark(device)))  # type: ignore[attr-defined]
+        if output[0].requires_grad:
+            output[0].register_hook(lambda grad, b=block: _start_backward(b))
+
+    def _start_backward(block: Block) -> None:
+        block._bench_backward = _mark(device)  # type: ignore[attr-defined]
+
+    def _end_backward(block: Block) -> None:
+        start = getattr(block, "_bench_backward", None)
+        if start is not None:
+            marks.append((block.symbol, "backward", start, _mark(device)))
+            block._bench_backward = None  # type: ignore[attr-defined]
+
+    for module in model.modules():
+        if isinstance(module, Block):
+            handles += [module.register_forward_pre_hook(pre),
+                        module.register_forward_hook(post)]  # fmt: skip
+    try:
+        step()
+        sync(device)
+    finally:
+        for handle in handles:
+            handle.remove()
+    totals: dict[str, dict[str, float]] = defaultdict(lambda: {"forward_s": 0.0, "backward_s": 0.0})
+    for symbol, phase, start, end in marks:
+        totals[symbol][f"{phase}_s"] += _seconds_between(start, end)
+    return {symbol: dict(v) for symbol, v in sorted(totals.items())}
+
+
+def prediction(blueprint: Any) -> dict[str, float]:
+    """The performance model's step for this blueprint (its GPU, world size, batch)."""
+    import factory
+
+    performance = factory.plan(blueprint).performance
+    return {"step_s": performance.step_seconds, "tokens_per_s": performance.tokens_per_s_per_gpu,
+            "mfu": performance.mfu, "gpu": performance.gpu}  # fmt: skip
+
+
+def flops_per_token(blueprint: Any, seq: int) -> dict[str, int]:
+    """Training FLOPs per token by the plan's exact count: ours (with MTP) and theirs (without)."""
+    from factory.planner.flops import flops_per_token as count
+
+    flops = count(blueprint.model, seq)
+    return {"ours": flops.exact, "theirs": flops.exact - flops.by_layer_type.get("mtp", 0)}
+
+
+def run(ctx: SectionContext) -> None:
+    blueprint = load(ctx.dry_run)
+    batch, seq = batch_shape(blueprint, ctx.dry_run)
+    ctx.record("blueprint", {"name": blueprint.meta.name, "batch": batch, "seq_len": seq,
+                             "pattern": blueprint.model.pattern})  # fmt: skip
+    ctx.record("prediction", prediction(blueprint))
+    from factory.graph.block_compile import compile_blocks
+    from factory.graph.loss import mtp_loss_scale
+
+    ours = build_ours(blueprint, ctx.device)
+    ctx.record("parameters", sum(p.numel() for p in ours.parameters()))
+    ids = random_batch(blueprint, (batch, seq), ctx.device)
+    scale = mtp_loss_scale(blueprint.model)
+    steps = {"ours eager": our_step(ours, ids, scale)}
+    theirs = attempt(ctx, "transformers' model", lambda: load_theirs(ours, blueprint, ctx.device))
+    if theirs is not None:
+        difference = attempt(ctx, "logits", lambda: max_logit_difference(ours, theirs, ids))
+        ctx.record("max_logit_difference", difference)
+        steps["theirs eager"] = their_step(theirs, ids)
+    compiled = copy.deepcopy(ours)
+    compile_blocks(compiled, backend="aot_eager" if ctx.dry_run else "inductor")
+    steps["ours compiled"] = our_step(compiled, ids, scale)
+    steps = working(ctx, steps)  # each step once: warm, and the compile paid
+    layers = attempt(
+        ctx, "layer types", lambda: layer_type_times(ours, steps["ours eager"], ctx.device)
+    )
+    ctx.record("layer_types", layers or {})
+    repeats, warmup = (1, 0) if ctx.dry_run else (4, 1)
+    times = interleaved(steps, repeats, warmup)
+    flops, peak = flops_per_token(blueprint, seq), bf16_peak(ctx.device)
+    measured = {}
+    for name, seconds in times.items():
+        median = sorted(seconds)[len(seconds) // 2]
+        rate = batch * seq / median
+        per_token = flops["theirs" if name.startswith("theirs") else "ours"]
+        mfu = None if peak is None else per_token * rate / peak
+        measured[name] = {"step_s": median, "tokens_per_s": rate, "mfu": mfu, "times_s": seconds}
+    ctx.record("steps", measured)
+    ctx.record("flops_per_token", flops)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    bp = results.get("blueprint", {})
+    difference = results.get("max_logit_difference")
+    text = (f"Blueprint {bp.get('name')} ({results.get('parameters', 0) / 1e6:,.0f}M parameters), "
+            f"batch {bp.get('batch')} x {bp.get('seq_len')}; max |logit difference| ours vs "
+            f"theirs: {'n/a' if difference is None else f'{difference:.3g}'}\n\n")  # fmt: skip
+    rows = [[name, s["step_s"], s["tokens_per_s"], s["mfu"]]
+            for name, s in results.get("steps", {}).items()]  # fmt: skip
+    if (predicted := results.get("prediction")) is not None:
+        rows.append([f"predicted ({predicted['gpu']})", predicted["step_s"],
+                     predicted["tokens_per_s"], predicted["mfu"]])  # fmt: skip
+    text += table(["step", "seconds", "tokens/s", "MFU"], rows)
+    layers = results.get("layer_types", {})
+    if layers:
+        text += "\nOurs eager, per layer type (one step):\n\n" + table(
+            ["layer type", "forward s", "backward s"],
+            [[symbol, t["forward_s"], t["backward_s"]] for symbol, t in layers.items()],
+        )
+    return text
