@@ -25,25 +25,28 @@ class GPUSpec(Section):
     """Device memory."""
     nvlink_domain: int
     """GPUs that share one NVLink domain (8 per HGX node, 72 per NVL72 rack)."""
-    bf16_dense_flops: float
-    """Peak dense BF16 tensor-core FLOP/s, for MFU estimates."""
     tdp_watts: float
     """Maximum board power (TDP), for the plan's energy estimate (``factory.planner.cost``)."""
     generation: Literal["hopper", "blackwell"] = "hopper"
     """Tensor-core generation: the performance model fits one GEMM efficiency per generation."""
-    dense_flops: dict[str, float] = Field(default_factory=dict)
+    dense_flops: dict[str, float]
     """Peak dense tensor-core FLOP/s per GEMM format ('bf16', 'fp8', 'mxfp8', 'nvfp4'); a
     format the chip has no tensor cores for is absent (factory emulates it: the performance
     model then runs its GEMMs at the BF16 peak and adds the casts)."""
-    hbm_bytes_per_s: float = 0.0
+    hbm_bytes_per_s: float
     """Peak HBM bandwidth, bytes/s."""
-    nvlink_bytes_per_s: float = 0.0
+    nvlink_bytes_per_s: float
     """NVLink bandwidth per GPU in one direction, bytes/s (half the data sheet's total)."""
-    network_bytes_per_s: float = 0.0
+    network_bytes_per_s: float
     """Scale-out network bandwidth per GPU in one direction, bytes/s (one NIC per GPU)."""
-    exp_per_s: float = 0.0
+    exp_per_s: float
     """Peak rate of the special-function units' exponentials (MUFU.EX2), per second:
-    softmax's exponentials run there, beside the tensor cores (0: not modelled)."""
+    softmax's exponentials run there, beside the tensor cores."""
+
+    @property
+    def bf16_dense_flops(self) -> float:
+        """Peak dense BF16 tensor-core FLOP/s: what MFU is measured against."""
+        return self.dense_flops["bf16"]
 
 
 GiB = 1024**3
@@ -81,7 +84,6 @@ GPU_SPECS: dict[str, GPUSpec] = {
     "h100": GPUSpec(
         memory_bytes=80 * GiB,
         nvlink_domain=8,
-        bf16_dense_flops=989e12,
         tdp_watts=700,
         dense_flops=_HOPPER_PEAKS,
         hbm_bytes_per_s=3.35 * TB,
@@ -92,7 +94,6 @@ GPU_SPECS: dict[str, GPUSpec] = {
     "h200": GPUSpec(
         memory_bytes=141 * GiB,
         nvlink_domain=8,
-        bf16_dense_flops=989e12,
         tdp_watts=700,
         dense_flops=_HOPPER_PEAKS,
         hbm_bytes_per_s=4.8 * TB,
@@ -103,7 +104,6 @@ GPU_SPECS: dict[str, GPUSpec] = {
     "b200": GPUSpec(
         memory_bytes=180 * GiB,
         nvlink_domain=8,
-        bf16_dense_flops=2.25e15,
         tdp_watts=1000,
         generation="blackwell",
         dense_flops=_blackwell_peaks(2.25e15, 2),
@@ -115,7 +115,6 @@ GPU_SPECS: dict[str, GPUSpec] = {
     "b300": GPUSpec(
         memory_bytes=270 * GiB,
         nvlink_domain=8,
-        bf16_dense_flops=2.25e15,
         tdp_watts=1100,
         generation="blackwell",
         dense_flops=_blackwell_peaks(2.25e15, 3),
@@ -127,7 +126,6 @@ GPU_SPECS: dict[str, GPUSpec] = {
     "gb200": GPUSpec(
         memory_bytes=186 * GiB,
         nvlink_domain=72,
-        bf16_dense_flops=2.5e15,
         tdp_watts=1200,
         generation="blackwell",
         dense_flops=_blackwell_peaks(2.5e15, 2),
@@ -139,7 +137,6 @@ GPU_SPECS: dict[str, GPUSpec] = {
     "gb300": GPUSpec(
         memory_bytes=279 * GiB,
         nvlink_domain=72,
-        bf16_dense_flops=2.5e15,
         tdp_watts=1400,
         generation="blackwell",
         dense_flops=_blackwell_peaks(2.5e15, 3),
