@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from factory.cli.app import main
+
+if not Path("/dev/nvidiactl").exists():
+    # Without a GPU, Triton kernels run only in its interpreter. Triton decides between
+    # interpreted and compiled when a @triton.jit function is defined, its own library's
+    # (tl.max, tl.sum ...) included, at `import triton`; torch.compile imports triton long
+    # before the kernel tests run, so the choice is made here, before any test module.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parent.parent
 PRESETS = REPO / "blueprints"
