@@ -281,3 +281,20 @@ def test_the_searchs_fastest_layouts_are_listed_with_the_best_overrides(full_bui
     assert [speed for _, _, speed in rows] == [f"{s:,.0f}" for s in speeds]
     for override in layouts[0]["overrides"]:
         assert f"--set {override}" in html.unescape(section)
+
+
+def test_the_step_bar_colours_a_layer_types_time_as_the_layer_stack_does() -> None:
+    """Compute of a layer type in the stack's colour for that type, its recompute paler, and
+    communication in none of the types' colours."""
+    from factory.report.layer_stack import type_colour
+    from factory.report.step_bar import part_colour
+    from factory.spec.layer_type import LAYER_TYPES
+
+    names = [kind.name for kind in LAYER_TYPES.values()]
+    type_colours = {type_colour(name) for name in names}
+    for name in names:
+        assert part_colour(f"compute.{name}") == (type_colour(name), 1.0)
+        colour, opacity = part_colour(f"recompute.{name}")
+        assert colour == type_colour(name) and opacity < 1
+    for kind in ("tp", "ep", "cp", "pp", "dp"):
+        assert part_colour(f"communication.{kind}")[0] not in type_colours

@@ -23,7 +23,7 @@ def speed_section(folder: BuildFolder) -> str:
     if not isinstance(perf, dict) or not perf:
         return section("speed", "Predicted speed", note("The plan has no performance estimate."))
     parts = [
-        (name.replace(".", ": ").replace("_", " "), float(value))
+        (name, name.replace(".", ": ").replace("_", " "), float(value))
         for name, value in flatten(perf["breakdown_seconds"])
     ]
     caption = (

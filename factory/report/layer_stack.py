@@ -16,7 +16,7 @@ import factory.layers  # noqa: F401  (registers the built-in layer types the pic
 from factory.report.html_parts import escape, legend_key, svg
 from factory.spec.layer_type import LAYER_TYPES
 
-__all__ = ["PRECISION_COLOURS", "Segment", "layer_stack_svg", "segments"]
+__all__ = ["PRECISION_COLOURS", "Segment", "layer_stack_svg", "segments", "type_colour"]
 
 TYPE_PALETTE = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#eeca3b")
 """Layer types take these colours in registration order (M, *, -, E, then any added)."""
@@ -102,6 +102,13 @@ def _type_colour(symbol: str) -> str:
     symbols = list(LAYER_TYPES)
     index = symbols.index(symbol) if symbol in symbols else len(TYPE_PALETTE)
     return TYPE_PALETTE[index] if index < len(TYPE_PALETTE) else OTHER_COLOUR
+
+
+def type_colour(name: str) -> str | None:
+    """The colour of the layer type named ``name`` ('mamba', 'moe'...), as the stack draws
+    it; None for a name that is no layer type."""
+    symbol = next((s for s, kind in LAYER_TYPES.items() if kind.name == name), None)
+    return None if symbol is None else _type_colour(symbol)
 
 
 def _type_title(symbol: str) -> str:
