@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from benchmarks.gpu_common import SectionContext, median_seconds, table
+from benchmarks.long_context import documents
 
 TITLE = "Document-masked attention: varlen/blocks vs SDPA with a mask vs FlexAttention"
 BUDGET_S = 60
@@ -34,17 +35,6 @@ each), then milliseconds per call."""
 MEAN_DOCUMENT = 2048
 TOLERANCE = 2e-2
 """Largest difference from the fp32 reference over its largest magnitude, in BF16."""
-
-
-def documents(length: int, mean: int) -> torch.Tensor:
-    """[1, length] document ids: lengths drawn from an exponential with mean ``mean``."""
-    gen = torch.Generator().manual_seed(length)
-    ids, position, doc = torch.empty(length, dtype=torch.int64), 0, 0
-    while position < length:
-        size = max(1, int(torch.empty(1).exponential_(1 / mean, generator=gen)))
-        ids[position : position + size] = doc
-        position, doc = position + size, doc + 1
-    return ids[None]
 
 
 def _methods(ids: torch.Tensor, dry_run: bool) -> dict[str, Callable[..., torch.Tensor]]:

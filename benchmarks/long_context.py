@@ -43,12 +43,12 @@ METHODS = ("mask", "flex", "blocks")
 PROXY_SEQ_LEN = 32768
 
 
-def _documents(length: int) -> torch.Tensor:
-    """[1, length] document ids: lengths drawn from an exponential with mean 4,096."""
+def documents(length: int, mean: int = MEAN_DOCUMENT) -> torch.Tensor:
+    """[1, length] document ids: lengths drawn from an exponential with mean ``mean``."""
     gen = torch.Generator().manual_seed(length)
     ids, position, doc = torch.empty(length, dtype=torch.int64), 0, 0
     while position < length:
-        size = max(1, int(torch.empty(1).exponential_(1 / MEAN_DOCUMENT, generator=gen)))
+        size = max(1, int(torch.empty(1).exponential_(1 / mean, generator=gen)))
         ids[position : position + size] = doc
         position, doc = position + size, doc + 1
     return ids[None]
@@ -87,7 +87,7 @@ def _kernel(method: str, length: int) -> dict[str, Any]:
     q = torch.randn(1, HEADS, length, HEAD_DIM, requires_grad=True)
     k = torch.randn(1, KV_HEADS, length, HEAD_DIM, requires_grad=True)
     v = torch.randn(1, KV_HEADS, length, HEAD_DIM, requires_grad=True)
-    ids = _documents(length)
+    ids = documents(length)
     base = _reset_peak()
     result: dict[str, Any] = {"documents": int(ids.max()) + 1}
 
