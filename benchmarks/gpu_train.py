@@ -162,26 +162,27 @@ def layer_type_times(model: torch.nn.Module, step: Step, device: torch.device) -
     from factory.graph.blocks import Block
 
     marks: list[tuple[str, str, Any, Any]] = []  # (symbol, phase, start, end)
+    # Kept here, not on the blocks: a CUDA event left on a module makes it uncopyable.
+    forward_start: dict[int, Any] = {}
+    backward_start: dict[int, Any] = {}
     handles = []
 
     def pre(block: Block, args: tuple) -> None:
-        block._bench_start = _mark(device)  # type: ignore[attr-defined]
+        forward_start[id(block)] = _mark(device)
         if args[0].requires_grad:
             args[0].register_hook(lambda grad, b=block: _end_backward(b))
 
     def post(block: Block, args: tuple, output: tuple) -> None:
-        marks.append((block.symbol, "forward", block._bench_start, _mark(device)))  # type: ignore[attr-defined]
+        marks.append((block.symbol, "forward", forward_start.pop(id(block)), _mark(device)))
         if output[0].requires_grad:
             output[0].register_hook(lambda grad, b=block: _start_backward(b))
 
     def _start_backward(block: Block) -> None:
-        block._bench_backward = _mark(device)  # type: ignore[attr-defined]
+        backward_start[id(block)] = _mark(device)
 
     def _end_backward(block: Block) -> None:
-        start = getattr(block, "_bench_backward", None)
-        if start is not None:
+        if (start := backward_start.pop(id(block), None)) is not None:
             marks.append((block.symbol, "backward", start, _mark(device)))
-            block._bench_backward = None  # type: ignore[attr-defined]
 
     for module in model.modules():
         if isinstance(module, Block):

@@ -149,3 +149,25 @@ def test_grouped_mm_gives_bitwise_equal_gradients_to_per_expert() -> None:
     b = run_path("per_expert", module, x, index, w)
     for ta, tb in zip(a, b, strict=True):
         torch.testing.assert_close(ta, tb, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_fp32_masters_compute_in_the_activation_dtype(path: ExpertPath) -> None:
+    """Experts FSDP leaves alone (one expert-data-parallel replica) keep fp32 weights while the
+    block computes in BF16: every path runs in BF16 and the fp32 masters get their gradients."""
+    if path == "grouped_mm" and not grouped_mm_works("cpu", torch.bfloat16):
+        pytest.skip("torch._grouped_mm does not run in BF16 on this CPU build")
+    torch.manual_seed(0)
+    module = RoutedExperts(4, 8, 16, "relu2")
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(6, 8, dtype=torch.bfloat16)
+    index = skewed_index(0, 6, 4, 2, hot=0)
+    weights = torch.rand(6, 2, dtype=torch.bfloat16)
+    outputs = run_path(path, module, x, index, weights)
+    assert outputs[0].dtype == torch.bfloat16
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in module.parameters())
+    half = RoutedExperts(4, 8, 16, "relu2").to(torch.bfloat16)
+    half.load_state_dict(module.state_dict())
+    expected = run_path(path, half, x, index, weights)
+    torch.testing.assert_close(outputs[0], expected[0], rtol=0, atol=0)

@@ -119,8 +119,11 @@ class RoutedExperts(nn.Module):
         take the local shards (``to_local`` hands the gradient back to the DTensor); with ETP
         the output is this rank's partial sum over its share of the ffn. The dispatcher calls this module rather than
         reading its weights so that module hooks (FSDP's gather and reshard) still run."""
-        gate = _local(self.gate_proj) if self.gate_proj is not None else None
-        up, down = _local(self.up_proj), _local(self.down_proj)
+        # The GEMMs run in the activations' dtype. FSDP's mixed precision casts the weights it
+        # gathers, but with one expert-data-parallel replica it leaves the experts alone, so
+        # their fp32 masters would meet BF16 activations (grouped_mm refuses mixed dtypes).
+        gate = _local(self.gate_proj).to(x.dtype) if self.gate_proj is not None else None
+        up, down = _local(self.up_proj).to(x.dtype), _local(self.down_proj).to(x.dtype)
         linear = self.linear if self._hook_matters() else None
         # The quantized GEMMs take padded [E, C, in] batches, so they keep the padded path.
         path = "padded_bmm" if linear is not None else self.path or choose_path(dispatch, x)
