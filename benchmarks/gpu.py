@@ -15,7 +15,7 @@ it measures and its wall-clock budget on an H100):
 Each section runs in its own process under its budget: one that fails or runs out of time
 is recorded with its error (and whatever it measured before) and the command goes on; the
 exit status is 1 when any failed. The results files are rewritten after every section, so
-a device call cut short still returns what was done. The budgets add up to 545 s, so the
+a device call cut short still returns what was done. The budgets add up to 560 s, so the
 whole command, offline install included, fits one 10-minute device call. ``--only a,b`` runs some sections.
 
 ``--dry-run`` runs every section on CPU at tiny sizes (Triton under its interpreter, gloo

@@ -28,7 +28,7 @@ from benchmarks.gpu_common import SectionContext, median_seconds, table
 from benchmarks.long_context import documents
 
 TITLE = "Document-masked attention: varlen/blocks vs SDPA with a mask vs FlexAttention"
-BUDGET_S = 60
+BUDGET_S = 50
 """On an H100: FlexAttention's forward and backward compiles at each length (~10 s
 each), then milliseconds per call."""
 

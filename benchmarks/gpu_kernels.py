@@ -11,19 +11,21 @@ against the reference.
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
 
-from benchmarks.gpu_common import SectionContext
+from benchmarks.gpu_common import SectionContext, table
 
 __all__ = ["BUDGET_S", "TITLE", "KernelResult", "hbm_peak", "markdown", "measure", "run"]
 
 TITLE = "Kernel bandwidth"
-BUDGET_S = 50
-"""On an H100: six cases of 20 timed calls on 128 MiB, and the Triton compiles (seconds)."""
+BUDGET_S = 90
+"""On an H100: six cases of 20 timed calls on 128 MiB, the launch-geometry sweep (20
+compiles of a second or two and their ``do_bench`` runs), and the Triton compiles."""
 
 #: HBM bandwidth in bytes/s by device name (NVIDIA H100 and H200 data sheets).
 _HBM_PEAK = (("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12), ("H200", 4.8e12))
@@ -112,15 +114,59 @@ def _seconds(run: Callable[[], object], device: torch.device, repeats: int) -> f
     return sorted(times)[len(times) // 2]
 
 
-def measure(device: torch.device, size: int, check_size: int, repeats: int) -> list[KernelResult]:
-    """Every case on a ``size x size`` BF16 input on ``device``; checked on ``check_size``."""
+def differences(got: object, expected: object, x: torch.Tensor) -> dict[str, object]:
+    """How a result differs from its reference: elements (or bytes) whose bits differ and, for
+    one tensor of the input's shape, the first few inputs with both values."""
+    got_t = got[0] if isinstance(got, tuple) else got
+    exp_t = expected[0] if isinstance(expected, tuple) else expected
+    assert isinstance(got_t, torch.Tensor) and isinstance(exp_t, torch.Tensor)
+    got_t, exp_t = got_t.cpu(), exp_t.cpu()
+    if got_t.shape != exp_t.shape or got_t.dtype != exp_t.dtype:
+        return {"shapes": [list(got_t.shape), list(exp_t.shape)]}
+    wide = torch.int32 if got_t.element_size() == 4 else torch.int16
+    width = wide if got_t.element_size() in (2, 4) else torch.uint8
+    differ = got_t.view(width) != exp_t.view(width)
+    found: dict[str, object] = {"differ": int(differ.sum()), "of": differ.numel()}
+    if got_t.shape == x.shape:
+        found["examples"] = [[float(a), float(b), float(c)] for a, b, c in
+                             zip(x.cpu()[differ][:5], got_t[differ][:5], exp_t[differ][:5], strict=True)]  # fmt: skip
+    return found
+
+
+def check(case: _Case, small: torch.Tensor, device: torch.device) -> tuple[bool, dict]:
+    """The kernel on ``small`` against the emulation on CPU; when they differ, also against the
+    emulation run on the device (which tells a compiled kernel's bits from the device's
+    arithmetic) and how."""
+    on_device = small.to(device)
+    got = case.run(on_device, _amax(on_device))
+    if _same(got, case.reference(small)):
+        return True, {}
+    detail = {"vs_cpu_emulation": differences(got, case.reference(small), small)}
+    if device.type == "cuda":
+        device_reference = case.reference(on_device)
+        detail["device_emulation_equals_cpu"] = _same(device_reference, case.reference(small))
+        detail["vs_device_emulation"] = differences(got, device_reference, small)
+    return False, detail
+
+
+def measure(
+    device: torch.device,
+    size: int,
+    check_size: int,
+    repeats: int,
+    ctx: SectionContext | None = None,
+) -> list[KernelResult]:
+    """Every case on a ``size x size`` BF16 input on ``device``; checked on ``check_size``
+    (how a case differs goes into ``ctx``'s ``mismatches``)."""
     gen = torch.Generator().manual_seed(0)
     big = torch.randn(size, size, generator=gen).to(torch.bfloat16).to(device)
     small = torch.randn(check_size, check_size, generator=gen).to(torch.bfloat16)
     peak = hbm_peak(device)
     results = []
     for case in _cases():
-        exact = _same(case.run(small.to(device), _amax(small.to(device))), case.reference(small))
+        exact, detail = check(case, small, device)
+        if detail and ctx is not None:
+            ctx.record("mismatches", {**ctx.results.get("mismatches", {}), case.name: detail})
         amax = _amax(big)
         seconds = _seconds(lambda case=case, amax=amax: case.run(big, amax), device, repeats)
         moved = int(case.bytes_per_element * size * size)
@@ -138,17 +184,72 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
 def run(ctx: SectionContext) -> None:
     """Every case at ``--size`` (8192; 64 in a dry run), checked on 1024 (64)."""
     size = ctx.results.get("size") or (64 if ctx.dry_run else 8192)
-    kernels = measure(ctx.device, size, min(size, 1024), repeats=1 if ctx.dry_run else 20)
+    kernels = measure(ctx.device, size, min(size, 1024), 1 if ctx.dry_run else 20, ctx)
     ctx.record("kernels", as_json(kernels))
     for kernel in kernels:
         if not kernel.bit_exact:
             ctx.fail(f"{kernel.case}: not bit-exact with the emulation on the device")
+    ctx.record("geometry", [])
+    for row in sweep(ctx.device, size, ctx.dry_run):
+        ctx.record("geometry", [*ctx.results["geometry"], row])
+
+
+#: Launch geometries tried: (rows, columns) of a program's block, warps.
+GEOMETRIES = [(r, c, w) for r, c in ((32, 64), (64, 64), (32, 128), (64, 128), (16, 256))
+              for w in (4, 8)]  # fmt: skip
+
+
+def sweep(device: torch.device, size: int, dry_run: bool) -> Iterator[dict[str, object]]:
+    """Bandwidth of the NVFP4 (given amax, BF16 out) and MXFP8 fake-quant kernels for each
+    block shape and warp count in :data:`GEOMETRIES` (device time by ``triton.testing.do_bench``,
+    its median): the data that picks the kernels' launch constants."""
+    import triton.testing
+
+    from factory.kernels import triton_fp8, triton_nvfp4
+
+    x = torch.randn(size, size, generator=torch.Generator().manual_seed(1))
+    x = x.to(torch.bfloat16).to(device)
+    amax = _amax(x)
+    peak = hbm_peak(device)
+    kernels = {
+        "nvfp4 fake-quant bf16, given amax": (triton_nvfp4, ("_BLOCK_ROWS", "_BLOCK_COLS"), 4,
+            lambda: triton_nvfp4.fake_quantize(x, amax=amax, out_dtype=torch.bfloat16)),
+        "mxfp8 fake-quant fp32": (triton_fp8, ("_ROWS", "_COLS"), 6,
+            lambda: triton_fp8.fake_quantize_mxfp8(x)),
+    }  # fmt: skip
+    for name, (module, (rows_name, cols_name), bytes_per_element, call) in kernels.items():
+        saved = (getattr(module, rows_name), getattr(module, cols_name), module.launch_options)
+        try:
+            for rows, cols, warps in GEOMETRIES[:2] if dry_run else GEOMETRIES:
+                setattr(module, rows_name, rows)
+                setattr(module, cols_name, cols)
+                module.launch_options = lambda w=warps: {"enable_fp_fusion": False, "num_warps": w}
+                if dry_run:
+                    seconds = _seconds(call, device, 1)
+                else:
+                    seconds = triton.testing.do_bench(call, return_mode="median") / 1e3
+                rate = bytes_per_element * size * size / seconds
+                yield {"kernel": name, "block": [rows, cols], "warps": warps, "seconds": seconds,
+                       "bytes_per_second": rate, "share_of_hbm_peak": peak and rate / peak}  # fmt: skip
+        finally:
+            setattr(module, rows_name, saved[0])
+            setattr(module, cols_name, saved[1])
+            module.launch_options = saved[2]
 
 
 def markdown(results: dict) -> str:
-    """The section's results as a Markdown table for BENCHMARKS.md."""
+    """The section's results as Markdown tables for BENCHMARKS.md."""
     kernels = [KernelResult(**{**k, "shape": tuple(k["shape"])}) for k in results["kernels"]]
-    return _table(kernels)
+    text = _table(kernels)
+    if rows := results.get("geometry"):
+        text += "\nLaunch geometry (device time, ``do_bench`` median):\n\n" + table(
+            ["kernel", "block", "warps", "time ms", "GB/s", "of HBM peak"],
+            [[r["kernel"], "x".join(map(str, r["block"])), r["warps"], r["seconds"] * 1e3,
+              r["bytes_per_second"] / 1e9, r["share_of_hbm_peak"]] for r in rows],
+        )  # fmt: skip
+    for name, detail in results.get("mismatches", {}).items():
+        text += f"\nMismatch, {name}: `{json.dumps(detail)[:600]}`\n"
+    return text
 
 
 def _table(results: list[KernelResult]) -> str:

@@ -22,7 +22,7 @@ import torch
 from benchmarks.gpu_common import SectionContext, median_seconds, table
 
 TITLE = "MoE experts: torch._grouped_mm vs padded bmm"
-BUDGET_S = 45
+BUDGET_S = 30
 """On an H100: two routings x two paths x 10 timed fwd+bwd calls of a few ms."""
 
 TOLERANCE = 5e-2

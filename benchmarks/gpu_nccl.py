@@ -24,7 +24,7 @@ import torch.distributed as dist
 from benchmarks.gpu_common import SectionContext, table, timed
 
 TITLE = "Distributed code paths on one NCCL rank"
-BUDGET_S = 45
+BUDGET_S = 30
 """On an H100: the process group, the proxy's FSDP2 wrap, three steps and a DCP round trip."""
 
 STEPS = 3

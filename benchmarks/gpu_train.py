@@ -38,7 +38,7 @@ from benchmarks.gpu_common import SectionContext, attempt, bf16_peak, sync, tabl
 from benchmarks.timing import interleaved
 
 TITLE = "Training step in BF16, 1B blueprint: ours vs transformers"
-BUDGET_S = 210
+BUDGET_S = 200
 """On an H100: building and exporting 1B parameters (~30 s), theirs loading them, the
 compile of ours in its first step (~60-90 s), then 1 warm-up and 4 timed rounds of three
 ~0.3-3 s steps."""

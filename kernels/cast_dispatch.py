@@ -6,8 +6,9 @@ tensor, so importing ``factory`` or running on CPU never loads it. Both paths
 take the same arguments and give the same values: the kernels are bit-exact
 with the emulation (``factory.kernels.triton_nvfp4``, ``triton_fp8``), the
 global amax of a split tensor goes through the same ``TensorPart.max``, and
-stochastic rounding uses the numbers ``TensorPart.uniform`` draws from the
-quantizer's generator, copied to the device, so a run rounds alike on CPU and GPU.
+stochastic rounding uses the numbers ``TensorPart.uniform`` draws on the
+operand's device from the quantizer's generator (``tensor_parts.draw_uniform``), so
+both paths round alike on the same device.
 The one place they may differ is the 16x16 rotation: the emulation multiplies
 matrices, the kernel sums in a fixed order, and the two can round a rotated value
 differently in its last bit.
@@ -74,7 +75,7 @@ def nvfp4_fake_quantize(
     if stochastic:
         rows, cols = x.shape[-2:]
         padded = (math.prod(x.shape[:-2]), rows + -rows % tile[0], cols + -cols % _RUN)
-        uniform = part.uniform(torch.Size(padded), generator).to(x.device, non_blocking=True)
+        uniform = part.uniform(torch.Size(padded), generator, x.device)
     return triton_nvfp4.fake_quantize(x, tile, amax=amax, uniform=uniform, rht_signs=rht_signs)
 
 

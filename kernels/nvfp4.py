@@ -155,7 +155,7 @@ def _round_sr(
     step = _grid_step(a)
     units = a / step
     lo = torch.floor(units)
-    u = part.uniform(a.shape, generator).to(a.device)  # a CPU generator's, for any device
+    u = part.uniform(a.shape, generator, a.device)
     return (lo + (u < units - lo).to(_F32)) * step
 
 

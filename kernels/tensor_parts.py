@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["WHOLE", "TensorPart"]
+__all__ = ["WHOLE", "TensorPart", "draw_uniform"]
 
 
 class TensorPart(Protocol):
@@ -31,9 +31,12 @@ class TensorPart(Protocol):
         """The elementwise sum of ``local`` over every part."""
         ...
 
-    def uniform(self, shape: torch.Size, generator: torch.Generator | None) -> torch.Tensor:
-        """U[0, 1) fp32 numbers for this part's elements, given its (padded) local ``shape``:
-        the ones one process would draw from ``generator`` for the same elements."""
+    def uniform(
+        self, shape: torch.Size, generator: torch.Generator | None, device: torch.device
+    ) -> torch.Tensor:
+        """U[0, 1) fp32 numbers on ``device`` for this part's elements, given its (padded) local
+        ``shape``: the ones one process would draw (:func:`draw_uniform`) for the same
+        elements."""
         ...
 
 
@@ -46,8 +49,29 @@ class _Whole:
     def sum(self, local: torch.Tensor) -> torch.Tensor:
         return local
 
-    def uniform(self, shape: torch.Size, generator: torch.Generator | None) -> torch.Tensor:
-        return torch.rand(shape, generator=generator, dtype=torch.float32)
+    def uniform(
+        self, shape: torch.Size, generator: torch.Generator | None, device: torch.device
+    ) -> torch.Tensor:
+        return draw_uniform(shape, generator, device)
 
 
 WHOLE: TensorPart = _Whole()
+
+
+def draw_uniform(
+    shape: torch.Size | list[int], generator: torch.Generator | None, device: torch.device
+) -> torch.Tensor:
+    """U[0, 1) fp32 numbers of ``shape`` on ``device``, from ``generator`` (a quantizer's CPU
+    generator, whose state checkpoints carry).
+
+    On CPU they are the generator's own draws. On an accelerator the generator gives one
+    64-bit seed per call and the numbers are drawn there from it: drawing a GEMM operand's
+    worth on the host and copying it over made an emulated NVFP4 step on an H100 many
+    times slower than BF16 (``BENCHMARKS.md``, GPU). A run stays reproducible and resumes
+    bitwise on its kind of device; CPU and GPU runs round differently."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.rand(shape, generator=generator, dtype=torch.float32)
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    local = torch.Generator(device=device).manual_seed(seed)
+    return torch.rand(shape, generator=local, dtype=torch.float32, device=device)

@@ -170,7 +170,7 @@ def fake_quantize_mxfp8(x: torch.Tensor, fmt: fp8.FP8Format = "e4m3") -> torch.T
     x2 = x.reshape(-1, x.shape[-1])
     rows, cols = x2.shape
     out = torch.empty((rows, cols), dtype=torch.float32, device=x.device)
-    nb = 2
+    nb = _COLS // 32
     grid = tile_grid(rows, cols, _ROWS, nb * 32, 1)
     bad = torch.empty(grid[0], dtype=torch.int32, device=x.device)
     _mxfp8_kernel[grid](

@@ -60,7 +60,8 @@ def test_the_cuda_only_tests_are_selected_and_skip_on_cpu(dry_run: dict[str, Any
         "tests/test_graph_documents.py::test_varlen_documents_equal_the_masked_path_on_cuda"
         in tests["selection"]
     )
-    assert tests["outcome"]["skipped"] == len(tests["selection"]) > 0
+    # A parametrized function selected once skips once per case.
+    assert tests["outcome"]["skipped"] >= len(tests["selection"]) > 0
     assert tests["outcome"]["passed"] == tests["outcome"]["failed"] == 0
 
 
@@ -79,7 +80,9 @@ def test_the_train_step_compares_ours_theirs_compiled_and_the_prediction(
 ) -> None:
     train = dry_run["results"]["sections"]["train_step"]["results"]
     assert train["blueprint"]["name"] == "gpu-1b-proxy"
-    assert set(train["steps"]) == {"ours eager", "theirs eager", "ours compiled"}
+    assert set(train["steps"]) == {
+        "ours eager", "theirs eager", "ours compiled", "ours eager (beside compiled)"
+    }  # fmt: skip
     assert all(s["tokens_per_s"] > 0 and s["mfu"] is None for s in train["steps"].values())
     assert train["max_logit_difference"] < 0.1  # the same weights, BF16 rounding apart
     assert train["flops_per_token"]["ours"] > train["flops_per_token"]["theirs"]  # MTP

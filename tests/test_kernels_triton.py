@@ -169,8 +169,10 @@ class _Numbers:
     def sum(self, local: torch.Tensor) -> torch.Tensor:
         return local
 
-    def uniform(self, shape: torch.Size, generator: torch.Generator | None) -> torch.Tensor:
-        return self.numbers.reshape(shape)
+    def uniform(
+        self, shape: torch.Size, generator: torch.Generator | None, device: torch.device
+    ) -> torch.Tensor:
+        return self.numbers.reshape(shape).to(device)
 
 
 def test_stochastic_rounding_goes_up_only_below_the_fraction(kernels):
@@ -198,8 +200,10 @@ class _GivenAmax:
     def sum(self, local: torch.Tensor) -> torch.Tensor:
         return local
 
-    def uniform(self, shape: torch.Size, generator: torch.Generator | None) -> torch.Tensor:
-        return torch.rand(shape, generator=generator)
+    def uniform(
+        self, shape: torch.Size, generator: torch.Generator | None, device: torch.device
+    ) -> torch.Tensor:
+        return torch.rand(shape, generator=generator, device=device)
 
 
 @pytest.mark.parametrize("tile", TILES)

@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from factory.kernels.tensor_parts import WHOLE, TensorPart
+from factory.kernels.tensor_parts import WHOLE, TensorPart, draw_uniform
 
 __all__ = ["WHOLE_GEMM", "Axis", "GemmSplit"]
 
@@ -83,7 +83,9 @@ class _SplitPart:
         dist.all_reduce(whole, op=op, group=self.group)
         return whole
 
-    def uniform(self, shape: torch.Size, generator: torch.Generator | None) -> torch.Tensor:
+    def uniform(
+        self, shape: torch.Size, generator: torch.Generator | None, device: torch.device
+    ) -> torch.Tensor:
         """Draw the whole operand's numbers as one process would, then keep this rank's.
 
         Every rank draws all of them, so the generators of a group stay in step (they
@@ -99,8 +101,8 @@ class _SplitPart:
                         f"padded to {shape[dim]}: a split must hold whole blocks"
                     )
                 whole_shape[dim] = axis.size
-        numbers = torch.rand(whole_shape, generator=generator, dtype=torch.float32)
+        numbers = draw_uniform(whole_shape, generator, device)
         for dim, axis in axes:
             if axis is not None:
-                numbers = numbers.index_select(dim, axis.positions)
+                numbers = numbers.index_select(dim, axis.positions.to(numbers.device))
         return numbers
