@@ -230,32 +230,66 @@ def run(ctx: SectionContext) -> None:
     ctx.record("parameters", sum(p.numel() for p in ours.parameters()))
     ids = random_batch(blueprint, (batch, seq), ctx.device)
     scale = mtp_loss_scale(blueprint.model)
-    eager = {"ours eager": our_step(ours, ids, scale)}
+    flops, peak = flops_per_token(blueprint, seq), bf16_peak(ctx.device)
+    ctx.record("flops_per_token", flops)
+    repeats, warmup = (1, 0) if ctx.dry_run else (4, 1)
     theirs = attempt(ctx, "transformers' model", lambda: load_theirs(ours, blueprint, ctx.device))
     if theirs is not None:
         difference = attempt(ctx, "logits", lambda: max_logit_difference(ours, theirs, ids))
         ctx.record("max_logit_difference", difference)
-        eager["theirs eager"] = their_step(theirs, ids)
-    eager = working(ctx, eager)  # each step once: warm
-    layers = attempt(
-        ctx, "layer types", lambda: layer_type_times(ours, eager["ours eager"], ctx.device)
-    )
+        # Eager ours against theirs first, recorded before the compile starts: a compile that
+        # runs past the section's budget must not cost the comparison the issue asks for.
+        pair, shared = attempt(ctx, "theirs eager step", lambda: _beside_theirs(
+            ours, theirs, blueprint, (batch, seq), scale, ctx.device)) or ({}, 0)  # fmt: skip
+        ctx.record("comparison_batch", shared)
+        if pair:
+            ctx.record(
+                "steps", _rates(interleaved(pair, repeats, warmup), shared * seq, flops, peak)
+            )
+        del theirs, pair
+        if ctx.device.type == "cuda":
+            torch.cuda.empty_cache()
+    eager = our_step(ours, ids, scale)
+    layers = attempt(ctx, "layer types", lambda: layer_type_times(ours, eager, ctx.device))
     ctx.record("layer_types", layers or {})
-    flops, peak = flops_per_token(blueprint, seq), bf16_peak(ctx.device)
-    ctx.record("flops_per_token", flops)
-    repeats, warmup = (1, 0) if ctx.dry_run else (4, 1)
-    # Eager ours against theirs first, recorded before the compile starts: a compile that
-    # runs past the section's budget must not cost the comparison the issue asks for.
-    measured = _rates(interleaved(eager, repeats, warmup), batch * seq, flops, peak)
-    ctx.record("steps", measured)
     compiled = copy.deepcopy(ours)
     compile_blocks(compiled, backend="aot_eager" if ctx.dry_run else "inductor")
-    pair = working(ctx, {"ours eager": eager["ours eager"],
-                         "ours compiled": our_step(compiled, ids, scale)})  # fmt: skip
-    if "ours compiled" in pair:  # the first call above paid the compile
-        again = _rates(interleaved(pair, repeats, warmup), batch * seq, flops, peak)
-        ctx.record("steps", {**measured, "ours compiled": again["ours compiled"],
+    steps = working(ctx, {"ours eager": eager, "ours compiled": our_step(compiled, ids, scale)})
+    if "ours compiled" in steps:  # the first call above paid the compile
+        again = _rates(interleaved(steps, repeats, warmup), batch * seq, flops, peak)
+        ctx.record("steps", {**ctx.results.get("steps", {}),
+                             "ours compiled": again["ours compiled"],
                              "ours eager (beside compiled)": again["ours eager"]})  # fmt: skip
+
+
+def _beside_theirs(
+    ours: torch.nn.Module,
+    theirs: torch.nn.Module,
+    blueprint: Any,
+    shape: tuple[int, int],
+    mtp_scale: float,
+    device: torch.device,
+) -> tuple[dict[str, Step], int]:
+    """Ours and theirs eager on one batch, each stepped once, and that batch's size: the
+    blueprint's micro-batch, halved while theirs runs out of memory (its PyTorch Mamba
+    path, without ``mamba_ssm``, holds far more activations than ours)."""
+    batch, seq = shape
+    while True:
+        ids = random_batch(blueprint, (batch, seq), device)
+        pair = {
+            "ours eager": our_step(ours, ids, mtp_scale),
+            "theirs eager": their_step(theirs, ids),
+        }
+        try:
+            for step in pair.values():
+                step()
+            return pair, batch
+        except torch.cuda.OutOfMemoryError:
+            if batch == 1:
+                raise
+            del pair
+            batch //= 2
+            torch.cuda.empty_cache()
 
 
 def _rates(
@@ -268,7 +302,8 @@ def _rates(
         rate = tokens / median
         per_token = flops["theirs" if name.startswith("theirs") else "ours"]
         mfu = None if peak is None else per_token * rate / peak
-        measured[name] = {"step_s": median, "tokens_per_s": rate, "mfu": mfu, "times_s": seconds}
+        measured[name] = {"step_s": median, "tokens_per_s": rate, "mfu": mfu, "times_s": seconds,
+                          "tokens": tokens}  # fmt: skip
     return measured
 
 
@@ -278,12 +313,12 @@ def markdown(results: dict[str, Any]) -> str:
     text = (f"Blueprint {bp.get('name')} ({results.get('parameters', 0) / 1e6:,.0f}M parameters), "
             f"batch {bp.get('batch')} x {bp.get('seq_len')}; max |logit difference| ours vs "
             f"theirs: {'n/a' if difference is None else f'{difference:.3g}'}\n\n")  # fmt: skip
-    rows = [[name, s["step_s"], s["tokens_per_s"], s["mfu"]]
+    rows = [[name, s.get("tokens"), s["step_s"], s["tokens_per_s"], s["mfu"]]
             for name, s in results.get("steps", {}).items()]  # fmt: skip
     if (predicted := results.get("prediction")) is not None:
-        rows.append([f"predicted ({predicted['gpu']})", predicted["step_s"],
-                     predicted["tokens_per_s"], predicted["mfu"]])  # fmt: skip
-    text += table(["step", "seconds", "tokens/s", "MFU"], rows)
+        rows.append([f"predicted ({predicted['gpu']})", bp.get("batch", 0) * bp.get("seq_len", 0),
+                     predicted["step_s"], predicted["tokens_per_s"], predicted["mfu"]])  # fmt: skip
+    text += table(["step", "tokens", "seconds", "tokens/s", "MFU"], rows)
     layers = results.get("layer_types", {})
     if layers:
         text += "\nOurs eager, per layer type (one step):\n\n" + table(

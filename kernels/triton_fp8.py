@@ -32,7 +32,13 @@ import triton
 import triton.language as tl
 
 from factory.kernels import fp8
-from factory.kernels.triton_tiles import launch_options, round_to_fp8, tile_amax, tile_grid
+from factory.kernels.triton_tiles import (
+    launch_options,
+    round_to_fp8,
+    tile_amax,
+    tile_grid,
+    with_sign_of,
+)
 
 __all__ = ["fake_quantize_mxfp8", "fake_quantize_tensorwise", "matrix_amax"]
 
@@ -45,8 +51,7 @@ _ROWS, _COLS = 32, 64
 @triton.jit
 def _to_fp8_and_back(y, scale, MANT, MIN_NORMAL, MAGIC, MAX):
     """``fp8(clamp(y)) * scale`` with y's sign (-0 included)."""
-    value = round_to_fp8(tl.abs(y), MANT, MIN_NORMAL, MAGIC, MAX) * scale
-    return tl.where(y.to(tl.int32, bitcast=True) < 0, -value, value)
+    return with_sign_of(round_to_fp8(tl.abs(y), MANT, MIN_NORMAL, MAGIC, MAX) * scale, y)
 
 
 @triton.jit

@@ -80,6 +80,15 @@ def round_to_bf16(v):
 
 
 @triton.jit
+def with_sign_of(magnitude, signed):
+    """A non-negative fp32 ``magnitude`` with the sign bit of ``signed`` (-0.0 included), set
+    in the bit pattern: ``-x`` compiles to ``neg.f32``, which on an H100 gave +0.0 for a
+    zero where the interpreter and the emulation give -0.0."""
+    sign = signed.to(tl.int32, bitcast=True) & -2147483648
+    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def round_to_fp8(
     v,
     MANT: tl.constexpr,

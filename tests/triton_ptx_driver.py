@@ -43,7 +43,10 @@ def fp32_instructions(kernel, constexprs: dict, pointers: dict) -> dict[str, int
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch_options())
     assert compiled.asm["cubin"], "ptxas produced no cubin"
-    ops = re.findall(r"\b([a-z]+(?:\.[a-z0-9]+)*\.f32)\b", compiled.asm["ptx"])
+    ptx = compiled.asm["ptx"]
+    ops = re.findall(r"\b([a-z]+(?:\.[a-z0-9]+)*\.f32)\b", ptx)
+    # ``-x`` compiled as ``0 - x`` turns -0.0 into +0.0 (the interpreter negates): counted apart.
+    ops += ["sub-from-zero"] * len(re.findall(r"sub\.\S*f32\s+%\w+,\s*0f00000000,", ptx))
     return dict(Counter(ops))
 
 

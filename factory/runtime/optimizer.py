@@ -42,15 +42,18 @@ class MasterOptimizer:
             p if p.dtype == torch.float32 else p.detach().float().clone().requires_grad_()
             for p in self.params
         ]
-        decay = [m for m in self.masters if m.ndim >= 2]
-        no_decay = [m for m in self.masters if m.ndim < 2]
-        groups = [
-            {"params": decay, "weight_decay": config.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+        # One group per (decay, DTensor or not): on CUDA AdamW's foreach kernels take a group
+        # at once and refuse DTensors mixed with plain tensors, which FSDP leaves where it
+        # ignores parameters (the experts of a single expert-data-parallel replica).
+        groups: dict[tuple[bool, bool], list[torch.Tensor]] = {}
+        for master in self.masters:
+            key = (master.ndim >= 2, hasattr(master, "device_mesh"))
+            groups.setdefault(key, []).append(master)
         self.optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]], lr=config.lr, betas=config.betas, eps=config.eps
-        )
+            [{"params": params, "weight_decay": config.weight_decay if decay else 0.0}
+             for (decay, _), params in sorted(groups.items(), reverse=True)],
+            lr=config.lr, betas=config.betas, eps=config.eps,
+        )  # fmt: skip
         self._name_of = {id(m): n for n, m in zip(self.names, self.masters, strict=True)}
         self._rank_major = {n: o for n, o in canonical_orders(model).items() if n in named}
 
