@@ -21,8 +21,8 @@ emulation's float64 product rounds once on its way to fp32.
 
 Subnormals matter here (a block whose amax is below 2**-119 uses the scale
 2**-127, itself subnormal): compiled for sm_90 the kernels keep them (no
-``.ftz``, checked in ``tests/test_kernels_triton.py``). Not verified without a
-GPU: a compiled run's bits and speed (``python -m benchmarks gpu``).
+``.ftz``, checked in ``tests/test_kernels_triton.py``). A compiled run's bits and
+speed are checked on the device by ``python -m benchmarks gpu`` (``BENCHMARKS.md``, gpu).
 """
 
 from __future__ import annotations

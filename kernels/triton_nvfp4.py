@@ -29,8 +29,8 @@ fp32, and otherwise may differ in the last bit of a rotated value.
 
 Compiled for sm_90, every fp32 add, multiply and divide is IEEE round-to-nearest
 with subnormals kept (no FMA, no ``.ftz``; ``tests/test_kernels_triton.py`` reads
-the PTX). Not verified without a GPU: a compiled run's bits, and the speed
-(``python -m benchmarks gpu`` checks both).
+the PTX; no ``neg.f32``, which gave +0.0 for -0.0 on an H100). ``python -m benchmarks
+gpu`` checks a compiled run's bits and speed on the device (``BENCHMARKS.md``, gpu).
 """
 
 from __future__ import annotations
