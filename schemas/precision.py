@@ -94,6 +94,12 @@ class HighPrecisionLayers(Section):
     layers: list[LayerIndex] = Field(default_factory=list)
     """Further 0-based layer indices (below 2**14)."""
 
+    def indices(self, num_layers: int) -> frozenset[int]:
+        """The main-stack indices kept in BF16 in a stack of ``num_layers``."""
+        first = range(min(self.first, num_layers))
+        last = range(max(0, num_layers - self.last), num_layers)
+        return frozenset({*first, *last, *(i for i in self.layers if i < num_layers)})
+
 
 class SwitchToBF16(Section):
     """Leave low precision late in training (NVFP4 paper, App. D)."""

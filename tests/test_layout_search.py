@@ -43,9 +43,8 @@ def _published_nano() -> dict[str, object]:
 
 @pytest.mark.parametrize("name", sorted(_published_nano()))
 def test_the_search_is_at_least_as_fast_as_each_published_nano_layout(name: str) -> None:
-    """Where the published layout fits our memory estimate, the search finds one predicted at
-    least as fast; where it does not (H100: 81.4 GiB of 80, docs/performance.md), the search
-    must not return it, and returns the fastest that fits."""
+    """Each published layout ran, so it fits our memory estimate; the search finds one
+    predicted at least as fast (docs/performance.md says where and why they differ)."""
     published = _published_nano()[name]
     layout = resolve_layout(published)
     ours = predict(published, layout).tokens_per_s_per_gpu
@@ -54,9 +53,8 @@ def test_the_search_is_at_least_as_fast_as_each_published_nano_layout(name: str)
         <= GPU_SPECS[published.parallelism.gpu].memory_bytes
     )
     best = search_layouts(published, published.parallelism.world_size, top=1)
-    assert best
-    assert best[0].performance.tokens_per_s_per_gpu >= ours or not fits
-    assert fits or best[0].blueprint.parallelism != published.parallelism
+    assert fits and best
+    assert best[0].performance.tokens_per_s_per_gpu >= ours
 
 
 def test_search_needs_a_gpu_count_and_says_so(cli) -> None:

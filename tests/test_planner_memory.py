@@ -48,12 +48,15 @@ TINY = {
 }
 
 
-def blueprint(model: dict, seq_len: int = 4096, **parallelism: object) -> Blueprint:
+def blueprint(
+    model: dict, seq_len: int = 4096, precision: dict | None = None, **parallelism: object
+) -> Blueprint:
     par = {"world_size": 8, "global_batch_size": 64, **parallelism}
     return Blueprint.model_validate(
         {
             "meta": {"name": "test"},
             "model": model,
+            "precision": precision or {},
             "parallelism": par,
             "data": {"recipe": "test", "seq_len": seq_len, "tokens": "1B"},
             "training": {"optimizer": {"lr": 1e-4}, "steps": 10},
@@ -61,13 +64,15 @@ def blueprint(model: dict, seq_len: int = 4096, **parallelism: object) -> Bluepr
     )
 
 
-def plan(model: dict, seq_len: int = 4096, **parallelism: object) -> MemoryPlan:
-    bp = blueprint(model, seq_len, **parallelism)
+def plan(
+    model: dict, seq_len: int = 4096, precision: dict | None = None, **parallelism: object
+) -> MemoryPlan:
+    bp = blueprint(model, seq_len, precision, **parallelism)
     return memory_per_rank(bp, resolve_layout(bp))
 
 
-def per_layer(model: dict, **parallelism: object) -> dict[str, int]:
-    return plan(model, **parallelism).activations.per_layer_type
+def per_layer(model: dict, precision: dict | None = None, **parallelism: object) -> dict[str, int]:
+    return plan(model, precision=precision, **parallelism).activations.per_layer_type
 
 
 # --------------------------------------------------------------------------- Mixtral check
@@ -284,3 +289,36 @@ def test_to_dict_is_json_and_flat_for_the_peak() -> None:
     assert set(out["params_on_rank"]) == {"dense", "replicated", "expert"}
     assert len(out["per_rank"]) == 2
     assert out["total"] == out["per_rank"][out["peak_rank"]]["total"]
+
+
+# --------------------------------------------------------------------------- precision
+
+
+def test_quantized_recipes_keep_gemm_inputs_in_their_format() -> None:
+    """A tensor kept only for a GEMM's weight gradient costs the recipe's bytes (TE keeps the
+    quantized copy): an MLP layer keeps two, the norm output [s, h] and fc2's input [s, ffn]."""
+    by_recipe = {r: per_layer(TINY, {"recipe": r}, recompute="none")
+                 for r in ("bf16", "mxfp8", "fp8", "nvfp4")}  # fmt: skip
+    s, h, ffn = 4096, 256, 512
+    saved = s * (h + ffn)
+    assert by_recipe["bf16"]["mlp"] - by_recipe["fp8"]["mlp"] == (2 - 1) * saved
+    assert by_recipe["bf16"]["mlp"] - by_recipe["nvfp4"]["mlp"] == (2 - 0.5 - 1 / 16) * saved
+    for layer_type in by_recipe["bf16"]:
+        sizes = [by_recipe[r][layer_type] for r in ("bf16", "mxfp8", "fp8", "nvfp4")]
+        assert sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1], layer_type
+
+
+def test_high_precision_layers_keep_bf16_activations() -> None:
+    """Layers the policy keeps in BF16 save BF16 inputs: all of them gives the BF16 total,
+    some of them a total in between."""
+    totals = {
+        name: plan(TINY, precision=precision).activations.total
+        for name, precision in {
+            "bf16": {},
+            "fp8": {"recipe": "fp8"},
+            "fp8, first 4 in bf16": {"recipe": "fp8", "high_precision": {"first": 4}},
+            "fp8, all in bf16": {"recipe": "fp8", "high_precision": {"first": 16}},
+        }.items()
+    }
+    assert totals["fp8, all in bf16"] == totals["bf16"]
+    assert totals["fp8"] < totals["fp8, first 4 in bf16"] < totals["bf16"]

@@ -8,16 +8,16 @@ formulas (``docs/memory.md``, 'Activations').
 Every pipeline rank is evaluated, because the first rank holds the most
 in-flight micro-batches while the last holds the head, the logits and MTP.
 
-Assumptions: activations are bf16 whatever the precision recipe (FP8/FP4
-copies saved by Transformer Engine are not modelled); full recompute's
-transient (one layer rematerialised during its backward) is not added; the
-vocabulary is not padded to a multiple of 128 x TP.
+Assumptions: activations are bf16, except a tensor kept only as a quantized GEMM's input,
+which Transformer Engine keeps in the recipe's format (:data:`SAVED_GEMM_INPUT`) in the
+layers the recipe quantizes; full recompute's transient (one layer rematerialised during
+its backward) is not added; the vocabulary is not padded to a multiple of 128 x TP.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from factory.layers import mtp as mtp_block
 from factory.layers.model_spec import ModelSpec, model_spec
@@ -197,6 +197,17 @@ def _optimizer_bytes(params: ParamsOnRank, layout: Layout, instances: int) -> di
 
 # --------------------------------------------------------------------------- activations
 
+SAVED_GEMM_INPUT: dict[str, float] = {
+    "bf16": BF16,
+    "fp8": 1.0,
+    "mxfp8": 1.0 + 1 / 32,
+    "nvfp4": 0.5 + 1 / 16,
+}
+"""Bytes per element Transformer Engine keeps of a quantized GEMM's input for the weight
+gradient: the quantized copy alone (the column-wise one the wgrad GEMM reads) with its
+scales, an E8M0 byte per 32 elements for MXFP8, an E4M3 byte per 16 for NVFP4. A recipe
+not listed (``mor``, which picks per tensor) counts BF16."""
+
 
 def _layer_bytes(model: ModelConfig, kind: LayerType, t: TokenShards, recompute: str) -> int:
     """Bytes one layer saves for backward per micro-batch on one rank."""
@@ -220,14 +231,24 @@ def _in_flight(layout: Layout, rank: int) -> float:
 
 
 def _activations(
-    model: ModelConfig, layout: Layout, rank: int, per_type: dict[str, int], t: TokenShards
+    model: ModelConfig,
+    layout: Layout,
+    rank: int,
+    per_type: tuple[dict[str, int], dict[str, int]],
+    bf16_layers: frozenset[int],
+    t: TokenShards,
 ) -> ActivationMemory:
+    """``per_type``: each layer type's bytes in the recipe's layers and in BF16 layers."""
     h = model.hidden_size
-    layers = sum(per_type[layer_type(c).name] for c in layout.layers_on_rank(rank))
+    quantized, kept = per_type
+    layers = sum(
+        (kept if i in bf16_layers else quantized)[layer_type(model.layout.main[i]).name]
+        for i in layout.layer_indices_on_rank(rank)
+    )
     embedding = INT64 * t.n + BF16 * t.replicated(h) if rank == 0 else 0
     mtp = 0.0
     if model.mtp_depth and rank == layout.mtp_on_rank:
-        inner = sum(per_type[layer_type(c).name] for c in model.mtp_pattern)
+        inner = sum(kept[layer_type(c).name] for c in model.mtp_pattern)
         mtp = mtp_block.activation_bytes(model, t, inner)
     head = 0.0
     if rank == layout.pp - 1:
@@ -235,7 +256,7 @@ def _activations(
         head = BF16 * 2 * t.replicated(h) + logits
     in_flight = _in_flight(layout, rank)
     return ActivationMemory(
-        per_layer_type=dict(per_type),
+        per_layer_type=dict(quantized),
         in_flight_microbatches=in_flight,
         layers=layers,
         embedding=math.ceil(embedding),
@@ -260,11 +281,16 @@ def memory_per_rank(bp: Blueprint, layout: Layout) -> MemoryPlan:
         etp=layout.etp,
     )
     used = set(model.layout.main + model.mtp_pattern)
-    per_type = {
-        kind.name: _layer_bytes(model, kind, tokens, par.recompute)
-        for symbol, kind in LAYER_TYPES.items()
-        if symbol in used
-    }
+    in_recipe = replace(tokens, gemm_input=SAVED_GEMM_INPUT.get(bp.precision.recipe, BF16))
+    per_type = tuple(
+        {
+            kind.name: _layer_bytes(model, kind, shards, par.recompute)
+            for symbol, kind in LAYER_TYPES.items()
+            if symbol in used
+        }
+        for shards in (in_recipe, tokens)
+    )
+    bf16_layers = bp.precision.high_precision.indices(model.num_layers)
     spec = model_spec(model)
     choice = "distributed_optimizer" if par.distributed_optimizer else "no_distributed_optimizer"
     ranks: list[RankMemory] = []
@@ -274,7 +300,7 @@ def memory_per_rank(bp: Blueprint, layout: Layout) -> MemoryPlan:
         grads = GRAD_BYTES * params.total
         optimizer = _optimizer_bytes(params, layout, par.distributed_optimizer_instances)
         state = {key: weights + grads + value for key, value in optimizer.items()}
-        activations = _activations(model, layout, rank, per_type, tokens)
+        activations = _activations(model, layout, rank, per_type, bf16_layers, tokens)
         ranks.append(
             RankMemory(
                 pp_rank=rank,

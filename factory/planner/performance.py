@@ -211,14 +211,11 @@ def _breakdown(terms: list[Term], coefficients: dict[str, float]) -> dict[str, A
 def inputs_of(blueprint: Blueprint) -> StepInputs:
     """The prediction's inputs that come from the blueprint, not the layout."""
     precision, parallel = blueprint.precision, blueprint.parallelism
-    keep = precision.high_precision
-    n = blueprint.model.num_layers
-    bf16 = {*range(min(keep.first, n)), *range(max(0, n - keep.last), n), *keep.layers}
     return StepInputs(
         terms=model_terms(blueprint.model, blueprint.data.seq_len),
         gpu=parallel.gpu,
         recipe=precision.recipe,
-        bf16_layers=frozenset(bf16),
+        bf16_layers=precision.high_precision.indices(blueprint.model.num_layers),
         recompute=parallel.recompute,
         distributed_optimizer=parallel.distributed_optimizer,
     )

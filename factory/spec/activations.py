@@ -3,7 +3,9 @@
 The accounting follows Korthikanti et al. 2022, "Reducing Activation
 Recomputation in Large Transformer Models" (arXiv:2205.05198), with Transformer
 Engine's fused kernels as Megatron-Core runs them; ``docs/memory.md`` derives
-each term. Activations are bf16 unless a term says otherwise.
+each term. Activations are bf16 unless a term says otherwise; a tensor kept only as a
+quantized GEMM's input (for its weight gradient) is kept in the recipe's format, as
+Transformer Engine keeps it (:attr:`TokenShards.gemm_input`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ class TokenShards:
     tp: int
     sp: bool
     etp: int
+    gemm_input: float = BF16
+    """Bytes per element a GEMM keeps of its input for the weight gradient: 2 in BF16; under
+    a quantizing recipe, the quantized copy (``factory.planner.memory.SAVED_GEMM_INPUT``)."""
 
     def replicated(self, width: int) -> float:
         """Elements of an [n, width] tensor that TP replicates unless sequence parallel is on."""
@@ -37,10 +42,14 @@ class TokenShards:
 def prologue_bytes(tokens: TokenShards, hidden: int) -> float:
     """Pre-norm fused into the first linear (TE LayerNormLinear): its input, its output
     (the linear's saved input) and the fp32 rstd per token."""
-    return BF16 * 2 * tokens.replicated(hidden) + FP32 * tokens.replicated(1)
+    replicated = tokens.replicated(hidden)
+    return (BF16 + tokens.gemm_input) * replicated + FP32 * tokens.replicated(1)
 
 
-def ffn_bytes(width_elems: float, activation: str, keep_act_output: bool) -> float:
-    """fc1 output (both halves when gated) and the activation output (fc2's input)."""
+def ffn_bytes(
+    tokens: TokenShards, width_elems: float, activation: str, keep_act_output: bool
+) -> float:
+    """fc1 output (both halves when gated), which the activation's backward reads, and the
+    activation output, fc2's saved input."""
     fc1 = width_elems * (2 if activation == "swiglu" else 1)
-    return BF16 * (fc1 + (width_elems if keep_act_output else 0))
+    return BF16 * fc1 + (tokens.gemm_input * width_elems if keep_act_output else 0)

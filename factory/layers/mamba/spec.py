@@ -181,13 +181,14 @@ class Mamba(LayerType):
     def activation_bytes(self, model: ModelConfig, tokens: TokenShards, recompute: str) -> float:
         """Megatron's memory-efficient path keeps the packed in_proj output and recomputes
         the conv and the scan in backward; the gated norm keeps an fp32 rstd per group and
-        out_proj its input. Mamba has no selective-recompute module: selective = none."""
+        out_proj its input (in the recipe's format). Mamba has no selective-recompute module:
+        selective = none."""
         cfg: MambaConfig = self.config(model)
         return (
             prologue_bytes(tokens, model.hidden_size)
             + BF16 * tokens.sharded(cfg.in_proj_dim)
             + FP32 * tokens.sharded(cfg.groups)
-            + BF16 * tokens.sharded(cfg.d_inner)
+            + tokens.gemm_input * tokens.sharded(cfg.d_inner)
         )
 
     def tp_rules(self, model: ModelConfig, tp: int) -> list[str]:

@@ -121,7 +121,7 @@ class DenseMLP(LayerType):
 
     def activation_bytes(self, model: ModelConfig, tokens: TokenShards, recompute: str) -> float:
         cfg: MLPConfig = self.config(model)
-        ffn = ffn_bytes(tokens.sharded(cfg.intermediate_size), cfg.activation, True)
+        ffn = ffn_bytes(tokens, tokens.sharded(cfg.intermediate_size), cfg.activation, True)
         return prologue_bytes(tokens, model.hidden_size) + ffn
 
     def shrink(self, section: dict[str, Any], source: MLPConfig, proxy: ProxyScale) -> None:

@@ -21,7 +21,7 @@ from factory.layers.mlp.spec import (
     mlp_tensors,
     swiglu_factor,
 )
-from factory.spec.activations import BF16, FP32, TokenShards, ffn_bytes, prologue_bytes
+from factory.spec.activations import FP32, TokenShards, ffn_bytes, prologue_bytes
 from factory.spec.layer_type import (
     LayerFinding,
     LayerType,
@@ -342,7 +342,9 @@ class MixtureOfExperts(LayerType):
 
         A rank's n/TP tokens (sequence parallel) fan out top_k times and the ETP group
         gathers them: n*top_k*ETP/TP routed tokens with ff/ETP-wide intermediates.
-        moe_act recompute drops the routed activation output.
+        moe_act recompute drops the routed activation output. The routed tokens, the
+        activation outputs and the combined latent are GEMM inputs only: kept in the
+        recipe's format.
         """
         cfg: MoEConfig = self.config(model)
         h, width = model.hidden_size, cfg.latent_size or model.hidden_size
@@ -350,15 +352,16 @@ class MixtureOfExperts(LayerType):
         saved = (
             prologue_bytes(tokens, h)
             + FP32 * tokens.replicated(cfg.num_experts)
-            + BF16 * routed * width
+            + tokens.gemm_input * routed * width
         )
         ff_local = cfg.expert_intermediate_size / tokens.etp
-        saved += ffn_bytes(routed * ff_local, cfg.activation, keep_act_output=recompute == "none")
+        keep_act = recompute == "none"
+        saved += ffn_bytes(tokens, routed * ff_local, cfg.activation, keep_act_output=keep_act)
         if cfg.latent_size:
-            saved += BF16 * tokens.replicated(cfg.latent_size)
+            saved += tokens.gemm_input * tokens.replicated(cfg.latent_size)
         if cfg.shared_expert_intermediate_size:
             shared = tokens.sharded(cfg.shared_expert_intermediate_size)
-            saved += ffn_bytes(shared, cfg.activation, keep_act_output=True)
+            saved += ffn_bytes(tokens, shared, cfg.activation, keep_act_output=True)
         return saved
 
     def ep_rules(self, model: ModelConfig, ep: int) -> list[str]:
