@@ -42,8 +42,26 @@ def _held_out(rows: Sequence[Row], key: Callable[[Row], str]) -> dict[int, float
     return errors
 
 
+def same_layout_spread(rows: Sequence[Row]) -> dict[int, float]:
+    """For each row published more than once with the same model, GPU, count, precision and
+    layout: the |error| of the median of its siblings as its prediction. No model whose
+    inputs are the layout can do better on such rows (the runs differ in settings the table
+    does not give: containers, CUDA graphs, kernels), so this is the error floor."""
+    by_label: dict[str, list[float]] = defaultdict(list)
+    for row in rows:
+        by_label[row.label].append(row.tokens_per_s_per_gpu)
+    spread = {}
+    for i, row in enumerate(rows):
+        siblings = list(by_label[row.label])
+        siblings.remove(row.tokens_per_s_per_gpu)
+        if siblings:
+            spread[i] = abs(median(siblings) / row.tokens_per_s_per_gpu - 1)
+    return spread
+
+
 def _table(rows: Sequence[Row], columns: dict[str, dict[int, float]]) -> list[str]:
-    """Markdown: n, median and worst |error| per family, per family and GPU, and overall."""
+    """Markdown: n, median and worst |error| per family, per family and GPU, and overall (a
+    column that has no value for some rows counts those it has)."""
     groups: dict[tuple[str, str], list[int]] = defaultdict(list)
     for i, row in enumerate(rows):
         groups[(row.family, "all GPUs")].append(i)
@@ -54,8 +72,10 @@ def _table(rows: Sequence[Row], columns: dict[str, dict[int, float]]) -> list[st
     for (family, gpu), members in sorted(groups.items(), key=lambda kv: (kv[0][0] == "all", kv[0])):
         cells = []
         for errors in columns.values():
-            values = [errors[i] for i in members]
-            cells.append(f"{median(values):.1%} / {max(values):.1%}")
+            values = [errors[i] for i in members if i in errors]
+            whole = len(values) == len(members)
+            cells.append("n/a" if not values else f"{median(values):.1%} / {max(values):.1%}"
+                         + ("" if whole else f" ({len(values)} rows)"))  # fmt: skip
         lines.append(f"| {family} | {gpu} | {len(members)} | " + " | ".join(cells) + " |")
     return lines
 
@@ -81,6 +101,7 @@ def main(argv: list[str]) -> int:
     if args.fit:
         columns["model held out"] = _held_out(rows, lambda row: row.model)
         columns["family held out"] = _held_out(rows, lambda row: row.family)
+    columns["same layout, other runs"] = same_layout_spread(rows)
     print("\n|error| of tokens/s per GPU\n")
     print("\n".join(_table(rows, columns)))
     return 0

@@ -23,3 +23,22 @@ def test_the_fit_respects_its_bounds_and_predicts_nano_within_fifteen_percent() 
     nano = [row for row in published_rows().used if row.model == "Nemotron 3 Nano"]
     assert len(nano) == 20
     assert median([abs_error(row, constants) for row in nano]) <= 0.15
+
+
+def test_the_same_layout_floor_predicts_each_row_by_its_siblings() -> None:
+    """Rows published more than once with one layout get the error of their siblings' median;
+    rows published once get none."""
+    from collections import Counter
+
+    from benchmarks.perf_model import same_layout_spread
+    from benchmarks.perf_rows import published_rows
+
+    rows = published_rows().used
+    spread = same_layout_spread(rows)
+    count = Counter(row.label for row in rows)
+    assert set(spread) == {i for i, row in enumerate(rows) if count[row.label] > 1}
+    pairs = [i for i, row in enumerate(rows) if count[row.label] == 2]
+    i = pairs[0]
+    j = next(k for k in pairs if k != i and rows[k].label == rows[i].label)
+    expected = abs(rows[j].tokens_per_s_per_gpu / rows[i].tokens_per_s_per_gpu - 1)
+    assert spread[i] == expected
