@@ -141,6 +141,23 @@ def test_nvfp4_rounds_every_e2m1_midpoint_to_the_even_code(kernels):
     assert torch.equal(got, nvfp4.quantize(row[None].repeat(2, 1)).codes()[0])
 
 
+def test_nvfp4_fake_quantize_rounds_midpoints_and_their_neighbours_as_the_emulation(kernels):
+    """The fake-quant kernel rounds to nearest with FP8's bit rounding, the emulation by
+    comparisons: every E2M1 midpoint, the fp32 values either side of it and the grid (enc
+    is 1: the amax of the tensor and of each block is 6), and the clamp at 6 (blocks whose
+    E4M3 scale rounds down scale their amax above 6: six of these sixteen do)."""
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    points = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])
+    up, down = torch.nextafter(points, points + 1), torch.nextafter(points, points - 1)
+    values = torch.cat([points, up.clamp(max=6), down.clamp(min=0)])
+    x = torch.cat([values, -values])
+    x = torch.cat([x, x.new_zeros(-x.numel() % 16)]).reshape(-1, 16)
+    x[:, 0] = 6.0
+    clamped = torch.linspace(5.5, 6.5, 16)[:, None].repeat(1, 16)
+    for matrix in (x, clamped):
+        assert_same_bits(kernels.nvfp4.fake_quantize(matrix), nvfp4.fake_quantize(matrix))
+
+
 def test_the_block_scale_is_one_folded_multiply(kernels):
     """TE computes ``block_amax * (S_enc * (1/6))``, one rounding. With a global amax of 6
     these block amaxes get other E4M3 scales from either two-rounding order."""
