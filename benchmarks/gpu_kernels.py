@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from benchmarks.gpu_common import SectionContext, table
+from benchmarks.gpu_common import SectionContext, gpu_key, table
 
 __all__ = ["BUDGET_S", "TITLE", "KernelResult", "hbm_peak", "markdown", "measure", "run"]
 
@@ -26,9 +26,6 @@ TITLE = "Kernel bandwidth"
 BUDGET_S = 90
 """On an H100: six cases of 20 timed calls on 128 MiB, the launch-geometry sweep (20
 compiles of a second or two and their ``do_bench`` runs), and the Triton compiles."""
-
-#: HBM bandwidth in bytes/s by device name (NVIDIA H100 and H200 data sheets).
-_HBM_PEAK = (("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12), ("H200", 4.8e12))
 
 
 @dataclass(frozen=True)
@@ -45,11 +42,12 @@ class KernelResult:
 
 
 def hbm_peak(device: torch.device) -> float | None:
-    """The device's HBM bandwidth in bytes/s, or None for a device not in the table."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in _HBM_PEAK if key in name), None)
+    """The device's HBM bandwidth in bytes/s from factory's GPU table (SXM parts), or None
+    for a device not in it."""
+    from factory.schemas.parallelism import GPU_SPECS
+
+    key = gpu_key(device)
+    return None if key is None else GPU_SPECS[key].hbm_bytes_per_s
 
 
 @dataclass(frozen=True)
