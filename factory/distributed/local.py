@@ -12,6 +12,7 @@ top-level function of an importable module (a test module is).
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import pickle
 import queue
@@ -37,6 +38,9 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, out: Any) -> None:
+    # A rank killed by a fatal signal (a native crash aborting in malloc, say) reports no
+    # traceback to the queue; this prints each thread's Python stack to stderr first.
+    faulthandler.enable()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
     torch.set_num_threads(1)  # N processes share this machine's cores
