@@ -65,10 +65,11 @@ def draw_uniform(
     generator, whose state checkpoints carry).
 
     On CPU they are the generator's own draws. On an accelerator the generator gives one
-    64-bit seed per call and the numbers are drawn there from it: drawing a GEMM operand's
-    worth on the host and copying it over made an emulated NVFP4 step on an H100 many
-    times slower than BF16 (``BENCHMARKS.md``, GPU). A run stays reproducible and resumes
-    bitwise on its kind of device; CPU and GPU runs round differently."""
+    64-bit seed per call and the numbers are drawn there from it: drawn on the host and
+    copied over, a GEMM operand's worth each time, they made the emulated NVFP4 step of
+    a 1B model on an H100 outrun its 90 s benchmark budget (``BENCHMARKS.md``, gpu). A run
+    stays reproducible and resumes bitwise on its kind of device; CPU and GPU runs round
+    differently."""
     device = torch.device(device)
     if device.type == "cpu":
         return torch.rand(shape, generator=generator, dtype=torch.float32)
