@@ -23,6 +23,7 @@ import pytest
 import torch.distributed.run as torchrun
 from rich.console import Console
 from runtime_helpers import tiny_blueprint
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from factory.cli import train_cmd
 from factory.jobs.launch import torchrun_args
@@ -120,6 +121,23 @@ def test_a_rank_that_dies_ends_the_launch_naming_it(tmp_path: Path) -> None:
     # Rank 0 says "another rank has died or stopped answering" when its collective fails
     # first; when torchrun's SIGTERM reaches it first it says nothing. Either way, no crash.
     assert "internal error" not in text
+
+
+def _failure(exitcode: int, timestamp: int) -> ProcessFailure:
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=exitcode, error_file="")
+    failure.timestamp = timestamp
+    return failure
+
+
+def test_the_rank_named_first_is_the_cause_not_a_rank_that_lost_it() -> None:
+    lost, killed = train_cmd.EXIT_RANK_LOST, -signal.SIGKILL
+    # The same second: torchrun's own choice would be rank 0, which only lost rank 1.
+    rank, how = train_cmd._root_failure({0: _failure(lost, 100), 1: _failure(killed, 100)})
+    assert (rank, how.exitcode) == (1, killed)
+    # Two causes: the earlier; and when every rank only lost another, the earliest of them.
+    causes = {0: _failure(1, 101), 1: _failure(killed, 102), 2: _failure(lost, 99)}
+    assert train_cmd._root_failure(causes)[0] == 0
+    assert train_cmd._root_failure({0: _failure(lost, 101), 3: _failure(lost, 100)})[0] == 3
 
 
 def test_a_refusal_under_torchrun_is_our_line_once_and_the_root_cause_torchrun_names(

@@ -29,6 +29,7 @@ from factory.cli.output import print_diagnostics
 from factory.cli.root import app
 from factory.errors import BlueprintError
 from factory.io import DISK_FULL
+from factory.rank_process import end_if_rank_process
 
 __all__ = ["app", "main"]
 
@@ -88,7 +89,14 @@ def _one_line(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the console script; returns the exit status."""
+    """Entry point of the console script; returns the exit status (a process that hosted a
+    distributed rank ends here instead: ``factory.rank_process``)."""
+    status = _run(argv)
+    end_if_rank_process(status)
+    return status
+
+
+def _run(argv: list[str] | None) -> int:
     try:
         # Without standalone mode, click returns an Exit's code instead of raising it.
         result = app(args=argv, prog_name="factory", standalone_mode=False)

@@ -5,9 +5,11 @@ The job, its output folder and its refusals are documented in
 launch (``--nproc`` or torchrun) rank 0 alone prints a refusal, every rank exits
 with the same status, and torchrun's failure summary repeats the line
 (``factory.jobs.launch.tell_torchrun``). Exit statuses: 0 trained, 1 a run that
-ended early or failed (a monitor's stop, a lost rank, a checkpoint that could
-not be written), 2 a request refused, 128 + the signal's number for a run
-stopped by SIGTERM (143) or SIGINT (130) after its checkpoint.
+ended early or failed (a monitor's stop, a checkpoint that could not be
+written), 2 a request refused, 3 a rank whose collective failed because another
+rank died (the failure is elsewhere: ``--nproc`` names the rank that failed
+first and was not such a rank), 128 + the signal's number for a run stopped by
+SIGTERM (143) or SIGINT (130) after its checkpoint.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import sys
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -54,7 +56,13 @@ from factory.precision.backends import PrecisionBackend
 from factory.progress import LogFormat, RichProgress, plain_log
 from factory.runtime.stop_signals import exit_status
 
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
 BACKENDS = typing.get_args(PrecisionBackend)
+EXIT_RANK_LOST = 3
+"""A rank's status when its collective failed because another rank died or hung."""
+
 PRECISION_HELP = f"Backend of the precision policy: {', '.join(BACKENDS)} (factory.compile's)."
 
 
@@ -152,7 +160,7 @@ def train(
         _refuse(f"factory train: {exc}", main_rank)
     except (RankLost, CheckpointWriteError) as exc:  # each rank says what it saw
         console.print(f"factory train: {exc}", markup=False, soft_wrap=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(EXIT_RANK_LOST if isinstance(exc, RankLost) else 1) from None
     _say_how_it_ended(result, console, main_rank)
 
 
@@ -243,7 +251,7 @@ def _torchrun(args: list[str], console: Console) -> int:
     except SignalException as exc:  # torchrun passed it to the ranks, which said how they ended
         return exit_status(int(exc.sigval))
     except ChildFailedError as exc:
-        rank, first = exc.get_first_failure()  # the global rank, and how it ended
+        rank, first = _root_failure(exc.failures)
         if first.exitcode == EXIT_INVALID:  # a refusal: rank 0 said why, and no step ran
             return EXIT_INVALID
         how = f"signal {-first.exitcode}" if first.exitcode < 0 else f"exit {first.exitcode}"
@@ -254,3 +262,12 @@ def _torchrun(args: list[str], console: Console) -> int:
         )
         return 1
     return 0
+
+
+def _root_failure(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
+    """The global rank that failed first, and how, among those that did not merely lose
+    another rank. torchrun's own choice (the smallest timestamp) cannot tell them apart:
+    its timestamps are whole seconds, so a rank killed outright and the rank that then
+    saw its collective fail usually tie, and the tie goes to the lower rank."""
+    causes = {r: f for r, f in failures.items() if f.exitcode != EXIT_RANK_LOST} or failures
+    return min(causes.items(), key=lambda item: (item[1].timestamp, item[0]))

@@ -12,7 +12,6 @@ top-level function of an importable module (a test module is).
 from __future__ import annotations
 
 import datetime
-import faulthandler
 import os
 import pickle
 import queue
@@ -26,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from factory.rank_process import end_if_rank_process, mark_rank_process
+
 __all__ = ["free_port", "run_ranks"]
 
 COLLECTIVE_TIMEOUT_S = 60
@@ -38,14 +39,12 @@ def free_port() -> int:
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, out: Any) -> None:
-    # A rank killed by a fatal signal (a native crash aborting in malloc, say) reports no
-    # traceback to the queue; this prints each thread's Python stack to stderr first.
-    faulthandler.enable()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
     torch.set_num_threads(1)  # N processes share this machine's cores
     try:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        mark_rank_process()
         # Plain pickle: by value (torch's queue pickler shares storage through file
         # descriptors, which die with this process).
         out.put((rank, True, pickle.dumps(fn(rank, world, *args))))
@@ -54,6 +53,9 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    out.close()
+    out.join_thread()  # the report is in the pipe before the process ends
+    end_if_rank_process(0)
 
 
 def run_ranks(

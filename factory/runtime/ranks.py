@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from factory.distributed.mesh import Meshes, build_meshes
 from factory.planner.layout import Layout
+from factory.rank_process import mark_rank_process
 
 __all__ = [
     "DistributedRanks",
@@ -273,6 +274,7 @@ def joined_ranks(layout: Layout) -> Iterator[Ranks]:
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=collective_timeout())
+        mark_rank_process()
     try:
         yield DistributedRanks(build_meshes(layout, "cuda" if cuda else "cpu"))
     finally:
