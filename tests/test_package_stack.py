@@ -32,6 +32,7 @@ STACK: list[tuple[str, set[str]]] = [
             "lazy",
             "json_schema",
             "progress",
+            "rank_process",
         },
     ),
     ("model", {"spec", "nn", "layers", "graph", "data"}),
