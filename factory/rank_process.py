@@ -26,30 +26,27 @@ import logging
 import os
 import sys
 
-__all__ = ["end_if_rank_process", "end_rank_process", "mark_rank_process"]
+__all__ = ["end_if_rank_process", "mark_rank_process"]
 
 _marked = False
 
 
 def mark_rank_process() -> None:
     """This process joined a process group of more than one rank; it ends with
-    :func:`end_rank_process`."""
+    :func:`end_if_rank_process`."""
     global _marked
     _marked = True
     faulthandler.enable()
 
 
-def end_rank_process(status: int) -> None:
-    """Flush this process's output and end it with ``status``, skipping teardown."""
+def end_if_rank_process(status: int) -> None:
+    """When :func:`mark_rank_process` was called, flush this process's output and end it now
+    with ``status``, skipping teardown; return otherwise."""
+    if not _marked:
+        return
     for stream in (sys.stdout, sys.stderr):
         # A closed pipe or stream has nothing left to save.
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
     logging.shutdown()
     os._exit(status)
-
-
-def end_if_rank_process(status: int) -> None:
-    """End now with ``status`` when :func:`mark_rank_process` was called; return otherwise."""
-    if _marked:
-        end_rank_process(status)

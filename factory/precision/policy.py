@@ -124,9 +124,7 @@ def generalized_gemm_names(model: ModelConfig) -> list[str]:
 
 def resolve_policy(bp: Blueprint) -> list[ModulePrecision]:
     model, precision = bp.model, bp.precision
-    layers = model.num_layers
-    hp = precision.high_precision
-    high = set(range(hp.first)) | set(range(layers - hp.last, layers)) | set(hp.layers)
+    high = precision.high_precision.indices(model.num_layers)
     table = []
     for layer, tensor in model_spec(model).gemms():
         name = tensor.gemm_name
