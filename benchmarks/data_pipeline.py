@@ -108,10 +108,15 @@ def make_corpus(root: Path, files: int, kind: str = "short") -> list[Path]:
     from factory.data.samples import generate
 
     stamp = root / "corpus.json"
-    spec = {"version": CORPUS_VERSION, "files": files, "text": TEXT_PER_FILE, "code": CODE_PER_FILE}
+    wanted = {
+        "version": CORPUS_VERSION,
+        "files": files,
+        "text": TEXT_PER_FILE,
+        "code": CODE_PER_FILE,
+    }
     if kind == "long":  # the short corpus's stamp stays as it was: its cache stays valid
-        spec["long_group"] = LONG_GROUP
-    if stamp.is_file() and json.loads(stamp.read_text()) == spec:
+        wanted["long_group"] = LONG_GROUP
+    if stamp.is_file() and json.loads(stamp.read_text()) == wanted:
         return sorted(root.glob(PATTERN))
     root.mkdir(parents=True, exist_ok=True)
     stamp.unlink(missing_ok=True)
@@ -130,7 +135,7 @@ def make_corpus(root: Path, files: int, kind: str = "short") -> list[Path]:
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), "utf-8")
         tmp.replace(path)
-    stamp.write_text(json.dumps(spec))
+    stamp.write_text(json.dumps(wanted))
     return sorted(root.glob(PATTERN))
 
 

@@ -2,8 +2,8 @@
 
 This module types and validates the policy; ``factory.precision`` resolves it
 to a per-module table and installs it on the compiled graph, with the numerics
-of ``factory.kernels``. Module names in ``overrides`` are the graph's names,
-listed by ``factory.naming``.
+of ``factory.kernels``. Module names in ``overrides`` are the graph's names, as
+``factory plan --precision`` lists them.
 """
 
 from __future__ import annotations

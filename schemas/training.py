@@ -2,19 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
 from factory.schemas.base import Section, Seed, StepCount, TokenCount
 from factory.schemas.cluster import ClusterConfig
 from factory.schemas.stability import StabilityConfig
+from factory.schemas.trackers import JSONL, logger_names
 
-__all__ = ["LOGGERS", "Logger", "OptimizerConfig", "ScheduleConfig", "TrainingConfig"]
+__all__ = ["Logger", "OptimizerConfig", "ScheduleConfig", "TrainingConfig"]
 
-Logger = Literal["jsonl", "tensorboard", "wandb"]
-"""Where a run's metrics go (``factory.runtime.loggers``)."""
-LOGGERS: tuple[str, ...] = Logger.__args__  # type: ignore[attr-defined]
+
+def _known_logger(name: str) -> str:
+    # Asked at validation, not fixed when this module is imported, so a tracker registered
+    # later (factory.schemas.trackers) is a name like the shipped ones.
+    if name not in logger_names():
+        raise ValueError(f"unknown logger {name!r}; known: {', '.join(logger_names())}")
+    return name
+
+
+def _logger_enum(schema: dict[str, Any]) -> None:
+    schema["enum"] = list(logger_names())
+
+
+Logger = Annotated[str, AfterValidator(_known_logger), Field(json_schema_extra=_logger_enum)]
+"""Where a run's metrics go: ``jsonl`` or a tracker of ``factory.schemas.trackers``."""
 
 
 def _each_logger_once(names: tuple[str, ...]) -> tuple[str, ...]:
@@ -88,13 +101,14 @@ class TrainingConfig(Section):
     first step pays the compile (seconds per block type); needs a C++ compiler on CPU.
     For now only in one process and with precision off (inductor cannot compile the
     quantized GEMMs' emulated casts)."""
-    loggers: Loggers = ("jsonl",)
+    loggers: Loggers = (JSONL,)
     """Where the run's metrics go. ``jsonl``: ``metrics.jsonl`` in the run folder, which every
-    run writes whether listed or not (resuming and the run report read it). ``tensorboard``:
-    event files in ``<run>/tensorboard/`` (the ``tensorboard`` extra). ``wandb``: a Weights &
-    Biases run in ``<run>/wandb/``, offline unless ``WANDB_MODE`` says otherwise (the
-    ``wandb`` extra). Each gets the same per-step scalars, monitor events, checkpoints and
-    rollbacks, from rank 0."""
+    run writes whether listed or not (resuming and the run report read it). Every other name
+    is an experiment tracker (``factory.schemas.trackers`` lists them with the extra each
+    needs; ``tensorboard``: event files in ``<run>/tensorboard/``; ``wandb``: a Weights &
+    Biases run in ``<run>/wandb/``, offline unless ``WANDB_MODE`` says otherwise). Each
+    tracker gets the same per-step scalars, monitor events, checkpoints and rollbacks, from
+    rank 0."""
     stability: StabilityConfig = StabilityConfig()
     """What the run watches (MoE load, residual stream, loss and gradient spikes, non-finite
     values) and what it does when a threshold is crossed (``factory.runtime.monitors``)."""

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from factory.schemas.trackers import TRACKERS
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {
     "factory": ROOT / "factory",
@@ -29,11 +31,11 @@ PACKAGES = {
 HEAVY = {
     "torch", "transformers", "transformer_engine", "mamba_ssm", "triton", "matplotlib", "numpy",
     "tokenizers", "safetensors", "webdataset", "pyarrow", "datasets", "ray", "megatron",
-    "megatron_energon", "xxhash", "jsonschema", "hypothesis", "numba", "tensorboard", "wandb",
-}  # fmt: skip
-"""Third-party packages worth deferring: torch and the optional extras. The core dependencies
-(pydantic, omegaconf, PyYAML, typer, rich) are imported at the top: ``import factory`` and
-``factory validate`` load them anyway."""
+    "megatron_energon", "xxhash", "jsonschema", "hypothesis", "numba",
+} | {entry.package for entry in TRACKERS.values() if entry.package}  # fmt: skip
+"""Third-party packages worth deferring: torch and the optional extras, the experiment
+trackers' from their registry. The core dependencies (pydantic, omegaconf, PyYAML, typer,
+rich) are imported at the top: ``import factory`` and ``factory validate`` load them anyway."""
 
 
 def _modules() -> dict[str, Path]:
@@ -182,6 +184,7 @@ def test_this_checker_sees_the_kinds_of_import_it_judges() -> None:
     assert "factory.spec.layer_type" in _edges("factory.layers.mamba.spec")
     assert "torch" in _loads("factory.graph.hybrid_lm")
     assert "torch" not in _loads("factory.planner.plan")
+    assert "tensorboard" in _loads("factory.runtime.loggers.tensorboard_log")  # from TRACKERS
     lazy = dict((t, line) for line, t in _imports("factory.jobs.train")[1])
     assert "factory.jobs.train_rank" in lazy
     assert sys.modules  # the checker never imports what it judges

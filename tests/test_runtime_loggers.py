@@ -3,9 +3,11 @@ each library's own files (TensorBoard's event reader; W&B's offline run folder).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import struct
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,13 +18,16 @@ from conftest import PRESETS
 from runtime_helpers import MICRO, tiny_blueprint
 
 import factory
-from factory.runtime import loggers
 from factory.runtime.batches import build_shards
 from factory.runtime.callbacks import Callback, Event, StepStats, Verdict
 from factory.runtime.loader import ShardLoader
-from factory.runtime.loggers import LOGGERS, TRACKERS, run_loggers
+from factory.runtime.loggers import run_loggers, tracker_class
+from factory.runtime.loggers.tracker import Tracker
 from factory.runtime.ranks import SingleProcess
 from factory.runtime.trainer import RunOptions, Trainer, fit
+from factory.schemas.trackers import TRACKERS, TrackerEntry, logger_names, register_tracker
+
+REPO = Path(__file__).resolve().parent.parent
 
 STEP_FIELDS = ("loss", "lm_loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen", "seconds")
 
@@ -74,7 +79,36 @@ def _expected_scalars(record: dict[str, Any]) -> dict[str, float]:
 
 
 def test_every_logger_is_metrics_jsonl_or_a_tracker() -> None:
-    assert set(LOGGERS) == {"jsonl", *TRACKERS}
+    assert logger_names() == ("jsonl", "tensorboard", "wandb")
+
+
+@pytest.mark.parametrize("entry", TRACKERS.values(), ids=list(TRACKERS))
+def test_each_tracker_entry_builds_a_tracker_its_extra_installs(entry: TrackerEntry) -> None:
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = extras["optional-dependencies"]
+    [own] = [r for r in extras["dev"] if r.startswith("nemotron-factory[")]
+    assert entry.extra in extras and entry.extra in own.partition("[")[2].rstrip("]").split(",")
+    assert entry.package is not None
+    pytest.importorskip(entry.package)
+    assert issubclass(tracker_class(entry), Tracker)
+
+
+def test_each_tracker_module_has_a_registry_entry() -> None:
+    folder = REPO / "factory" / "runtime" / "loggers"
+    modules = {p.stem for p in folder.glob("*.py")} - {"__init__", "tracker"}
+    named = {e.build.partition(":")[0] for e in TRACKERS.values()}
+    assert named == {f"factory.runtime.loggers.{m}" for m in modules}
+
+
+def test_a_tracker_entry_says_how_it_is_built_and_installed() -> None:
+    with pytest.raises(ValueError, match="'module:Class'"):
+        TrackerEntry("csv", build="factory.runtime.loggers.csv_log")
+    with pytest.raises(ValueError, match="needs the extra"):
+        TrackerEntry("csv", build="factory.runtime.loggers.csv_log:CsvLog", package="csvkit")
+    for taken in ("jsonl", "wandb"):
+        with pytest.raises(ValueError, match="already exists"):
+            register_tracker(TrackerEntry(taken, build="factory.runtime.loggers.csv_log:CsvLog"))
+    assert logger_names() == ("jsonl", "tensorboard", "wandb")
 
 
 def test_rank_0_writes_every_tracker_and_the_other_ranks_only_their_own_jsonl(
@@ -104,7 +138,8 @@ def test_an_unknown_or_repeated_logger_is_a_located_error(cli, write_yaml) -> No
 def test_a_tracker_that_is_not_installed_is_refused_before_training(
     cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setitem(loggers.PACKAGES, "wandb", "no_such_package_here")
+    absent = dataclasses.replace(TRACKERS["wandb"], package="no_such_package_here")
+    monkeypatch.setitem(TRACKERS, "wandb", absent)
     out = tmp_path / "run"
     argv = ["train", "nano", "--proxy", "--out", str(out), "--set", "training.loggers=[wandb]"]
     status, _, err = cli(*argv)

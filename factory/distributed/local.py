@@ -1,6 +1,8 @@
 """Run a function on N gloo processes of this machine, with a timeout.
 
-For tests, benchmarks and notebooks: no launcher needed.
+No launcher needed: ``factory build``'s distributed check
+(``factory.jobs.build_distributed``), the multi-process tests and the
+benchmarks run their ranks with it.
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` spawned processes
 that each join one gloo process group and call ``fn(rank, world_size, *args)``;
 it returns the values in rank order. An exception on any rank is re-raised

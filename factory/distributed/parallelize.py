@@ -1,4 +1,4 @@
-"""Apply a layout to a model: tensor, expert, then data parallelism (torchtitan's order).
+"""Apply a layout to a model: tensor, expert, context, then data parallelism (torchtitan's order).
 
 Tensor parallelism first (DTensor plans from the model spec's sharding rules),
 then expert parallelism (every layer whose type routes tokens to experts shards

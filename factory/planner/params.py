@@ -1,6 +1,6 @@
 """Exact parameter counts, per layer type and for the whole model, read from the model spec.
 
-Every tensor of ``factory.spec.model_spec`` counts once (a tied head shares
+Every tensor of ``factory.layers.model_spec`` counts once (a tied head shares
 the embedding's storage): norm weights, conv biases, the router's expert bias
 and the SSM's A_log, D and dt_bias included. The published checkpoint sizes
 (``docs/architecture.md``) pin the presets.

@@ -1,12 +1,18 @@
-"""A minimal single-process training runtime for CPU proxies.
+"""The training runtime: one trainer for one process or many.
 
-``batches`` turns built data shards into micro-batches, ``schedule`` is the
-learning rate of a blueprint's ``training.schedule`` at a step, and ``loop``
-trains a compiled model with AdamW, clipping, accumulation and the precision
-runtime's late switch. Why it exists: claims about a blueprint's numerics
-(NVFP4 vs BF16, Hadamard, stochastic rounding) need real training runs with
-the blueprint's optimizer and data, not single steps.
+``trainer`` is the one :class:`~factory.runtime.trainer.Trainer` (with ``fit``).
+Everything besides the step is a callback (``callbacks``): the stability
+``monitors``, ``metrics.jsonl`` (``metrics``), the experiment trackers of
+``training.loggers`` (``loggers``), the progress ``display`` and the periodic
+checkpoints (``checkpoint``, with ``run_state``). ``step`` runs one step's
+forward and backward (``pipeline_schedule`` through a pipeline schedule),
+``ranks`` answers what the trainer asks of the other processes, ``placement``
+lays a compiled model out on them, ``optimizer``, ``gradients`` and ``schedule``
+make the update, and ``batches`` and ``loader`` read the micro-batches from the
+built shards. The training job (``factory.jobs.train``) drives it.
 
-Nothing here is imported by ``import factory``: ``batches`` and ``loop`` need
-torch, and the torch-free commands must stay torch-free.
+Nothing here is imported by ``import factory``: the trainer and the modules it
+runs need torch, and the torch-free commands must stay torch-free.
+``callbacks``, ``monitors``, ``metrics``, ``loggers``, ``schedule`` and
+``checkpoint_errors`` are torch-free themselves.
 """

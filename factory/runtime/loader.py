@@ -149,15 +149,16 @@ def _decode(shard: ShardInfo, seq_len: int | None) -> tuple[list[Sample], int]:
 def _micro_batches(
     shards: list[ShardInfo],
     counts: np.ndarray,
-    spec: dict[str, Any],
+    order: dict[str, Any],
     start: int,
 ) -> Iterator[MicroBatch]:
-    """This rank's micro-batches from global position ``start`` (``spec``: the loader's order,
-    rank and size). Holds one decoded shard, plus the previous one while a batch straddles."""
-    rank, world, size = spec["rank"], spec["world_size"], spec["micro_batch_size"]
+    """This rank's micro-batches from global position ``start`` (``order``: the loader's seed
+    and shuffle, rank and size). Holds one decoded shard, plus the previous one while a batch
+    straddles."""
+    rank, world, size = order["rank"], order["world_size"], order["micro_batch_size"]
     pending: list[Sample] = []
     seq_len: int | None = None
-    for shard, within, first in _runs(counts, spec["seed"], spec["shuffle"], start):
+    for shard, within, first in _runs(counts, order["seed"], order["shuffle"], start):
         mine = within[(first + np.arange(within.size)) // size % world == rank]
         if not mine.size:
             continue  # a rank never reads a shard it takes nothing from
@@ -341,14 +342,14 @@ class ShardLoader:
     def __next__(self) -> MicroBatch:
         self._check_open()
         if self._slot[0] is None:
-            spec = {
+            order = {
                 "seed": self.seed,
                 "shuffle": self.shuffle,
                 "rank": self.rank,
                 "world_size": self.world_size,
                 "micro_batch_size": self.micro_batch_size,
             }
-            batches = _micro_batches(self.shards, self._counts, spec, self._consumed)
+            batches = _micro_batches(self.shards, self._counts, order, self._consumed)
             self._slot[0] = _Prefetcher(batches, self.prefetch)
         batch = self._slot[0].get()
         self._consumed += self.stride

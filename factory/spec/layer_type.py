@@ -6,11 +6,17 @@ the FLOPs that are not matrix products, the activations it saves for
 backward, its Hugging Face mapping, how the CPU proxy shrinks its config
 section, and how to build its ``nn.Module``. The planner, the graph, the
 precision table, the proxy and the exports all read it; none of them
-re-derives a layer from its name. Registering a new subclass is all it takes
-to add a layer type: ``CONTRIBUTING.md`` walks through it.
+re-derives a layer from its name. A new layer type is a registered subclass in
+its own folder, ``factory/layers/NAME/`` (``spec.py`` and ``module.py``), plus a
+few lines outside it (the folder's import, its config section if it has one):
+``CONTRIBUTING.md``, "Adding a layer type", lists them.
 
-This module imports nothing from factory, so the pattern parser can ask it
-which symbols exist without an import cycle.
+This module imports neither torch nor, at run time, anything from factory (the
+imports below are for type checking); a layer type reaches its torch side
+through :meth:`LayerType.torch_side`. The pattern parser
+(``factory.schemas.pattern``) does not ask the registry: it knows Megatron's
+symbols, and the ``model.pattern_symbols`` rule asks the registry which of them
+factory builds.
 """
 
 from __future__ import annotations

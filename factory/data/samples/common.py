@@ -1,4 +1,4 @@
-"""Helpers shared by the sample families: planted defects, chat messages and tool specs.
+"""Helpers shared by the sample families: planted defects, chat messages and tool definitions.
 
 Every record carries ``meta.defect``: ``None`` for a clean record, otherwise the
 name of the flaw we planted (``short``, ``repetitive``, ``symbols``,
@@ -21,8 +21,8 @@ __all__ = [
     "plan_defects",
     "reasoning_fields",
     "tool_call",
+    "tool_definition",
     "tool_result",
-    "tool_spec",
     "used_in",
 ]
 
@@ -89,7 +89,7 @@ def tool_result(call: dict, content: str) -> dict:
     return {"role": "tool", "tool_call_id": call["id"], "content": content}
 
 
-def tool_spec(
+def tool_definition(
     name: str, description: str, params: dict[str, tuple[str, str]], required: list[str]
 ) -> dict:
     """A function tool with a JSON-schema ``parameters`` object; ``params`` maps name to (type, description)."""

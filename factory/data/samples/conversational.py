@@ -14,8 +14,8 @@ from factory.data.samples.common import (
     assistant,
     reasoning_fields,
     tool_call,
+    tool_definition,
     tool_result,
-    tool_spec,
     used_in,
 )
 from factory.data.samples.prose import Prose, plural
@@ -24,13 +24,13 @@ from factory.data.samples.words import FIRST_NAMES, PLACES, TOPICS
 __all__ = ["conversational"]
 
 _TOOLS = {
-    "get_weather": tool_spec(
+    "get_weather": tool_definition(
         "get_weather",
         "Get the weather forecast for a town on a given date.",
         {"town": ("string", "Town name"), "date": ("string", "ISO date, YYYY-MM-DD")},
         ["town", "date"],
     ),
-    "book_table": tool_spec(
+    "book_table": tool_definition(
         "book_table",
         "Reserve a table at a restaurant.",
         {
@@ -40,7 +40,7 @@ _TOOLS = {
         },
         ["restaurant", "time", "party_size"],
     ),
-    "convert_units": tool_spec(
+    "convert_units": tool_definition(
         "convert_units",
         "Convert a quantity between units of the same dimension.",
         {

@@ -19,8 +19,8 @@ from factory.data.samples.common import (
     plan_defects,
     reasoning_fields,
     tool_call,
+    tool_definition,
     tool_result,
-    tool_spec,
     used_in,
 )
 from factory.data.samples.prose import Prose
@@ -29,13 +29,13 @@ from factory.data.samples.words import TOPICS
 __all__ = ["search_trajectory"]
 
 TOOLS = [
-    tool_spec(
+    tool_definition(
         "search",
         "Web search; returns the top results as JSON.",
         {"query": ("string", "Search query"), "max_results": ("integer", "How many results")},
         ["query"],
     ),
-    tool_spec(
+    tool_definition(
         "open_page",
         "Fetch a page and return its main text.",
         {"url": ("string", "Page URL")},

@@ -19,21 +19,21 @@ from factory.data.samples.common import (
     plan_defects,
     reasoning_fields,
     tool_call,
+    tool_definition,
     tool_result,
-    tool_spec,
     used_in,
 )
 
 __all__ = ["swe_trajectory"]
 
 TOOLS = [
-    tool_spec(
+    tool_definition(
         "search_code",
         "Search the repository for a regular expression.",
         {"pattern": ("string", "Regular expression"), "path": ("string", "Directory to search")},
         ["pattern"],
     ),
-    tool_spec(
+    tool_definition(
         "view_file",
         "Show numbered lines of a file.",
         {
@@ -43,7 +43,7 @@ TOOLS = [
         },
         ["path"],
     ),
-    tool_spec(
+    tool_definition(
         "str_replace",
         "Replace one exact occurrence of old_str with new_str in a file.",
         {
@@ -53,7 +53,7 @@ TOOLS = [
         },
         ["path", "old_str", "new_str"],
     ),
-    tool_spec(
+    tool_definition(
         "run_tests",
         "Run pytest on a path and return the summary.",
         {"path": ("string", "Test file or directory")},

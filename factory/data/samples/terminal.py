@@ -17,15 +17,15 @@ from factory.data.samples.common import (
     plan_defects,
     reasoning_fields,
     tool_call,
+    tool_definition,
     tool_result,
-    tool_spec,
     used_in,
 )
 
 __all__ = ["terminal"]
 
 TOOLS = [
-    tool_spec(
+    tool_definition(
         "execute_command",
         "Run a bash command in the sandbox and return its stdout and stderr.",
         {
@@ -34,7 +34,7 @@ TOOLS = [
         },
         ["command"],
     ),
-    tool_spec(
+    tool_definition(
         "write_file",
         "Write text to a file, replacing it if it exists.",
         {"path": ("string", "File path"), "content": ("string", "Full file contents")},

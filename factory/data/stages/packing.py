@@ -28,9 +28,9 @@ __all__ = [
     "Packable",
     "PackingStats",
     "TokenizedDoc",
-    "materialize",
     "pack_best_fit_decreasing",
     "pack_bins",
+    "packed_sample",
     "packing_stats",
 ]
 
@@ -165,7 +165,7 @@ def _pieces(doc: P, seq_len: int, stats: PackingStats) -> list[P]:
     return [doc.piece(j, start, min(start + seq_len, n)) for j, start in enumerate(starts)]
 
 
-def materialize(docs: list[TokenizedDoc], seq_len: int, pad_id: int = 0) -> PackedSample:
+def packed_sample(docs: list[TokenizedDoc], seq_len: int, pad_id: int = 0) -> PackedSample:
     """One sample from the pieces of one bin, in bin order, padded to ``seq_len``."""
     tokens = np.full(seq_len, pad_id, dtype=np.int32)
     loss_mask = np.zeros(seq_len, dtype=np.uint8)
@@ -208,7 +208,7 @@ def _best_fit_window(buffer: list[P], seq_len: int) -> list[list[P]]:
 def pack_bins(
     docs: Iterable[P], seq_len: int, window: int = 4096, stats: PackingStats | None = None
 ) -> Iterator[list[P]]:
-    """The bins (lists of pieces) of :func:`pack_best_fit_decreasing`, without materializing.
+    """The bins (lists of pieces) of :func:`pack_best_fit_decreasing`, without building the samples.
 
     Counts documents, splits and empty documents into ``stats``; sample-level
     counts are the caller's (it knows the tokens).
@@ -247,6 +247,6 @@ def pack_best_fit_decreasing(
     """
     stats = stats if stats is not None else PackingStats()
     for bin_docs in pack_bins(docs, seq_len, window, stats):
-        sample = materialize(bin_docs, seq_len, pad_id)
+        sample = packed_sample(bin_docs, seq_len, pad_id)
         stats.add_sample(sample)
         yield sample

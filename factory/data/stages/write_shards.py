@@ -1,7 +1,7 @@
 """Stage 3's writes: each shard from its plan, side by side, then Megatron's and Energon's files.
 
 Shard ``i`` is a function of its plan alone (``shard_plan``): its task reads
-the planned records by offset, cuts the pieces, materializes the samples and
+the planned records by offset, cuts the pieces, packs them into samples and
 writes the tar, so shards are written in any order, on any node.
 :func:`plan_and_write` runs the whole stage through a runner (``runner``).
 """
@@ -21,7 +21,7 @@ from factory.data.shards.tar_writer import write_shard
 from factory.data.stages.dedup import DedupCounts
 from factory.data.stages.mixed_stream import MixedStream
 from factory.data.stages.mixing import SourcePlan
-from factory.data.stages.packing import PackingStats, TokenizedDoc, materialize
+from factory.data.stages.packing import PackingStats, TokenizedDoc, packed_sample
 from factory.data.stages.runner import Runner
 from factory.data.stages.shard_plan import PlannedPiece, plan_path, plan_shards
 from factory.data.stages.stage_inputs import StageInputs
@@ -79,7 +79,7 @@ def write_planned_shard(
         for key, unit, offset, start, end in sample:
             doc = records[unit][offset]
             pieces.append(TokenizedDoc(key, doc.ids[start:end], doc.mask[start:end]))
-        samples.append(materialize(pieces, seq_len, pad_id))
+        samples.append(packed_sample(pieces, seq_len, pad_id))
     digest = write_shard(out / name, samples, index)
     receipt = {
         "name": name,

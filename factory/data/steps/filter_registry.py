@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 from factory.data.steps.records import Document, RawRecord
 from factory.schemas.base import Section
 
-__all__ = ["FILTERS", "Check", "FilterSpec", "register_filter"]
+__all__ = ["FILTERS", "Check", "FilterFamily", "register_filter"]
 
 Check = Callable[[RawRecord, Document], str | None]
 """A filter bound to its parameters: the first reason to drop the document, or None."""
@@ -29,7 +29,7 @@ P = TypeVar("P", bound=Section)
 
 
 @dataclass(frozen=True)
-class FilterSpec(Generic[P]):
+class FilterFamily(Generic[P]):
     """A filter family: its recipe step type (which is its parameter type) and its check."""
 
     params: type[P]
@@ -52,7 +52,7 @@ class FilterSpec(Generic[P]):
         return bound
 
 
-FILTERS: dict[str, FilterSpec[Any]] = {}
+FILTERS: dict[str, FilterFamily[Any]] = {}
 """Filter families by the ``kind`` they have in a recipe step."""
 
 
@@ -70,7 +70,7 @@ def register_filter(
     ) -> Callable[[RawRecord, Document, P], str | None]:
         if kind in FILTERS:
             raise ValueError(f"a filter of kind {kind!r} is already registered")
-        FILTERS[kind] = FilterSpec(params, check)
+        FILTERS[kind] = FilterFamily(params, check)
         return check
 
     return register

@@ -2,62 +2,55 @@
 
 ``metrics.jsonl`` (:class:`~factory.runtime.metrics.MetricsLog`) is written by
 every run with a run folder, whether ``jsonl`` is listed or not: resuming and
-the run report read it. ``tensorboard`` (:mod:`.tensorboard_log`) and ``wandb``
-(:mod:`.wandb_log`) get the same step scalars, monitor events, checkpoints and
-rollbacks (:mod:`.tracker`), from rank 0 only. Their packages are optional
-extras: :func:`require_loggers` says which one is missing before a run starts,
-and each tracker's module, which imports its package at the top, is imported
-here only when a run asks for it. This module does not import torch.
+the run report read it. Every other name is an experiment tracker, one module
+here (TensorBoard's :mod:`.tensorboard_log`, W&B's :mod:`.wandb_log`) with its
+entry in :data:`factory.schemas.trackers.TRACKERS`; each gets the same step
+scalars, monitor events, checkpoints and rollbacks (:mod:`.tracker`), from rank
+0 only. Their packages are optional extras: :func:`require_loggers` says which
+one is missing before a run starts, and a tracker's module, which may import its
+package at the top, is imported only when a run asks for it. This module does
+not import torch.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from factory.runtime.metrics import MetricsLog, metrics_path
-from factory.schemas.training import LOGGERS
+from factory.schemas.trackers import TRACKERS, TrackerEntry, logger_names
 
 if TYPE_CHECKING:
     from factory.runtime.callbacks import Callback
+    from factory.runtime.loggers.tracker import Tracker
     from factory.runtime.ranks import Ranks
 
-__all__ = ["LOGGERS", "PACKAGES", "TRACKERS", "LoggerUnavailable", "require_loggers", "run_loggers"]
+__all__ = ["LoggerUnavailable", "require_loggers", "run_loggers", "tracker_class"]
 
 
 class LoggerUnavailable(ImportError):
     """``training.loggers`` names a tracker whose package is not installed."""
 
 
-def _tensorboard(run_dir: Path) -> Callback:
-    from factory.runtime.loggers.tensorboard_log import TensorBoardLog
-
-    return TensorBoardLog(run_dir)
-
-
-def _wandb(run_dir: Path) -> Callback:
-    from factory.runtime.loggers.wandb_log import WandbLog
-
-    return WandbLog(run_dir)
-
-
-TRACKERS: dict[str, Callable[[Path], Callback]] = {"tensorboard": _tensorboard, "wandb": _wandb}
-"""Each logger besides ``jsonl``: its tracker for a run folder (rank 0's)."""
-PACKAGES: dict[str, str] = {"tensorboard": "tensorboard", "wandb": "wandb"}
-"""The package each tracker imports, also the name of the extra that installs it."""
+def tracker_class(entry: TrackerEntry) -> type[Tracker]:
+    """The class ``entry.build`` names, its module imported (and its package with it)."""
+    module, _, name = entry.build.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def require_loggers(names: Iterable[str]) -> None:
-    """Raise :class:`LoggerUnavailable` naming each logger whose package is missing."""
-    missing = [n for n in names if n in PACKAGES and importlib.util.find_spec(PACKAGES[n]) is None]
+    """Raise :class:`LoggerUnavailable` naming each tracker whose package is missing."""
+    asked = [TRACKERS[name] for name in names if name in TRACKERS]
+    missing = [e for e in asked if e.package and importlib.util.find_spec(e.package) is None]
     if missing:
-        needs = [f"{n} needs the {PACKAGES[n]} package" for n in missing]
+        needs = [f"{e.name} needs the {e.package} package" for e in missing]
+        extras = ",".join(dict.fromkeys(e.extra for e in missing if e.extra))
         raise LoggerUnavailable(
-            f"training.loggers: {'; '.join(needs)}: pip install "
-            f"'nemotron-factory[{','.join(missing)}]', or leave "
-            f"{'it' if len(missing) == 1 else 'them'} out of training.loggers"
+            f"training.loggers: {'; '.join(needs)}: pip install 'nemotron-factory[{extras}]', "
+            f"or leave {'it' if len(missing) == 1 else 'them'} out of training.loggers"
         )
 
 
@@ -65,11 +58,11 @@ def run_loggers(names: Iterable[str], run_dir: Path, ranks: Ranks) -> list[Callb
     """``metrics.jsonl`` (every rank its own file), then rank 0's tracker for each other
     logger in ``names``, in their order."""
     names = list(names)
-    unknown = sorted(set(names) - set(LOGGERS))
+    unknown = sorted(set(names) - set(logger_names()))
     if unknown:
-        raise ValueError(f"training.loggers: unknown {unknown}; known: {', '.join(LOGGERS)}")
+        raise ValueError(f"training.loggers: unknown {unknown}; known: {', '.join(logger_names())}")
     require_loggers(names)
     loggers: list[Callback] = [MetricsLog(metrics_path(run_dir, ranks))]
     if ranks.is_main:
-        loggers.extend(TRACKERS[name](run_dir) for name in names if name in TRACKERS)
+        loggers.extend(tracker_class(TRACKERS[n])(run_dir) for n in names if n in TRACKERS)
     return loggers

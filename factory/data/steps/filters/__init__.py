@@ -19,7 +19,7 @@ __all__ = ["FILTERS"]
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-if {spec.params for spec in FILTERS.values()} != set(FILTER_STEPS):  # pragma: no cover
+if {family.params for family in FILTERS.values()} != set(FILTER_STEPS):  # pragma: no cover
     raise ImportError(
         "every filter step of schemas/data_recipe.py (FILTER_STEPS) needs a module in "
         "factory/data/steps/filters/ that registers its check, and every module a step"

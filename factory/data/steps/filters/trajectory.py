@@ -55,9 +55,9 @@ def _tool_calls_well_formed(data: dict[str, Any], messages: list[Any]) -> bool:
         return False
     names = set()
     for tool in tools:
-        spec = tool.get("function", tool) if isinstance(tool, dict) else {}
-        if isinstance(spec, dict) and isinstance(spec.get("name"), str):
-            names.add(spec["name"])
+        function = tool.get("function", tool) if isinstance(tool, dict) else {}
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            names.add(function["name"])
     for message in messages:
         calls = message.get("tool_calls") if isinstance(message, dict) else None
         if not calls:
