@@ -46,7 +46,7 @@ __all__ = [
 ScanResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ScanInputs:
     """The tensors of one scan, checked on construction (the einsums would fail less clearly).
 
