@@ -81,7 +81,12 @@ def _relative(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def compare(ctx: SectionContext, s: dict[str, int], skewed: bool) -> dict[str, Any]:
     """Both paths on one routing: differences from the reference and median seconds."""
-    from factory.kernels.moe_dispatch import grouped_mlp, grouped_mm_works, route_tokens
+    from factory.kernels.moe_dispatch import (
+        ExpertWeights,
+        grouped_mlp,
+        grouped_mm_works,
+        route_tokens,
+    )
 
     device, dtype = ctx.device, torch.bfloat16
     gen = torch.Generator().manual_seed(1 if skewed else 0)
@@ -107,7 +112,7 @@ def compare(ctx: SectionContext, s: dict[str, int], skewed: bool) -> dict[str, A
         def fn(
             x: torch.Tensor, u: torch.Tensor, d: torch.Tensor, w: torch.Tensor, impl: str = impl
         ) -> torch.Tensor:
-            return grouped_mlp(x, dispatch, u, d, "relu2", weights=w, impl=impl)
+            return grouped_mlp(x, dispatch, ExpertWeights(u, d), weights=w, impl=impl)
 
         error = _relative(_outputs(fn, leaves), expected)
         seconds = median_seconds(lambda fn=fn: _outputs(fn, leaves), device,

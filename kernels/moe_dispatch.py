@@ -34,7 +34,9 @@ import torch.nn.functional as F
 __all__ = [
     "Activation",
     "Dispatch",
+    "ExpertWeights",
     "activate",
+    "combine",
     "grouped_mlp",
     "grouped_mm_sorted",
     "grouped_mm_works",
@@ -169,18 +171,48 @@ ExpertLinear = Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor]
 """``(projection name, x [E, C, in], w [E, out, in]) -> [E, C, out]``: one grouped GEMM."""
 
 
+@dataclass(frozen=True, eq=False)
+class ExpertWeights:
+    """The routed experts of one layer as 3-D weights, checked on construction."""
+
+    up: torch.Tensor
+    """[E, ff, d_in]"""
+    down: torch.Tensor
+    """[E, d_in, ff]"""
+    activation: Activation = "relu2"
+    """``"relu2"`` (``relu(up x)^2``, Nemotron's experts) or ``"swiglu"`` (``silu(gate x) * up x``)."""
+    gate: torch.Tensor | None = None
+    """[E, ff, d_in], swiglu only."""
+
+    def __post_init__(self) -> None:
+        experts, ff, d_in = self.up.shape
+        if self.down.shape != (experts, d_in, ff):
+            raise ValueError(
+                f"expected down {(experts, d_in, ff)} for up {tuple(self.up.shape)}, "
+                f"got {tuple(self.down.shape)}"
+            )
+        if self.activation not in ("relu2", "swiglu"):
+            raise ValueError(f"activation must be 'relu2' or 'swiglu', got {self.activation!r}")
+        if (self.activation == "swiglu") != (self.gate is not None):
+            raise ValueError("gate is required for swiglu and not accepted for relu2")
+        if self.gate is not None and self.gate.shape != self.up.shape:
+            raise ValueError(
+                f"gate must match up {tuple(self.up.shape)}, got {tuple(self.gate.shape)}"
+            )
+
+    def mlp(self, x: torch.Tensor, matmul: ExpertLinear) -> torch.Tensor:
+        """``down(act(up x))`` (with ``gate x`` for swiglu), each product ``matmul(name, x, w)``."""
+        h = matmul("up_proj", x, self.up)
+        g = matmul("gate_proj", x, self.gate) if self.gate is not None else None
+        return matmul("down_proj", activate(h, g, self.activation), self.down)
+
+
 def _plain_bmm(name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x, w.transpose(1, 2))
 
 
 def _experts_padded_bmm(
-    x: torch.Tensor,
-    dispatch: Dispatch,
-    up: torch.Tensor,
-    down: torch.Tensor,
-    gate: torch.Tensor | None,
-    activation: Activation,
-    linear: ExpertLinear | None = None,
+    x: torch.Tensor, dispatch: Dispatch, experts: ExpertWeights, linear: ExpertLinear | None = None
 ) -> torch.Tensor:
     """Expert outputs per pair, in router order [T*k, d_in], via a padded buffer and bmm."""
     capacity = dispatch.max_tokens_per_expert
@@ -191,40 +223,26 @@ def _experts_padded_bmm(
     # indexing's is index_put_(accumulate=True), several times slower on CPU.
     buffer = buffer.index_copy(0, rows, x.index_select(0, dispatch.token_index))
     buffer = buffer.view(dispatch.num_experts, capacity, d_in)
-    mm = linear or _plain_bmm
-    h = mm("up_proj", buffer, up)
-    g = mm("gate_proj", buffer, gate) if gate is not None else None
-    out = mm("down_proj", activate(h, g, activation), down)
+    out = experts.mlp(buffer, linear or _plain_bmm)
     return out.reshape(-1, d_in).index_select(0, rows[dispatch.inverse_order])
 
 
 def _experts_grouped_mm(
-    x: torch.Tensor,
-    dispatch: Dispatch,
-    up: torch.Tensor,
-    down: torch.Tensor,
-    gate: torch.Tensor | None,
-    activation: Activation,
+    x: torch.Tensor, dispatch: Dispatch, experts: ExpertWeights
 ) -> torch.Tensor:
     """Same as :func:`_experts_padded_bmm` through ``torch._grouped_mm`` (no padding)."""
-    out = grouped_mm_sorted(x[dispatch.token_index], dispatch, up, down, gate, activation)
-    return out[dispatch.inverse_order]
+    return grouped_mm_sorted(x[dispatch.token_index], dispatch, experts)[dispatch.inverse_order]
 
 
-def grouped_mm_sorted(
-    xs: torch.Tensor,
-    dispatch: Dispatch,
-    up: torch.Tensor,
-    down: torch.Tensor,
-    gate: torch.Tensor | None,
-    activation: Activation,
-) -> torch.Tensor:
+def grouped_mm_sorted(xs: torch.Tensor, dispatch: Dispatch, experts: ExpertWeights) -> torch.Tensor:
     """The expert MLPs on pairs sorted by expert [T*k, d] -> [T*k, d], one ``_grouped_mm``
     per projection over the experts' runs."""
     offsets = torch.cumsum(dispatch.tokens_per_expert, 0).to(torch.int32)
-    h = torch._grouped_mm(xs, up.transpose(1, 2), offs=offsets)
-    g = torch._grouped_mm(xs, gate.transpose(1, 2), offs=offsets) if gate is not None else None
-    return torch._grouped_mm(activate(h, g, activation), down.transpose(1, 2), offs=offsets)
+
+    def grouped(name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
+
+    return experts.mlp(xs, grouped)
 
 
 _GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
@@ -257,7 +275,7 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
         results = []
         for fn in (_experts_grouped_mm, _experts_padded_bmm):
             leaves = [t.clone().requires_grad_() for t in (x, up, down)]
-            out = fn(leaves[0], dispatch, leaves[1], leaves[2], None, "relu2")
+            out = fn(leaves[0], dispatch, ExpertWeights(leaves[1], leaves[2]))
             out.float().square().sum().backward()
             results.append([out.float(), *(t.grad.float() for t in leaves)])
         tol = 1e-4 if dtype == torch.float32 else 5e-2
@@ -269,9 +287,7 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def _use_grouped_mm(
-    impl: Impl, x: torch.Tensor, ws: tuple[torch.Tensor | None, ...], ff: int
-) -> bool:
+def _use_grouped_mm(impl: Impl, x: torch.Tensor, experts: ExpertWeights) -> bool:
     if impl == "bmm":
         return False
     if impl == "grouped_mm":
@@ -279,11 +295,12 @@ def _use_grouped_mm(
             raise RuntimeError("impl='grouped_mm' but this torch has no torch._grouped_mm")
         return True
     # "auto": only where verified, and only for the 16-byte-aligned row strides it needs.
+    weights = (experts.up, experts.down, experts.gate)
     return (
         x.device.type == "cuda"
         and x.shape[1] % 8 == 0
-        and ff % 8 == 0
-        and all(w is None or w.is_contiguous() for w in ws)
+        and experts.up.shape[1] % 8 == 0
+        and all(w is None or w.is_contiguous() for w in weights)
         and grouped_mm_works(x.device, x.dtype)
     )
 
@@ -291,10 +308,7 @@ def _use_grouped_mm(
 def grouped_mlp(
     x: torch.Tensor,
     dispatch: Dispatch,
-    up: torch.Tensor,
-    down: torch.Tensor,
-    activation: Activation = "relu2",
-    gate: torch.Tensor | None = None,
+    experts: ExpertWeights,
     weights: torch.Tensor | None = None,
     *,
     impl: Impl = "auto",
@@ -305,9 +319,7 @@ def grouped_mlp(
     Args:
         x: token activations [T, d_in].
         dispatch: from :func:`route_tokens` on the same [T, k] routing.
-        up: [E, ff, d_in]; down: [E, d_in, ff]; gate: [E, ff, d_in], swiglu only.
-        activation: ``"relu2"`` (``relu(up x)^2``, Nemotron's experts) or
-            ``"swiglu"`` (``silu(gate x) * up x``).
+        experts: the experts' weights and activation, one per expert of the dispatch.
         weights: routing weights [T, k]; None sums the experts unweighted.
         impl: ``"auto"`` (grouped_mm on CUDA where verified, else padded bmm),
             ``"bmm"`` or ``"grouped_mm"`` to force one path.
@@ -318,36 +330,35 @@ def grouped_mlp(
     Returns:
         [T, d_in] in x's dtype. Expert matmuls run in x's dtype; the weighting
         and the sum over slots run in fp32 (fp64 for fp64 inputs). Gradients
-        reach x, up, down, gate and weights. Load statistics are on
+        reach x, the experts' weights and the routing weights. Load statistics are on
         ``dispatch.tokens_per_expert``.
     """
     num_tokens, d_in = x.shape
-    experts, ff = dispatch.num_experts, up.shape[1]
     if num_tokens != dispatch.num_tokens:
         raise ValueError(f"x has {num_tokens} tokens but the dispatch has {dispatch.num_tokens}")
-    if up.shape != (experts, ff, d_in) or down.shape != (experts, d_in, ff):
+    if experts.up.shape[0] != dispatch.num_experts or experts.up.shape[2] != d_in:
         raise ValueError(
-            f"expected up {(experts, ff, d_in)} and down {(experts, d_in, ff)}, "
-            f"got {tuple(up.shape)} and {tuple(down.shape)}"
+            f"expected up [{dispatch.num_experts}, ff, {d_in}], got {tuple(experts.up.shape)}"
         )
-    if activation not in ("relu2", "swiglu"):
-        raise ValueError(f"activation must be 'relu2' or 'swiglu', got {activation!r}")
-    if (activation == "swiglu") != (gate is not None):
-        raise ValueError("gate is required for swiglu and not accepted for relu2")
-    if gate is not None and gate.shape != up.shape:
-        raise ValueError(f"gate must match up {tuple(up.shape)}, got {tuple(gate.shape)}")
     if weights is not None and weights.shape != (num_tokens, dispatch.top_k):
         raise ValueError(
             f"weights must be {(num_tokens, dispatch.top_k)}, got {tuple(weights.shape)}"
         )
 
-    if linear is None and _use_grouped_mm(impl, x, (up, down, gate), ff):
-        pair_out = _experts_grouped_mm(x, dispatch, up, down, gate, activation)
+    if linear is None and _use_grouped_mm(impl, x, experts):
+        pair_out = _experts_grouped_mm(x, dispatch, experts)
     else:
-        pair_out = _experts_padded_bmm(x, dispatch, up, down, gate, activation, linear)
+        pair_out = _experts_padded_bmm(x, dispatch, experts, linear)
+    return combine(pair_out, dispatch, weights, x.dtype)
 
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    pair_out = pair_out.to(acc).reshape(num_tokens, dispatch.top_k, d_in)
+
+def combine(
+    pair_out: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """[T*k, d] router order -> [T, d] in ``dtype``: the weighted sum over the k slots in fp32
+    (fp64 for fp64), the same ops whichever path computed the pairs, so all round alike."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    pair_out = pair_out.to(acc).reshape(dispatch.num_tokens, dispatch.top_k, pair_out.shape[-1])
     if weights is not None:
         pair_out = pair_out * weights.to(acc)[..., None]
-    return pair_out.sum(dim=1).to(x.dtype)
+    return pair_out.sum(dim=1).to(dtype)

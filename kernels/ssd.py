@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "ScanInputs",
     "fast_path_available",
     "ssd_chunked_scan",
     "ssd_chunked_scan_torch",
@@ -44,48 +46,67 @@ __all__ = [
 ScanResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
-def _check_shapes(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    chunk_size: int,
-    D: torch.Tensor | None,
-    initial_state: torch.Tensor | None,
-    seq_idx: torch.Tensor | None = None,
-) -> None:
-    """Raise ValueError on inconsistent shapes; the einsums would fail less clearly."""
-    if x.ndim != 4:
-        raise ValueError(f"x must be [batch, length, heads, head_dim], got {tuple(x.shape)}")
-    b, seqlen, h, p = x.shape
-    if dt.shape != (b, seqlen, h):
-        raise ValueError(f"dt must be {(b, seqlen, h)}, got {tuple(dt.shape)}")
-    if A.shape != (h,):
-        raise ValueError(f"A must be {(h,)}, got {tuple(A.shape)}")
-    if B.ndim != 4 or B.shape[:2] != (b, seqlen) or B.shape != C.shape:
-        raise ValueError(
-            f"B and C must both be [{b}, {seqlen}, groups, state], "
-            f"got {tuple(B.shape)} and {tuple(C.shape)}"
-        )
-    g, n = B.shape[2], B.shape[3]
-    if g == 0 or h % g != 0:
-        raise ValueError(f"heads ({h}) must be a multiple of groups ({g})")
+@dataclass(frozen=True, eq=False)
+class ScanInputs:
+    """The tensors of one scan, checked on construction (the einsums would fail less clearly).
+
+    Args:
+        x: inputs [batch, length, heads, head_dim].
+        dt: step sizes [batch, length, heads], already softplus'ed and clamped (> 0).
+        A: per-head decay rates [heads], negative.
+        B, C: input and output projections [batch, length, groups, state]; group
+            ``k`` serves heads ``k*h/g ... (k+1)*h/g - 1``.
+        D: optional skip [heads] (or [heads, head_dim]) adding ``D * x``.
+        initial_state: optional state before position 0, [batch, heads, head_dim, state].
+        seq_idx: optional document index of every position [batch, length], non-decreasing;
+            the state resets where it changes (packed documents stay apart).
+    """
+
+    x: torch.Tensor
+    dt: torch.Tensor
+    A: torch.Tensor
+    B: torch.Tensor
+    C: torch.Tensor
+    D: torch.Tensor | None = None
+    initial_state: torch.Tensor | None = None
+    seq_idx: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        x, dt, A, B, C = self.x, self.dt, self.A, self.B, self.C
+        if x.ndim != 4:
+            raise ValueError(f"x must be [batch, length, heads, head_dim], got {tuple(x.shape)}")
+        b, seqlen, h, p = x.shape
+        if dt.shape != (b, seqlen, h):
+            raise ValueError(f"dt must be {(b, seqlen, h)}, got {tuple(dt.shape)}")
+        if A.shape != (h,):
+            raise ValueError(f"A must be {(h,)}, got {tuple(A.shape)}")
+        if B.ndim != 4 or B.shape[:2] != (b, seqlen) or B.shape != C.shape:
+            raise ValueError(
+                f"B and C must both be [{b}, {seqlen}, groups, state], "
+                f"got {tuple(B.shape)} and {tuple(C.shape)}"
+            )
+        g, n = B.shape[2], B.shape[3]
+        if g == 0 or h % g != 0:
+            raise ValueError(f"heads ({h}) must be a multiple of groups ({g})")
+        if self.D is not None and self.D.shape not in ((h,), (h, p)):
+            raise ValueError(f"D must be {(h,)} or {(h, p)}, got {tuple(self.D.shape)}")
+        state = self.initial_state
+        if state is not None and state.shape != (b, h, p, n):
+            raise ValueError(f"initial_state must be {(b, h, p, n)}, got {tuple(state.shape)}")
+        if self.seq_idx is not None and self.seq_idx.shape != (b, seqlen):
+            raise ValueError(f"seq_idx must be {(b, seqlen)}, got {tuple(self.seq_idx.shape)}")
+
+    def compute_dtype(self) -> torch.dtype:
+        """fp32, or fp64 when any input is fp64 (so float64 gradchecks stay exact)."""
+        tensors = (self.x, self.dt, self.A, self.B, self.C, self.D, self.initial_state)
+        if any(t is not None and t.dtype == torch.float64 for t in tensors):
+            return torch.float64
+        return torch.float32
+
+
+def _check_chunk_size(chunk_size: int) -> None:
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if D is not None and D.shape not in ((h,), (h, p)):
-        raise ValueError(f"D must be {(h,)} or {(h, p)}, got {tuple(D.shape)}")
-    if initial_state is not None and initial_state.shape != (b, h, p, n):
-        raise ValueError(f"initial_state must be {(b, h, p, n)}, got {tuple(initial_state.shape)}")
-    if seq_idx is not None and seq_idx.shape != (b, seqlen):
-        raise ValueError(f"seq_idx must be {(b, seqlen)}, got {tuple(seq_idx.shape)}")
-
-
-def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
-    """fp32, or fp64 when any input is fp64 (so float64 gradchecks stay exact)."""
-    if any(t is not None and t.dtype == torch.float64 for t in tensors):
-        return torch.float64
-    return torch.float32
 
 
 def _skip_term(x: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
@@ -98,17 +119,22 @@ def _pad_length(t: torch.Tensor, pad: int) -> torch.Tensor:
     return F.pad(t, (0, 0) * (t.ndim - 2) + (0, pad)) if pad else t
 
 
-def _decay(cum: torch.Tensor) -> torch.Tensor:
-    """exp(cum_i - cum_j) for j <= i and 0 above the diagonal: [..., l] -> [..., l, l].
+def _above_diagonal(size: int, device: torch.device) -> torch.Tensor:
+    """bool [size, size], True where j > i: the positions a causal decay hides."""
+    return torch.ones(size, size, dtype=torch.bool, device=device).triu(1)
+
+
+def _decay(cum: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """exp(cum_i - cum_j), and 0 where ``hidden`` (bool, broadcasting to [..., l, l]) is True:
+    [..., l] -> [..., l, l].
 
     A difference of prefix sums (as mamba_ssm's kernel does) costs one cumsum
     over l; the masked cumsum over an [l, l] grid it replaces, with its
     flip/cumsum/flip backward, was the scan's largest cost on CPU. Within one
     chunk the prefix sums stay small, so the subtraction loses no useful precision.
+    The mask and the exponential go in place into the one fresh [l, l] tensor.
     """
-    t = cum.shape[-1]
-    upper = torch.ones(t, t, dtype=torch.bool, device=cum.device).triu(1)
-    return (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    return (cum[..., :, None] - cum[..., None, :]).masked_fill_(hidden, float("-inf")).exp_()
 
 
 class _IntraChunk(torch.autograd.Function):
@@ -131,8 +157,7 @@ class _IntraChunk(torch.autograd.Function):
     ) -> torch.Tensor:
         # cum [b, c, g, r, l], cb [b, c, g, l, l], x_dt [b, c, g, r, l, p], hidden: bool
         # broadcasting to [.., l, l], True above the diagonal and across documents.
-        decay = (cum[..., :, None] - cum[..., None, :]).masked_fill_(hidden, float("-inf"))
-        decay = decay.exp_()
+        decay = _decay(cum, hidden)
         weights = decay * cb[:, :, :, None]
         ctx.save_for_backward(decay, weights, cb, x_dt)
         return torch.matmul(weights, x_dt)
@@ -151,29 +176,19 @@ class _IntraChunk(torch.autograd.Function):
         return grad_cum, grad_cb, grad_x, None
 
 
-def ssd_sequential_scan(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    chunk_size: int = 1,
-    D: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    return_final_state: bool = False,
-    seq_idx: torch.Tensor | None = None,
-) -> ScanResult:
-    """Reference SSD: the recurrence one position at a time (``chunk_size`` is ignored).
+def ssd_sequential_scan(inputs: ScanInputs, return_final_state: bool = False) -> ScanResult:
+    """Reference SSD: the recurrence one position at a time.
 
     Same contract as :func:`ssd_chunked_scan`. Intended for tests and tiny inputs.
     """
-    _check_shapes(x, dt, A, B, C, max(chunk_size, 1), D, initial_state, seq_idx)
+    x, B, C, D, seq_idx = inputs.x, inputs.B, inputs.C, inputs.D, inputs.seq_idx
     b, seqlen, h, p = x.shape
-    cdt = _compute_dtype(x, dt, A, B, C, D, initial_state)
-    xf, dtf, Af = x.to(cdt), dt.to(cdt), A.to(cdt)
+    cdt = inputs.compute_dtype()
+    xf, dtf, Af = x.to(cdt), inputs.dt.to(cdt), inputs.A.to(cdt)
     Bh = B.to(cdt).repeat_interleave(h // B.shape[2], dim=2)  # [b, l, h, n]
     Ch = C.to(cdt).repeat_interleave(h // C.shape[2], dim=2)
-    state = xf.new_zeros(b, h, p, B.shape[3]) if initial_state is None else initial_state.to(cdt)
+    init = inputs.initial_state
+    state = xf.new_zeros(b, h, p, B.shape[3]) if init is None else init.to(cdt)
     ys = []
     for t in range(seqlen):
         if seq_idx is not None and t > 0:  # a new document starts from a zero state
@@ -190,16 +205,7 @@ def ssd_sequential_scan(
 
 
 def ssd_chunked_scan_torch(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    chunk_size: int,
-    D: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    return_final_state: bool = False,
-    seq_idx: torch.Tensor | None = None,
+    inputs: ScanInputs, chunk_size: int, return_final_state: bool = False
 ) -> ScanResult:
     """Pure-PyTorch chunked SSD (any device, differentiable); see :func:`ssd_chunked_scan`.
 
@@ -210,12 +216,13 @@ def ssd_chunked_scan_torch(
     The inter-chunk pass uses a [chunks+1, chunks+1] decay matrix per (b, h),
     which is tiny next to the states it mixes.
     """
-    _check_shapes(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx)
+    _check_chunk_size(chunk_size)
+    x, dt, A, B, C, D = inputs.x, inputs.dt, inputs.A, inputs.B, inputs.C, inputs.D
     b, seqlen, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     r = h // g  # heads per group
     cs = chunk_size
-    cdt = _compute_dtype(x, dt, A, B, C, D, initial_state)
+    cdt = inputs.compute_dtype()
 
     pad = (-seqlen) % cs
     nc = (seqlen + pad) // cs
@@ -232,11 +239,12 @@ def ssd_chunked_scan_torch(
     Cc = Cf.reshape(b, nc, cs, g, n).transpose(2, 3).contiguous()
     dA = (dtf.reshape(b, nc, cs, g, r) * A.to(cdt).reshape(g, r)).permute(0, 1, 3, 4, 2)
     cum = dA.cumsum(-1)  # [b, c, g, r, l]: log-decay from the chunk start
+    seq_idx = inputs.seq_idx
     docs = _Documents(seq_idx, pad, nc, cs) if seq_idx is not None else None
 
     # 1. Within each chunk: y_i += sum_{j<=i} (C_i·B_j) exp(cum_i - cum_j) dt_j x_j.
     cb = torch.matmul(Cc, Bc.transpose(-1, -2))  # per group, [b, c, g, l, l]
-    upper = torch.ones(cs, cs, dtype=torch.bool, device=x.device).triu(1)
+    upper = _above_diagonal(cs, x.device)
     hidden = upper if docs is None else upper | ~docs.same_within_chunk()
     y = _IntraChunk.apply(cum, cb, x_dt, hidden)  # [b, c, g, r, l, p]
 
@@ -253,12 +261,13 @@ def ssd_chunked_scan_torch(
     #    where s_0 is the initial state and s_{z>0} the state chunk z-1 produced.
     init = (
         xf.new_zeros(b, 1, g, r, p, n)
-        if initial_state is None
-        else initial_state.to(cdt).reshape(b, 1, g, r, p, n)
+        if inputs.initial_state is None
+        else inputs.initial_state.to(cdt).reshape(b, 1, g, r, p, n)
     )
     all_states = torch.cat([init, chunk_states], dim=1)  # [b, c+1, g, r, p, n]
     chunk_total = F.pad(cum[..., -1], (0, 0, 0, 0, 1, 0))  # [b, c+1, g, r]
-    chunk_decay = _decay(chunk_total.cumsum(1).permute(0, 2, 3, 1))  # [b, g, r, c+1, c+1]
+    chunk_cum = chunk_total.cumsum(1).permute(0, 2, 3, 1)  # [b, g, r, c+1]
+    chunk_decay = _decay(chunk_cum, _above_diagonal(nc + 1, x.device))  # [b, g, r, c+1, c+1]
     if docs is not None:  # a state crosses chunks only inside one document
         chunk_decay = chunk_decay * docs.same_across_chunks()
     carried = torch.einsum("bgrcz,bzgrpn->bcgrpn", chunk_decay, all_states)
@@ -342,57 +351,33 @@ def _fast_path_applies(x: torch.Tensor, chunk_size: int) -> bool:
 
 
 def ssd_chunked_scan(
-    x: torch.Tensor,
-    dt: torch.Tensor,
-    A: torch.Tensor,
-    B: torch.Tensor,
-    C: torch.Tensor,
-    chunk_size: int,
-    D: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    return_final_state: bool = False,
-    seq_idx: torch.Tensor | None = None,
+    inputs: ScanInputs, chunk_size: int, return_final_state: bool = False
 ) -> ScanResult:
-    """Mamba-2 SSD scan over a whole sequence.
+    """Mamba-2 SSD scan over a whole sequence (``inputs``: :class:`ScanInputs`).
 
-    Args:
-        x: inputs [batch, length, heads, head_dim].
-        dt: step sizes [batch, length, heads], already softplus'ed and clamped (> 0).
-        A: per-head decay rates [heads], negative.
-        B, C: input and output projections [batch, length, groups, state]; group
-            ``k`` serves heads ``k*h/g ... (k+1)*h/g - 1``.
-        chunk_size: chunk length; any length works (the tail chunk is zero-padded).
-        D: optional skip [heads] (or [heads, head_dim]) adding ``D * x``.
-        initial_state: optional state before position 0, [batch, heads, head_dim, state].
-        return_final_state: also return the state after the last position.
-        seq_idx: optional document index of every position [batch, length], non-decreasing;
-            the state resets where it changes (packed documents stay apart).
-
-    Returns:
-        ``y`` [batch, length, heads, head_dim] in x's dtype, and with
-        ``return_final_state`` also the final state [batch, heads, head_dim, state]
-        in fp32 (fp64 on the pure path when an input is fp64). Arithmetic is fp32.
+    ``chunk_size`` is the chunk length; any length works (the tail chunk is zero-padded).
+    Returns ``y`` [batch, length, heads, head_dim] in x's dtype, and with
+    ``return_final_state`` also the final state [batch, heads, head_dim, state]
+    in fp32 (fp64 on the pure path when an input is fp64). Arithmetic is fp32.
     """
-    if _fast_path_applies(x, chunk_size):
-        _check_shapes(x, dt, A, B, C, chunk_size, D, initial_state, seq_idx)
-        kernel = _mamba_chunk_scan_combined()
-        assert kernel is not None  # guaranteed by _fast_path_applies
-        out = kernel(
-            x,
-            dt,
-            A,
-            B,
-            C,
-            chunk_size,
-            D=D,
-            initial_states=initial_state,
-            return_final_states=return_final_state,
-            seq_idx=None if seq_idx is None else seq_idx.to(torch.int32),
-        )
-        if return_final_state:
-            y, final_state = out
-            return y, final_state.float()
-        return out
-    return ssd_chunked_scan_torch(
-        x, dt, A, B, C, chunk_size, D, initial_state, return_final_state, seq_idx
+    if not _fast_path_applies(inputs.x, chunk_size):
+        return ssd_chunked_scan_torch(inputs, chunk_size, return_final_state)
+    kernel = _mamba_chunk_scan_combined()
+    assert kernel is not None  # guaranteed by _fast_path_applies
+    seq_idx = inputs.seq_idx
+    out = kernel(
+        inputs.x,
+        inputs.dt,
+        inputs.A,
+        inputs.B,
+        inputs.C,
+        chunk_size,
+        D=inputs.D,
+        initial_states=inputs.initial_state,
+        return_final_states=return_final_state,
+        seq_idx=None if seq_idx is None else seq_idx.to(torch.int32),
     )
+    if return_final_state:
+        y, final_state = out
+        return y, final_state.float()
+    return out

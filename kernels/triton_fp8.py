@@ -56,21 +56,12 @@ def _to_fp8_and_back(y, scale, MANT, MIN_NORMAL, MAGIC, MAX):
 
 @triton.jit
 def _tensorwise_kernel(
-    x_ptr,
-    R,
-    C,
-    sb,
-    sr,
-    sc,
-    amax_ptr,
-    out_ptr,
-    BR: tl.constexpr,
-    BC: tl.constexpr,
-    MANT: tl.constexpr,
-    MIN_NORMAL: tl.constexpr,
-    MAGIC: tl.constexpr,
-    MAX: tl.constexpr,
-):
+    x_ptr, R, C, sb, sr, sc,  # the input [B, R, C] and its strides
+    amax_ptr,  # fp32 [B]
+    out_ptr,  # fp32 [B, R, C], contiguous
+    BR: tl.constexpr, BC: tl.constexpr,
+    MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, MAGIC: tl.constexpr, MAX: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     b = tl.program_id(1)
     npc = tl.cdiv(C, BC)
@@ -134,21 +125,12 @@ def _pow2(e):
 
 @triton.jit
 def _mxfp8_kernel(
-    x_ptr,
-    R,
-    C,
-    sr,
-    sc,
-    out_ptr,
-    bad_ptr,
-    BR: tl.constexpr,
-    NB: tl.constexpr,
-    EMAX: tl.constexpr,
-    MANT: tl.constexpr,
-    MIN_NORMAL: tl.constexpr,
-    MAGIC: tl.constexpr,
-    MAX: tl.constexpr,
-):
+    x_ptr, R, C, sr, sc,  # the input [R, C] and its strides
+    out_ptr,  # fp32 [R, C], contiguous
+    bad_ptr,  # int32, one slot per program: its count of non-finite elements
+    BR: tl.constexpr, NB: tl.constexpr, EMAX: tl.constexpr,
+    MANT: tl.constexpr, MIN_NORMAL: tl.constexpr, MAGIC: tl.constexpr, MAX: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     npc = tl.cdiv(C, NB * 32)
     rows = (pid // npc) * BR + tl.arange(0, BR)[:, None, None]

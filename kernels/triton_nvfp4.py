@@ -35,6 +35,8 @@ gpu`` checks a compiled run's bits and speed on the device (``BENCHMARKS.md``, g
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -44,11 +46,13 @@ from factory.kernels.triton_tiles import (
     FLT_MAX,
     launch_options,
     load_tile,
+    program_tile,
     rotation_matrix,
     round_to_bf16,
     round_to_fp8,
     tile_amax,
     tile_grid,
+    tile_indices,
     with_sign_of,
 )
 
@@ -119,61 +123,38 @@ def _e2m1_value(code):
 @triton.jit
 def _block_scales(x, amax):
     """TE's scale chain for one tile: the E4M3 scales [RT, NB] (as fp32 values) and the
-    elements' encode scales broadcast to the tile."""
+    elements times their block's encode scale, ``y = x * enc_b``, not yet rounded."""
     s_enc = tl.minimum(tl.div_rn(tl.full([], 2688.0, tl.float32), amax), FLT_MAX)
     s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
     s_dec = tl.div_rn(tl.full([], 1.0, tl.float32), s_enc)
     block_amax = tl.max(tl.max(tl.abs(x), axis=3), axis=1)
     s_b = round_to_fp8(block_amax * (s_enc * _ONE_SIXTH), 3, 0.015625, 16384.0, 448.0)
     enc = tl.minimum(tl.div_rn(tl.full(s_b.shape, 1.0, tl.float32), s_b * s_dec), FLT_MAX)
-    return s_b, enc[:, None, :, None]
+    return s_b, x * enc[:, None, :, None]
 
 
 @triton.jit
 def _fake_kernel(
-    x_ptr,
-    R,
-    C,
-    sb,
-    sr,
-    sc,
-    amax_ptr,
-    u_ptr,
-    usb,
-    usr,
-    usc,
-    m_ptr,
-    out_ptr,
-    osb,
-    osr,
-    osc,
-    RT: tl.constexpr,
-    TR: tl.constexpr,
-    NB: tl.constexpr,
-    ROTATE: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
+    x_ptr, R, C, sb, sr, sc,  # the input [B, R, C] and its strides
+    amax_ptr,  # fp32 [B]
+    u_ptr, usb, usr, usc,  # the uniforms, read with STOCHASTIC
+    m_ptr,  # the 16x16 rotation, read with ROTATE
+    out_ptr, osb, osr, osc,  # the output [B, R, C]
+    RT: tl.constexpr, TR: tl.constexpr, NB: tl.constexpr,
+    ROTATE: tl.constexpr, ROUND_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
     OUT_BF16: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    b = tl.program_id(1)
-    npc = tl.cdiv(C, NB * 16)
-    row0 = (pid // npc) * (RT * TR)
-    col0 = (pid % npc) * (NB * 16)
-    x = load_tile(x_ptr, b, row0, col0, R, C, sb, sr, sc, m_ptr, RT, TR, NB, ROTATE, ROUND_BF16)
+):  # fmt: skip
+    b, row0, col0, x = program_tile(x_ptr, R, C, sb, sr, sc, m_ptr, RT, TR, NB, ROTATE, ROUND_BF16)
     amax = tl.load(amax_ptr + b)
-    s_b, enc = _block_scales(x, amax)
+    s_b, y = _block_scales(x, amax)
     u = 0.0
     if STOCHASTIC:  # padding reads 0, and its y is 0, which never rounds up either way
         u = load_tile(u_ptr, b, row0, col0, R, C, usb, usr, usc, m_ptr, RT, TR, NB, False, False)
-    y = x * enc
     magnitude = _e2m1_value(_e2m1(y, u, STOCHASTIC)) if STOCHASTIC else _e2m1_nearest(y)
     value = (magnitude * s_b[:, None, :, None]) * tl.div_rn(amax, tl.full([], 2688.0, tl.float32))
     value = with_sign_of(value, y)
-    r1 = tl.arange(0, RT)[:, None, None, None]
-    r2 = tl.arange(0, TR)[None, :, None, None]
-    cols = col0 + tl.arange(0, NB)[None, None, :, None] * 16 + tl.arange(0, 16)[None, None, None, :]
-    rows = row0 + r1 * TR + r2
+    rows, runs = tile_indices(row0, col0, RT, TR, NB)
+    cols = runs + tl.arange(0, 16)[None, None, None, :]
     ptr = out_ptr + b.to(tl.int64) * osb + rows.to(tl.int64) * osr + cols * osc
     mask = (rows < R) & (cols < C)
     if OUT_BF16:
@@ -185,39 +166,21 @@ def _fake_kernel(
 
 @triton.jit
 def _pack_kernel(
-    x_ptr,
-    R,
-    C,
-    sr,
-    sc,
-    amax_ptr,
-    u_ptr,
-    usr,
-    usc,
-    m_ptr,
-    data_ptr,
-    scale_ptr,
-    RT: tl.constexpr,
-    TR: tl.constexpr,
-    NB: tl.constexpr,
-    ROTATE: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-    STOCHASTIC: tl.constexpr,
-):
+    x_ptr, R, C, sb, sr, sc,  # the input [1, R, C] and its strides
+    amax_ptr,  # fp32 [1]
+    u_ptr, usb, usr, usc,  # the uniforms, read with STOCHASTIC
+    m_ptr,  # the 16x16 rotation, read with ROTATE
+    data_ptr, scale_ptr,  # the outputs, contiguous
+    RT: tl.constexpr, TR: tl.constexpr, NB: tl.constexpr,
+    ROTATE: tl.constexpr, ROUND_BF16: tl.constexpr, STOCHASTIC: tl.constexpr,
+):  # fmt: skip
     """Codes packed two per byte (even element in the low nibble) into ``data [R, C/2]`` and
     E4M3 scale bytes into ``scale [R/TR, C/16]``; R and C are whole tiles."""
-    pid = tl.program_id(0)
-    npc = tl.cdiv(C, NB * 16)
-    row0 = (pid // npc) * (RT * TR)
-    col0 = (pid % npc) * (NB * 16)
-    zero = tl.program_id(1)
-    x = load_tile(x_ptr, zero, row0, col0, R, C, 0, sr, sc, m_ptr, RT, TR, NB, ROTATE, ROUND_BF16)
-    amax = tl.load(amax_ptr)
-    s_b, enc = _block_scales(x, amax)
+    b, row0, col0, x = program_tile(x_ptr, R, C, sb, sr, sc, m_ptr, RT, TR, NB, ROTATE, ROUND_BF16)
+    s_b, y = _block_scales(x, tl.load(amax_ptr + b))
     u = 0.0
     if STOCHASTIC:
-        u = load_tile(u_ptr, zero, row0, col0, R, C, 0, usr, usc, m_ptr, RT, TR, NB, False, False)
-    y = x * enc
+        u = load_tile(u_ptr, b, row0, col0, R, C, usb, usr, usc, m_ptr, RT, TR, NB, False, False)
     magnitude_codes = _e2m1(y, u, STOCHASTIC) if STOCHASTIC else _e2m1_code(_e2m1_nearest(y))
     codes = magnitude_codes | tl.where(y < 0.0, 8, 0)  # exact -0.0 keeps code 0
     pairs = tl.reshape(codes, [RT * TR, NB * 8, 2])
@@ -238,11 +201,6 @@ def _pack_kernel(
 def _as_batch(x: torch.Tensor) -> torch.Tensor:
     """``[..., rows, cols]`` as ``[B, rows, cols]``, a view where the strides allow."""
     return x.reshape(-1, *x.shape[-2:])
-
-
-def _launch_geometry(tile_rows: int) -> tuple[int, int]:
-    """(row groups, runs of 16 columns) per program for this tile height."""
-    return max(1, _BLOCK_ROWS // tile_rows), _BLOCK_COLS // 16
 
 
 def global_amax(
@@ -272,6 +230,43 @@ def _amax_for(
     return amax.contiguous()
 
 
+class _Launch(NamedTuple):
+    """What both kernels take, worked out once for ``x3 [B, rows, cols]``."""
+
+    grid: tuple[int, int]
+    operands: list
+    """The input and its strides, the amaxes, the uniforms and their strides (the input's
+    where there are none, never read), the rotation (likewise)."""
+    constexprs: dict
+    amax: torch.Tensor
+    """fp32 [B]: the amax of each matrix."""
+
+
+def _launch(
+    x3: torch.Tensor,
+    tile: tuple[int, int],
+    amax: torch.Tensor | None,
+    uniform: torch.Tensor | None,
+    rht_signs: torch.Tensor | None,
+) -> _Launch:
+    b, rows, cols = x3.shape
+    rotation = None if rht_signs is None else rotation_matrix(rht_signs, x3.device)
+    amax = _amax_for(x3, tile, amax, rotation)
+    padded = (b, rows + -rows % tile[0], cols + -cols % 16)
+    u3 = x3 if uniform is None else _uniforms(uniform, padded, x3.device)
+    rt, nb = max(1, _BLOCK_ROWS // tile[0]), _BLOCK_COLS // 16
+    operands = [
+        x3, rows, cols, *x3.stride(), amax, u3, *u3.stride(),
+        x3 if rotation is None else rotation,
+    ]  # fmt: skip
+    constexprs = {
+        "RT": rt, "TR": tile[0], "NB": nb, "ROTATE": rotation is not None,
+        "ROUND_BF16": rotation is not None and x3.dtype == torch.bfloat16,
+        "STOCHASTIC": uniform is not None, **launch_options(),
+    }  # fmt: skip
+    return _Launch(tile_grid(rows, cols, rt * tile[0], nb * 16, b), operands, constexprs, amax)
+
+
 def fake_quantize(
     x: torch.Tensor,
     tile: tuple[int, int] = (1, 16),
@@ -298,24 +293,12 @@ def fake_quantize(
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     x3 = _as_batch(x)
-    rotation = None if rht_signs is None else rotation_matrix(rht_signs, x.device)
-    amax = _amax_for(x3, tile, amax, rotation)
-    b, rows, cols = x3.shape
-    padded = (b, rows + -rows % tile[0], cols + -cols % 16)
-    u3 = None if uniform is None else _uniforms(uniform, padded, x.device)
-    out = torch.empty((b, rows, cols), dtype=out_dtype, device=x.device)
+    launch = _launch(x3, tile, amax, uniform, rht_signs)
+    out = torch.empty(x3.shape, dtype=out_dtype, device=x.device)
     o3 = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
-    rt, nb = _launch_geometry(tile[0])
-    grid = tile_grid(rows, cols, rt * tile[0], nb * 16, b)
-    _fake_kernel[grid](
-        x3, rows, cols, *x3.stride(), amax,
-        x3 if u3 is None else u3, *(u3 if u3 is not None else x3).stride(),
-        x3 if rotation is None else rotation,
-        o3, *o3.stride(),
-        RT=rt, TR=tile[0], NB=nb, ROTATE=rotation is not None,
-        ROUND_BF16=rotation is not None and x.dtype == torch.bfloat16,
-        STOCHASTIC=u3 is not None, OUT_BF16=out_dtype == torch.bfloat16,
-        **launch_options(),
+    _fake_kernel[launch.grid](
+        *launch.operands, o3, *o3.stride(),
+        OUT_BF16=out_dtype == torch.bfloat16, **launch.constexprs,
     )  # fmt: skip
     return out.reshape(x.shape)
 
@@ -347,19 +330,8 @@ def quantize(
     rows, cols = x.shape
     if cols % 16 or rows % tile[0] or x.numel() == 0:
         raise ValueError(f"shape {(rows, cols)} must be non-empty whole tiles {tile}")
-    rotation = None if rht_signs is None else rotation_matrix(rht_signs, x.device)
-    amax = _amax_for(x[None], tile, amax, rotation)
-    u = None if uniform is None else _uniforms(uniform, (1, rows, cols), x.device)[0]
+    launch = _launch(x[None], tile, amax, uniform, rht_signs)
     data = torch.empty((rows, cols // 2), dtype=torch.uint8, device=x.device)
     scale = torch.empty((rows // tile[0], cols // 16), dtype=torch.uint8, device=x.device)
-    rt, nb = _launch_geometry(tile[0])
-    grid = tile_grid(rows, cols, rt * tile[0], nb * 16, 1)
-    _pack_kernel[grid](
-        x, rows, cols, *x.stride(), amax,
-        x if u is None else u, *(u if u is not None else x).stride(),
-        x if rotation is None else rotation, data, scale,
-        RT=rt, TR=tile[0], NB=nb, ROTATE=rotation is not None,
-        ROUND_BF16=rotation is not None and x.dtype == torch.bfloat16,
-        STOCHASTIC=u is not None, **launch_options(),
-    )  # fmt: skip
-    return nvfp4.NVFP4Tensor(data, scale.view(torch.float8_e4m3fn), amax[0].clone(), tile)
+    _pack_kernel[launch.grid](*launch.operands, data, scale, **launch.constexprs)
+    return nvfp4.NVFP4Tensor(data, scale.view(torch.float8_e4m3fn), launch.amax[0].clone(), tile)

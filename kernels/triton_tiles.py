@@ -29,12 +29,15 @@ __all__ = [
     "FLT_MAX",
     "launch_options",
     "load_tile",
+    "program_tile",
     "rne_drop_bits",
     "rotation_matrix",
     "round_to_bf16",
     "round_to_fp8",
     "tile_amax",
     "tile_grid",
+    "tile_indices",
+    "with_sign_of",
 ]
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -111,36 +114,28 @@ def round_to_fp8(
 
 
 @triton.jit
+def tile_indices(row0, col0, RT: tl.constexpr, TR: tl.constexpr, NB: tl.constexpr):
+    """The rows ``[RT, TR, 1, 1]`` of the tile at (``row0``, ``col0``) and the first column of
+    each of its runs of 16 ``[1, 1, NB, 1]``."""
+    rows = row0 + tl.arange(0, RT)[:, None, None, None] * TR + tl.arange(0, TR)[None, :, None, None]
+    return rows, col0 + tl.arange(0, NB)[None, None, :, None] * 16
+
+
+@triton.jit
 def load_tile(
-    x_ptr,
-    b,
-    row0,
-    col0,
-    R,
-    C,
-    sb,
-    sr,
-    sc,
-    m_ptr,
-    RT: tl.constexpr,
-    TR: tl.constexpr,
-    NB: tl.constexpr,
-    ROTATE: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-):
+    x_ptr, b, row0, col0, R, C, sb, sr, sc, m_ptr,
+    RT: tl.constexpr, TR: tl.constexpr, NB: tl.constexpr,
+    ROTATE: tl.constexpr, ROUND_BF16: tl.constexpr,
+):  # fmt: skip
     """The fp32 tile ``[RT, TR, NB, 16]`` of matrix ``b`` at (``row0``, ``col0``), zeros past
     the edges. With ``ROTATE`` each run of 16 columns is right-multiplied by the
     16x16 matrix at ``m_ptr``, summing ``x_k * m[k, j]`` for k = 0..15 in that order
     (the order the tests' reference uses); ``ROUND_BF16`` then rounds the result to
     BF16, as ``hadamard.rht`` does for a BF16 input."""
-    r1 = tl.arange(0, RT)[:, None, None, None]
-    r2 = tl.arange(0, TR)[None, :, None, None]
-    c1 = tl.arange(0, NB)[None, None, :, None]
+    rows, run = tile_indices(row0, col0, RT, TR, NB)
     c2 = tl.arange(0, 16)[None, None, None, :]
-    rows = row0 + r1 * TR + r2
     base = x_ptr + b.to(tl.int64) * sb + rows.to(tl.int64) * sr
     if ROTATE:
-        run = col0 + c1 * 16
         x = tl.load(base + run * sc, mask=(rows < R) & (run < C), other=0.0).to(tl.float32)
         acc = x * tl.load(m_ptr + c2)
         for k in tl.static_range(1, 16):
@@ -150,37 +145,40 @@ def load_tile(
         if ROUND_BF16:
             acc = round_to_bf16(acc)
         return acc
-    cols = col0 + c1 * 16 + c2
+    cols = run + c2
     return tl.load(base + cols * sc, mask=(rows < R) & (cols < C), other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _amax_kernel(
-    x_ptr,
-    R,
-    C,
-    sb,
-    sr,
-    sc,
-    m_ptr,
-    amax_ptr,
-    bad_ptr,
-    RT: tl.constexpr,
-    TR: tl.constexpr,
-    NB: tl.constexpr,
-    ROTATE: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-):
-    """One tile's max |x| and count of non-finite elements, stored at its program's slot."""
+def program_tile(
+    x_ptr, R, C, sb, sr, sc, m_ptr,
+    RT: tl.constexpr, TR: tl.constexpr, NB: tl.constexpr,
+    ROTATE: tl.constexpr, ROUND_BF16: tl.constexpr,
+):  # fmt: skip
+    """This program's tile on a :func:`tile_grid` launch: (its matrix ``b``, first row, first
+    column, the fp32 tile :func:`load_tile` reads there)."""
     pid = tl.program_id(0)
     b = tl.program_id(1)
     npc = tl.cdiv(C, NB * 16)
     row0 = (pid // npc) * (RT * TR)
     col0 = (pid % npc) * (NB * 16)
     x = load_tile(x_ptr, b, row0, col0, R, C, sb, sr, sc, m_ptr, RT, TR, NB, ROTATE, ROUND_BF16)
+    return b, row0, col0, x
+
+
+@triton.jit
+def _amax_kernel(
+    x_ptr, R, C, sb, sr, sc,  # the input [B, R, C] and its strides
+    m_ptr,  # the 16x16 rotation, read with ROTATE
+    amax_ptr, bad_ptr,  # the outputs, one slot per program
+    RT: tl.constexpr, TR: tl.constexpr, NB: tl.constexpr,
+    ROTATE: tl.constexpr, ROUND_BF16: tl.constexpr,
+):  # fmt: skip
+    """One tile's max |x| and count of non-finite elements, stored at its program's slot."""
+    b, _, _, x = program_tile(x_ptr, R, C, sb, sr, sc, m_ptr, RT, TR, NB, ROTATE, ROUND_BF16)
     a = tl.reshape(tl.abs(x), [RT * TR * NB * 16])
     bad = ((a != a) | (a == float("inf"))).to(tl.int32)
-    slot = b.to(tl.int64) * tl.num_programs(0) + pid
+    slot = b.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
     tl.store(amax_ptr + slot, tl.max(a, axis=0))
     tl.store(bad_ptr + slot, tl.sum(bad, axis=0))
 

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from factory.kernels.moe_dispatch import (
     Dispatch,
+    ExpertWeights,
     grouped_mlp,
     grouped_mm_works,
     relu_squared,
@@ -102,9 +103,8 @@ def build(case: dict, dtype: torch.dtype = torch.float64) -> dict:
 
 def call_grouped(t: dict, case: dict, **kw) -> torch.Tensor:
     dispatch = route_tokens(t["index"], case["experts"])
-    return grouped_mlp(
-        t["x"], dispatch, t["up"], t["down"], case["activation"], t["gate"], t["weights"], **kw
-    )
+    experts = ExpertWeights(t["up"], t["down"], case["activation"], t["gate"])
+    return grouped_mlp(t["x"], dispatch, experts, t["weights"], **kw)
 
 
 def call_naive(t: dict, case: dict) -> torch.Tensor:
@@ -167,11 +167,16 @@ def test_argument_errors() -> None:
     t = build({**case, "activation": "relu2", "weighted": True})
     d = route_tokens(t["index"], 2)
     with pytest.raises(ValueError, match="gate is required"):
-        grouped_mlp(t["x"], d, t["up"], t["down"], "swiglu")
+        ExpertWeights(t["up"], t["down"], "swiglu")
     with pytest.raises(ValueError, match="activation"):
-        grouped_mlp(t["x"], d, t["up"], t["down"], "gelu")  # type: ignore[arg-type]
+        ExpertWeights(t["up"], t["down"], "gelu")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="down"):
+        ExpertWeights(t["up"], t["down"].transpose(1, 2))
+    experts = ExpertWeights(t["up"], t["down"])
     with pytest.raises(ValueError, match="tokens"):
-        grouped_mlp(t["x"][:2], d, t["up"], t["down"])
+        grouped_mlp(t["x"][:2], d, experts)
+    with pytest.raises(ValueError, match="expected up"):
+        grouped_mlp(t["x"], route_tokens(t["index"], 3), experts)
 
 
 def test_no_tokens() -> None:
@@ -203,7 +208,7 @@ def test_matches_transformers_nemotron_h_experts() -> None:
     with torch.no_grad():
         expected = hf(x, index, weights)
     got = grouped_mlp(
-        x, route_tokens(index, experts), params["up"], params["down"], "relu2", None, weights
+        x, route_tokens(index, experts), ExpertWeights(params["up"], params["down"]), weights
     )
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

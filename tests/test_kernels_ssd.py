@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from factory.kernels.ssd import (
+    ScanInputs,
     _IntraChunk,
     fast_path_available,
     ssd_chunked_scan,
@@ -51,18 +52,16 @@ def make_inputs(
     }
 
 
-def run(fn, inputs: dict[str, torch.Tensor | None], chunk_size: int, final: bool = True):
-    return fn(
-        inputs["x"],
-        inputs["dt"],
-        inputs["A"],
-        inputs["B"],
-        inputs["C"],
-        chunk_size,
-        D=inputs["D"],
-        initial_state=inputs["initial_state"],
-        return_final_state=final,
-    )
+def run(
+    fn,
+    inputs: dict[str, torch.Tensor | None],
+    chunk_size: int | None = None,
+    final: bool = True,
+    seq_idx: torch.Tensor | None = None,
+):
+    """``fn`` on ``inputs``; the sequential reference takes no ``chunk_size``."""
+    chunking = () if chunk_size is None else (chunk_size,)
+    return fn(ScanInputs(**inputs, seq_idx=seq_idx), *chunking, return_final_state=final)
 
 
 @st.composite
@@ -88,7 +87,7 @@ def ssd_cases(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor | None], int]:
 def test_chunked_matches_sequential(case: tuple[dict[str, torch.Tensor | None], int]) -> None:
     inputs, chunk_size = case
     y, state = run(ssd_chunked_scan, inputs, chunk_size)
-    y_ref, state_ref = run(ssd_sequential_scan, inputs, chunk_size)
+    y_ref, state_ref = run(ssd_sequential_scan, inputs)
     assert y.shape == inputs["x"].shape and y.dtype == torch.float64
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(state, state_ref, rtol=1e-10, atol=1e-10)
@@ -100,7 +99,7 @@ def test_chunk_size_invariance_fp32(chunk_size: int) -> None:
     inputs = make_inputs(1, 2, 45, 4, 2, 8, 8, dtype=torch.float32)
     y, state = run(ssd_chunked_scan, inputs, chunk_size)
     as64 = {k: None if v is None else v.double() for k, v in inputs.items()}
-    y_ref, state_ref = run(ssd_sequential_scan, as64, 1)
+    y_ref, state_ref = run(ssd_sequential_scan, as64)
     assert y.dtype == torch.float32 and state.dtype == torch.float32
     torch.testing.assert_close(y.double(), y_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(state.double(), state_ref, rtol=1e-5, atol=1e-5)
@@ -110,7 +109,7 @@ def test_without_final_state_returns_tensor() -> None:
     inputs = make_inputs(2, 1, 5, 2, 1, 2, 3)
     y = run(ssd_chunked_scan, inputs, 4, final=False)
     assert isinstance(y, torch.Tensor)
-    torch.testing.assert_close(y, run(ssd_sequential_scan, inputs, 4, final=False))
+    torch.testing.assert_close(y, run(ssd_sequential_scan, inputs, final=False))
 
 
 def test_bf16_input_keeps_dtype_and_fp32_state() -> None:
@@ -119,7 +118,7 @@ def test_bf16_input_keeps_dtype_and_fp32_state() -> None:
     y, state = run(ssd_chunked_scan, inputs, 8)
     assert y.dtype == torch.bfloat16 and state.dtype == torch.float32
     as32 = {k: None if v is None else v.float() for k, v in inputs.items()}
-    y_ref, state_ref = run(ssd_sequential_scan, as32, 1)
+    y_ref, state_ref = run(ssd_sequential_scan, as32)
     torch.testing.assert_close(state, state_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(y.float(), y_ref, rtol=2e-2, atol=2e-2)
 
@@ -144,8 +143,7 @@ def test_gradcheck_float64() -> None:
     leaves = [inputs[k].clone().requires_grad_() for k in names]
 
     def fn(*args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, dt, A, B, C, D, init = args
-        return ssd_chunked_scan(x, dt, A, B, C, 2, D, init, return_final_state=True)
+        return ssd_chunked_scan(ScanInputs(*args), 2, return_final_state=True)
 
     assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-6)
 
@@ -154,9 +152,9 @@ def test_gradients_match_sequential() -> None:
     inputs = make_inputs(6, 2, 23, 4, 2, 3, 4)
     names = ["x", "dt", "A", "B", "C", "D", "initial_state"]
     grads = []
-    for fn in (ssd_chunked_scan, ssd_sequential_scan):
+    for fn, chunk_size in ((ssd_chunked_scan, 8), (ssd_sequential_scan, None)):
         leaves = {k: inputs[k].clone().requires_grad_() for k in names}
-        y, state = run(fn, leaves, 8)
+        y, state = run(fn, leaves, chunk_size)
         (y.sin().sum() + state.cos().sum()).backward()
         grads.append([leaves[k].grad for k in names])
     for name, g_chunk, g_seq in zip(names, *grads, strict=True):
@@ -191,7 +189,7 @@ def test_long_chunk_decay_is_stable() -> None:
     inputs["dt"] = inputs["dt"] * 0 + 0.5
     inputs["A"] = torch.tensor([-16.0, -1.0])
     y, state = run(ssd_chunked_scan, inputs, 256)
-    y_ref, state_ref = run(ssd_sequential_scan, inputs, 1)
+    y_ref, state_ref = run(ssd_sequential_scan, inputs)
     assert torch.isfinite(y).all()
     torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(state, state_ref, rtol=1e-4, atol=1e-4)
@@ -201,7 +199,7 @@ def test_per_channel_d() -> None:
     inputs = make_inputs(9, 1, 9, 2, 2, 3, 2)
     inputs["D"] = torch.randn(2, 3, dtype=torch.float64)
     torch.testing.assert_close(
-        run(ssd_chunked_scan, inputs, 4)[0], run(ssd_sequential_scan, inputs, 4)[0]
+        run(ssd_chunked_scan, inputs, 4)[0], run(ssd_sequential_scan, inputs)[0]
     )
 
 
@@ -229,9 +227,8 @@ def test_fast_path_dispatch_plumbing(monkeypatch: pytest.MonkeyPatch) -> None:
     def fake_kernel(x, dt, A, B, C, chunk_size, *, D, initial_states, return_final_states, seq_idx):
         calls.append(chunk_size)
         assert seq_idx is None or seq_idx.dtype == torch.int32  # mamba_ssm's dtype
-        y, state = ssd_sequential_scan(
-            x, dt, A, B, C, chunk_size, D, initial_states, True, seq_idx=seq_idx
-        )
+        scan = ScanInputs(x, dt, A, B, C, D, initial_states, seq_idx)
+        y, state = ssd_sequential_scan(scan, return_final_state=True)
         return (y, state.to(torch.bfloat16)) if return_final_states else y
 
     monkeypatch.setattr(ssd, "_fast_path_applies", lambda x, chunk_size: True)
@@ -241,9 +238,10 @@ def test_fast_path_dispatch_plumbing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == [64] and state.dtype == torch.float32
     assert isinstance(run(ssd_chunked_scan, inputs, 64, final=False), torch.Tensor)
     seq_idx = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])
-    args = [inputs[k] for k in ("x", "dt", "A", "B", "C")]
-    y = ssd_chunked_scan(*args, 64, D=inputs["D"], seq_idx=seq_idx)
-    torch.testing.assert_close(y, ssd_chunked_scan_torch(*args, 64, D=inputs["D"], seq_idx=seq_idx))
+    y = run(ssd_chunked_scan, inputs, 64, final=False, seq_idx=seq_idx)
+    torch.testing.assert_close(
+        y, run(ssd_chunked_scan_torch, inputs, 64, final=False, seq_idx=seq_idx)
+    )
 
 
 @st.composite
@@ -268,10 +266,8 @@ def test_documents_chunked_matches_sequential(
     """With seq_idx the chunked scan equals the recurrence that zeroes the state at every
     document start, whatever the chunk size and where the boundaries fall."""
     inputs, chunk_size, seq_idx = case
-    args = [inputs[k] for k in ("x", "dt", "A", "B", "C")]
-    kwargs = {"D": inputs["D"], "initial_state": inputs["initial_state"], "seq_idx": seq_idx}
-    y, state = ssd_chunked_scan(*args, chunk_size, return_final_state=True, **kwargs)
-    y_ref, state_ref = ssd_sequential_scan(*args, chunk_size, return_final_state=True, **kwargs)
+    y, state = run(ssd_chunked_scan, inputs, chunk_size, seq_idx=seq_idx)
+    y_ref, state_ref = run(ssd_sequential_scan, inputs, seq_idx=seq_idx)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(state, state_ref, rtol=1e-10, atol=1e-10)
 
@@ -279,12 +275,14 @@ def test_documents_chunked_matches_sequential(
 def test_a_document_scans_as_if_alone() -> None:
     inputs = make_inputs(5, 1, 40, 4, 2, 8, 6)
     seq_idx = torch.tensor([[0] * 13 + [1] * 20 + [2] * 7])
-    args = [inputs[k] for k in ("x", "dt", "A", "B", "C")]
-    y = ssd_chunked_scan(*args, 8, D=inputs["D"], seq_idx=seq_idx)
-    alone = ssd_chunked_scan(*(t[:, 13:33] for t in [args[0], args[1]]), args[2],
-                             args[3][:, 13:33], args[4][:, 13:33], 8, D=inputs["D"])  # fmt: skip
+    inputs["initial_state"] = None
+    y = run(ssd_chunked_scan, inputs, 8, final=False, seq_idx=seq_idx)
+    per_step = {"x", "dt", "B", "C"}
+    second = {k: (v[:, 13:33] if k in per_step else v) for k, v in inputs.items()}
+    alone = run(ssd_chunked_scan, second, 8, final=False)
     torch.testing.assert_close(y[:, 13:33], alone, rtol=1e-10, atol=1e-10)
-    assert (y[:, 13:33] - ssd_chunked_scan(*args, 8, D=inputs["D"])[:, 13:33]).abs().max() > 1e-3
+    unpacked = run(ssd_chunked_scan, inputs, 8, final=False)
+    assert (y[:, 13:33] - unpacked[:, 13:33]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("documents", [False, True])

@@ -55,6 +55,11 @@ class StageInfo:
     result: str
 
 
+def _json_view(relative: str) -> cached_property[dict[str, Any] | None]:
+    """A folder's JSON file ``relative``, parsed on first use (``BuildFolder.read_json``)."""
+    return cached_property(lambda folder: folder.read_json(relative))
+
+
 @dataclass(frozen=True)
 class BuildFolder:
     """A build folder and lazily parsed views of its files (None for a missing file)."""
@@ -95,29 +100,12 @@ class BuildFolder:
             result=str(entry.get("result", "")),
         )
 
-    @cached_property
-    def plan(self) -> dict[str, Any] | None:
-        return self.read_json("plan.json")
-
-    @cached_property
-    def search(self) -> dict[str, Any] | None:
-        return self.read_json("search.json")
-
-    @cached_property
-    def precision(self) -> dict[str, Any] | None:
-        return self.read_json("precision.json")
-
-    @cached_property
-    def model_check(self) -> dict[str, Any] | None:
-        return self.read_json("model_check.json")
-
-    @cached_property
-    def manifest(self) -> dict[str, Any] | None:
-        return self.read_json("data/manifest.json")
-
-    @cached_property
-    def distributed(self) -> dict[str, Any] | None:
-        return self.read_json("distributed.json")
+    plan = _json_view("plan.json")
+    search = _json_view("search.json")
+    precision = _json_view("precision.json")
+    model_check = _json_view("model_check.json")
+    manifest = _json_view("data/manifest.json")
+    distributed = _json_view("distributed.json")
 
     @cached_property
     def resolved(self) -> dict[str, Any] | None:

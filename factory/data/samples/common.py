@@ -15,6 +15,7 @@ from typing import Any
 
 __all__ = [
     "JUNK_KINDS",
+    "TRAJECTORY_DEFECTS",
     "assistant",
     "break_tool_call",
     "call_id",
@@ -27,6 +28,12 @@ __all__ = [
 ]
 
 JUNK_KINDS: tuple[str, ...] = ("short", "repetitive", "symbols")
+TRAJECTORY_DEFECTS: dict[str, float] = {
+    "unfinished": 0.04,
+    "tests_failed": 0.04,
+    "malformed_tool_call": 0.03,
+}
+"""The planted failures of every agent-trajectory family (SWE, terminal, search), ~11%."""
 _USED_IN: tuple[tuple[str, ...], ...] = (
     ("nano_v3",),
     ("nano_v3", "super_v3"),

@@ -43,6 +43,19 @@ _BUG = {
 }
 
 
+_ELEMENTWISE = {
+    "unary": (UNARY, "Applies {op} elementwise.", "self, x: torch.Tensor", 1),
+    "binary": (
+        BINARY,
+        "Elementwise {op} of two tensors.",
+        "self, a: torch.Tensor, b: torch.Tensor",
+        2,
+    ),
+}
+"""Per elementwise family: its ops (CUDA and PyTorch templates), the reference module's
+docstring and forward arguments, and how many inputs it takes."""
+
+
 def _pair(r: random.Random) -> tuple[str, str, str, dict, tuple[int, ...]]:
     """(family, op, PyTorch reference, kernel template values, shape)."""
     family = r.choice(("unary", "unary", "binary", "row_softmax", "matmul"))
@@ -50,30 +63,18 @@ def _pair(r: random.Random) -> tuple[str, str, str, dict, tuple[int, ...]]:
     alpha = f"{r.choice((0.01, 0.1, 0.2, 0.5, 2.0))}"
     values = {"threads": str(r.choice((128, 256, 512))), "tile": str(r.choice((16, 32)))}
     randn = f'torch.randn({rows}, {cols}, device="cuda")'
-    if family == "unary":
-        op = r.choice(sorted(UNARY))
-        cuda = Template(UNARY[op][0]).substitute(alpha=alpha + "f")
-        torch_expr = Template(UNARY[op][1]).substitute(alpha=alpha)
+    if family in _ELEMENTWISE:
+        ops, doc, args, operands = _ELEMENTWISE[family]
+        op = r.choice(sorted(ops))
+        cuda = Template(ops[op][0]).substitute(alpha=alpha + "f")
         ref = {
-            "doc": f"Applies {op} elementwise.",
-            "args": "self, x: torch.Tensor",
-            "expr": torch_expr,
-            "inputs": randn,
+            "doc": doc.format(op=op),
+            "args": args,
+            "expr": Template(ops[op][1]).substitute(alpha=alpha),
+            "inputs": ", ".join([randn] * operands),
         }
         values.update(op=op, cuda=cuda)
         shape: tuple[int, ...] = (rows, cols)
-    elif family == "binary":
-        op = r.choice(sorted(BINARY))
-        cuda = Template(BINARY[op][0]).substitute(alpha=alpha + "f")
-        torch_expr = Template(BINARY[op][1]).substitute(alpha=alpha)
-        ref = {
-            "doc": f"Elementwise {op} of two tensors.",
-            "args": "self, a: torch.Tensor, b: torch.Tensor",
-            "expr": torch_expr,
-            "inputs": f"{randn}, {randn}",
-        }
-        values.update(op=op, cuda=cuda)
-        shape = (rows, cols)
     elif family == "row_softmax":
         op = "row_softmax"
         ref = {

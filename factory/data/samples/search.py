@@ -14,6 +14,7 @@ import json
 import random
 
 from factory.data.samples.common import (
+    TRAJECTORY_DEFECTS,
     assistant,
     break_tool_call,
     plan_defects,
@@ -135,9 +136,7 @@ def _hops(
 
 def search_trajectory(rng: random.Random, n: int) -> list[dict]:
     """Two- and three-hop lookups (search, open page) over an invented world per record."""
-    plan = plan_defects(
-        rng, n, {"unfinished": 0.04, "tests_failed": 0.04, "malformed_tool_call": 0.03}
-    )
+    plan = plan_defects(rng, n, TRAJECTORY_DEFECTS)
     records = []
     for i in range(n):
         defect = plan.get(i)

@@ -14,6 +14,7 @@ import random
 from collections.abc import Callable
 
 from factory.data.samples.common import (
+    TRAJECTORY_DEFECTS,
     assistant,
     break_tool_call,
     plan_defects,
@@ -254,9 +255,7 @@ def _trajectory(
 
 def swe_trajectory(rng: random.Random, n: int) -> list[dict]:
     """Bug-fix trajectories; ~4% unfinished, ~4% with failing tests, ~3% with a malformed call."""
-    plan = plan_defects(
-        rng, n, {"unfinished": 0.04, "tests_failed": 0.04, "malformed_tool_call": 0.03}
-    )
+    plan = plan_defects(rng, n, TRAJECTORY_DEFECTS)
     # Distinct (bug, noun, field) per record while they last, so no two trajectories are near-duplicates.
     combos = [(b, noun, f) for b in _BUGS for noun in _NOUNS for f in _FIELDS]
     rng.shuffle(combos)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 
 from factory.data.samples.common import (
+    TRAJECTORY_DEFECTS,
     assistant,
     break_tool_call,
     plan_defects,
@@ -146,9 +147,7 @@ _TASKS = {
 
 def terminal(rng: random.Random, n: int) -> list[dict]:
     """Shell tasks solved in 1-3 commands; the checker compares the final answer."""
-    plan = plan_defects(
-        rng, n, {"unfinished": 0.04, "tests_failed": 0.04, "malformed_tool_call": 0.03}
-    )
+    plan = plan_defects(rng, n, TRAJECTORY_DEFECTS)
     records = []
     for i in range(n):
         defect = plan.get(i)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from factory.kernels.ssd import ssd_chunked_scan
+from factory.kernels.ssd import ScanInputs, ssd_chunked_scan
 from factory.nn.norms import GatedGroupRMSNorm
 from factory.nn.sequence_split import SequenceSplit
 from factory.schemas.model import MambaConfig, ModelConfig
@@ -139,52 +139,48 @@ class Mamba2Mixer(nn.Module):
         (``heads_all_to_all``, Megatron-Core's ``MambaContextParallel``)."""
 
     def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        cfg, heads, groups = self.cfg, self.heads, self.groups
-        d_inner, group_width = heads * cfg.head_dim, groups * cfg.state_size
-        z, xs, B, C, dt = self.in_proj(x).split(
-            [d_inner, d_inner, group_width, group_width, heads], dim=-1
-        )
+        d_inner = self.heads * self.cfg.head_dim
+        projected = self.in_proj(x)
+        z, mixer_input = projected.split([d_inner, projected.shape[-1] - d_inner], dim=-1)
         if self.sequence_split is None:
-            y = self._mix(xs, B, C, dt, document_ids, slice(0, heads), slice(0, groups))
+            heads, groups = slice(0, self.heads), slice(0, self.groups)
+            y = self._mix(mixer_input, document_ids, heads, groups)
         else:
-            y = self._mix_head_shard(xs, B, C, dt, document_ids, self.sequence_split)
+            y = self._mix_head_shard(mixer_input, document_ids, self.sequence_split)
         y = self.norm(y, z)
         return self.out_proj(y.to(x.dtype))
 
     def _mix(
         self,
-        xs: torch.Tensor,
-        B: torch.Tensor,
-        C: torch.Tensor,
-        dt: torch.Tensor,
+        mixer_input: torch.Tensor,
         document_ids: torch.Tensor | None,
         heads: slice,
         groups: slice,
     ) -> torch.Tensor:
         """Conv, dt and the SSD scan over the whole sequence of the heads ``heads`` and their
-        groups ``groups`` (of this module's); -> [B, S, those heads * head_dim]."""
+        groups ``groups`` (of this module's); ``mixer_input`` holds their x, B, C and dt in
+        the projection's order. -> [B, S, those heads * head_dim]."""
         cfg = self.cfg
-        b, s = xs.shape[:2]
+        b, s = mixer_input.shape[:2]
         n_heads, n_groups = heads.stop - heads.start, groups.stop - groups.start
+        widths = [n_heads * cfg.head_dim, n_groups * cfg.state_size, n_groups * cfg.state_size]
+        xbc, dt = mixer_input.split([sum(widths), n_heads], dim=-1)
         weight, bias = self._conv_rows(heads, groups)
-        conv = _causal_depthwise_conv(torch.cat([xs, B, C], -1), weight, bias, document_ids)
-        xs, B, C = F.silu(conv).split(
-            [n_heads * cfg.head_dim, n_groups * cfg.state_size, n_groups * cfg.state_size], -1
-        )
+        xs, B, C = F.silu(_causal_depthwise_conv(xbc, weight, bias, document_ids)).split(widths, -1)
         dt = F.softplus(dt.float() + self.dt_bias[heads].float())
         upper = cfg.dt_limit_max if cfg.dt_limit_max is not None else float("inf")
         dt = dt.clamp(min=cfg.dt_limit_min, max=upper)
         A = -torch.exp(self.A_log[heads].float())
-        y = ssd_chunked_scan(
+        inputs = ScanInputs(
             xs.view(b, s, n_heads, cfg.head_dim),
             dt,
             A,
             B.view(b, s, n_groups, cfg.state_size),
             C.view(b, s, n_groups, cfg.state_size),
-            cfg.chunk_size,
             D=self.D[heads],
             seq_idx=document_ids,
         )
+        y = ssd_chunked_scan(inputs, cfg.chunk_size)
         return y.reshape(b, s, n_heads * cfg.head_dim)
 
     def _conv_rows(self, heads: slice, groups: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -202,13 +198,7 @@ class Mamba2Mixer(nn.Module):
         return weight[rows], None if bias is None else bias[rows]
 
     def _mix_head_shard(
-        self,
-        xs: torch.Tensor,
-        B: torch.Tensor,
-        C: torch.Tensor,
-        dt: torch.Tensor,
-        document_ids: torch.Tensor | None,
-        split: SequenceSplit,
+        self, mixer_input: torch.Tensor, document_ids: torch.Tensor | None, split: SequenceSplit
     ) -> torch.Tensor:
         """Context parallelism: every rank's rows of this rank's heads (and their groups)
         arrive all-to-all, the whole sequence is mixed, and the result goes back."""
@@ -217,6 +207,9 @@ class Mamba2Mixer(nn.Module):
         per_rank = self.heads // cp
         group_count = max(self.groups // cp, 1)
         repeats = max(cp // self.groups, 1)  # ranks that share a group when groups < cp
+        xs, B, C, dt = mixer_input.split(
+            [self.heads * hd, self.groups * n, self.groups * n, self.heads], dim=-1
+        )
 
         def piece(rank: int) -> torch.Tensor:
             h, g = rank * per_rank, rank // repeats * group_count
@@ -228,13 +221,11 @@ class Mamba2Mixer(nn.Module):
             ], -1)  # fmt: skip
 
         whole = split.to_heads(torch.stack([piece(rank) for rank in range(cp)]))
-        xs, B, C, dt = whole.split([per_rank * hd, group_count * n, group_count * n, per_rank], -1)
         first_head = split.rank * per_rank
         first_group = split.rank // repeats * group_count
         heads = slice(first_head, first_head + per_rank)
         groups = slice(first_group, first_group + group_count)
-        y = self._mix(xs, B, C, dt, document_ids, heads, groups)
-        return split.to_sequence(y)
+        return split.to_sequence(self._mix(whole, document_ids, heads, groups))
 
 
 def build(model: ModelConfig) -> Mamba2Mixer:

@@ -66,7 +66,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from factory.kernels.moe_dispatch import Dispatch, route_tokens
+from factory.kernels.moe_dispatch import Dispatch, combine, route_tokens
 from factory.layers.moe.module import RoutedExperts
 from factory.spec.tensors import TensorSpec
 
@@ -167,11 +167,8 @@ class AllToAllDispatcher:
         pairs = num_tokens * dispatch.top_k
         if sent is not None:  # dropped pairs were not sent: they contribute 0
             out = out.new_zeros(pairs, d_in).index_copy(0, sent, out)
-        pair_out = out.index_select(0, dispatch.inverse_order)
         # The same fp32 (fp64 for fp64) weighted sum over slots as grouped_mlp's.
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        pair_out = pair_out.to(acc).reshape(num_tokens, dispatch.top_k, d_in)
-        return (pair_out * weights.to(acc)[..., None]).sum(dim=1).to(x.dtype)
+        return combine(out.index_select(0, dispatch.inverse_order), dispatch, weights, x.dtype)
 
     def _exchange_counts(self, kept_per_expert: torch.Tensor) -> _Splits:
         """Step 2 of the module docstring: the row counts of every exchange of this layer."""

@@ -23,14 +23,13 @@ import torch
 import torch.nn.functional as F
 
 from factory.kernels.moe_dispatch import (
-    Activation,
     Dispatch,
-    activate,
+    ExpertWeights,
     grouped_mm_sorted,
     grouped_mm_works,
 )
 
-__all__ = ["PATHS", "ExpertPath", "choose_path", "combine", "pair_outputs"]
+__all__ = ["PATHS", "ExpertPath", "choose_path", "pair_outputs"]
 
 ExpertPath = Literal["padded_bmm", "grouped_mm", "per_expert"]
 PATHS: tuple[ExpertPath, ...] = ("padded_bmm", "grouped_mm", "per_expert")
@@ -57,33 +56,19 @@ def choose_path(dispatch: Dispatch, x: torch.Tensor) -> ExpertPath:
     return "padded_bmm" if wasted <= PER_EXPERT_ROWS * used else "per_expert"
 
 
-def _per_expert(
-    xs: torch.Tensor,
-    dispatch: Dispatch,
-    up: torch.Tensor,
-    down: torch.Tensor,
-    gate: torch.Tensor | None,
-    activation: Activation,
-) -> torch.Tensor:
+def _per_expert(xs: torch.Tensor, dispatch: Dispatch, experts: ExpertWeights) -> torch.Tensor:
     """Sorted pairs [T*k, d] -> expert outputs, sorted [T*k, d], one ``mm`` per expert."""
     counts = dispatch.tokens_per_expert.tolist()
     outs = []
     for e, run in enumerate(xs.split(counts)):
         if counts[e] == 0:
             continue  # an empty expert costs nothing and its weights get a zero gradient
-        g = F.linear(run, gate[e]) if gate is not None else None
-        outs.append(F.linear(activate(F.linear(run, up[e]), g, activation), down[e]))
-    return torch.cat(outs) if outs else xs.new_zeros(0, down.shape[1])
+        outs.append(experts.mlp(run, lambda name, x, w, e=e: F.linear(x, w[e])))
+    return torch.cat(outs) if outs else xs.new_zeros(0, experts.down.shape[1])
 
 
 def pair_outputs(
-    path: ExpertPath,
-    x: torch.Tensor,
-    dispatch: Dispatch,
-    up: torch.Tensor,
-    down: torch.Tensor,
-    gate: torch.Tensor | None,
-    activation: Activation,
+    path: ExpertPath, x: torch.Tensor, dispatch: Dispatch, experts: ExpertWeights
 ) -> torch.Tensor:
     """Expert output of every (token, slot) pair in router order [T*k, d] by an unpadded path.
 
@@ -92,17 +77,4 @@ def pair_outputs(
     its CPU backward needs (an expanded one fails there with 'Invalid strides')."""
     xs = x.index_select(0, dispatch.token_index)
     run = grouped_mm_sorted if path == "grouped_mm" else _per_expert
-    out = run(xs, dispatch, up, down, gate, activation)
-    return out.index_select(0, dispatch.inverse_order)
-
-
-def combine(
-    pair_out: torch.Tensor, dispatch: Dispatch, weights: torch.Tensor | None, dtype: torch.dtype
-) -> torch.Tensor:
-    """[T*k, d] router order -> [T, d]: weighted sum over the k slots in fp32 (fp64 for fp64),
-    the same ops as ``grouped_mlp`` so every path rounds alike after the GEMMs."""
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
-    pair_out = pair_out.to(acc).reshape(dispatch.num_tokens, dispatch.top_k, pair_out.shape[-1])
-    if weights is not None:
-        pair_out = pair_out * weights.to(acc)[..., None]
-    return pair_out.sum(dim=1).to(dtype)
+    return run(xs, dispatch, experts).index_select(0, dispatch.inverse_order)

@@ -13,9 +13,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from factory.kernels.moe_dispatch import Dispatch, ExpertLinear, grouped_mlp, route_tokens
+from factory.kernels.moe_dispatch import (
+    Dispatch,
+    ExpertLinear,
+    ExpertWeights,
+    combine,
+    grouped_mlp,
+    route_tokens,
+)
 from factory.layers.mlp.module import MLP
-from factory.layers.moe.experts import ExpertPath, choose_path, combine, pair_outputs
+from factory.layers.moe.experts import ExpertPath, choose_path, pair_outputs
 from factory.layers.moe.spec import mlp_bias
 from factory.nn.outputs import RoutedOutput
 from factory.schemas.model import ModelConfig, MoEConfig, RouterConfig
@@ -124,22 +131,13 @@ class RoutedExperts(nn.Module):
         # their fp32 masters would meet BF16 activations (grouped_mm refuses mixed dtypes).
         gate = _local(self.gate_proj).to(x.dtype) if self.gate_proj is not None else None
         up, down = _local(self.up_proj).to(x.dtype), _local(self.down_proj).to(x.dtype)
+        experts = ExpertWeights(up, down, self.activation, gate)
         linear = self.linear if self._hook_matters() else None
         # The quantized GEMMs take padded [E, C, in] batches, so they keep the padded path.
         path = "padded_bmm" if linear is not None else self.path or choose_path(dispatch, x)
         if path != "padded_bmm":
-            pairs = pair_outputs(path, x, dispatch, up, down, gate, self.activation)
-            return combine(pairs, dispatch, weights, x.dtype)
-        return grouped_mlp(
-            x,
-            dispatch,
-            up,
-            down,
-            activation=self.activation,
-            gate=gate,
-            weights=weights,
-            linear=linear,
-        )
+            return combine(pair_outputs(path, x, dispatch, experts), dispatch, weights, x.dtype)
+        return grouped_mlp(x, dispatch, experts, weights, linear=linear)
 
     def _hook_matters(self) -> bool:
         """Whether the installed GEMM hook changes this call. After a precision switch to bf16
