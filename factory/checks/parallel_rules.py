@@ -240,14 +240,8 @@ def global_batch(bp: Blueprint) -> Iterator[Finding]:
 
 @rule("parallelism.sequence_parallel")
 def sequence_parallel(bp: Blueprint) -> Iterator[Finding]:
-    """TP with EP needs sequence parallelism; SP without TP does nothing."""
+    """SP without TP does nothing (``runtime.moe_sequence_parallel`` says when TP needs it)."""
     par = bp.parallelism
-    if par.tp > 1 and par.ep > 1 and not par.sequence_parallel:
-        yield Finding(
-            "parallelism.sequence_parallel",
-            f"sequence parallelism is required with tensor and expert parallelism "
-            f"(tp={par.tp}, ep={par.ep})",
-        )
     if par.sequence_parallel and par.tp == 1:
         yield Finding(
             "parallelism.sequence_parallel",
