@@ -4,8 +4,7 @@ Megatron runs some layouts that factory's runtime (``factory.distributed``,
 ``factory.runtime``) does not run yet. Each condition is a rule named
 ``runtime.*``, so ``factory validate`` reports it with its file and line: an
 error where Megatron refuses the layout too, a warning where only factory's
-runtime does (the plan, the layout search and the Megatron export still take
-it). :func:`runtime_refusals` returns the same findings as refusals; the launch
+runtime does (the blueprint still plans, and the layout search keeps it). :func:`runtime_refusals` returns the same findings as refusals; the launch
 (``factory.jobs.launch.check_launch``) and the proxy's layout
 (``factory.proxy_layout``) ask it, the layout search reports them
 (``SearchResult.warnings``), and the runtime's own tensor-parallel check asks
