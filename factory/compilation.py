@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from factory.checks.runtime_rules import transformer_engine_problem
 from factory.graph.block_compile import compile_blocks
 from factory.graph.hybrid_lm import HybridLM
 from factory.graph.init import initialize
@@ -98,7 +99,7 @@ def _apply_precision(
 ) -> PrecisionRuntime | None:
     if backend == "off" or not uses_low_precision(blueprint):
         return None
-    te_fits = blueprint.parallelism.tp == 1  # tensor_parallel refuses TE's linears
+    te_fits = transformer_engine_problem(blueprint) is None
     if backend == "te" or (backend == "auto" and te_fits and te_backend.usable(device)):
         return te_backend.apply_te(model, blueprint, seed=seed)
     return apply_precision(model, blueprint, seed=seed)

@@ -5,9 +5,11 @@ divides N and the model (each layer type's own TP/CP/EP/ETP rules, the pipeline 
 batch rules) is predicted (``factory.planner.performance``: a fraction of a millisecond
 each); then, fastest first, each is rebuilt as a blueprint and kept only if
 ``factory validate`` accepts it and its peak rank fits the GPU's memory, until ``top``
-are kept. Sequence parallelism is on wherever TP is (Megatron requires it with EP, and
-it only removes work). Virtual stages need '|' in the pattern: a pattern without them
-gets evenly spaced ones where the layers allow.
+are kept, each with validate's warnings (a ``runtime.*`` one: ``factory train`` refuses
+the layout, which Megatron runs). Sequence parallelism is on wherever TP is (MoE layers
+need it, ``runtime.moe_sequence_parallel``, and it only removes work). Virtual stages
+need '|' in the pattern: a pattern without them gets evenly spaced ones where the layers
+allow.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from factory.checks import run_rules
+from factory.checks import Finding, run_rules
 from factory.layers.model_spec import expert_layer_types
-from factory.planner.layout import Layout, resolve_layout
+from factory.planner.layout import Layout, data_parallel_size, resolve_layout
 from factory.planner.memory import memory_per_rank
 from factory.planner.perf_constants import perf_constants
 from factory.planner.performance import Performance, inputs_of, predict, step_terms
@@ -46,6 +48,8 @@ class SearchResult:
     """The peak rank's memory (``factory.planner.memory``)."""
     dominant: str
     """The breakdown entry that costs the most time."""
+    warnings: tuple[tuple[str, Finding], ...] = ()
+    """What ``factory validate`` warns about this layout, each with its rule's name."""
 
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:
@@ -101,7 +105,7 @@ def _candidates(bp: Blueprint, gpus: int) -> Iterator[dict[str, Any]]:
             if (cp > 1 and seq % (2 * cp)) or (seq // cp) % tp or not _layer_ok(model, tp, cp):
                 continue
             for pp in _divisors(gpus // (tp * cp)):
-                dp = gpus // (tp * cp * pp)
+                dp = data_parallel_size(gpus, tp, cp, pp)
                 grids = _expert_grids(model, gpus // pp, tp)
                 for vpp, pattern in _patterns(model, pp):
                     for mbs in MICRO_BATCHES:
@@ -192,12 +196,14 @@ def search_layouts(
         if len(kept) == top:
             break
         checked = Blueprint.model_validate(candidate.model_dump(exclude_unset=True))
-        if any(f.severity == "error" for _, f in run_rules(checked)):
+        found = run_rules(checked)
+        if any(f.severity == "error" for _, f in found):
             continue
         memory = memory_per_rank(checked, layout).total
         if memory > capacity:
             continue
         perf = predict(checked, layout)
         overrides = _overrides(blueprint, checked)
-        kept.append(SearchResult(checked, overrides, perf, memory, _dominant(perf)))
+        warnings = tuple((r.name, f) for r, f in found)
+        kept.append(SearchResult(checked, overrides, perf, memory, _dominant(perf), warnings))
     return kept

@@ -7,14 +7,15 @@ can run it and reduced otherwise, and every change is said.
 
 The rule, in this order, each time taking the largest divisor of the source's
 degree that gives a layout the proxy passes ``factory.checks`` with and that
-factory's runtime launches (``factory.jobs.launch``): context (cp: a blueprint
-asking for it wants long sequences checked, and the proxy keeps its seq_len),
-pipeline (pp, 1 under context parallelism, which the runtime does not run across
-stages), tensor (tp, with sequence parallelism as the source has it, and required
-with MoE), expert (ep), expert tensor (etp, which must also divide the proxy's
-expert width); dp is what is left of W. When the proxy's global batch of 8
-sequences cannot feed dp
-replicas, it grows to the least multiple that can.
+factory's runtime runs (``factory.checks.runtime_rules.runtime_refusals``, which
+the launch asks too): context (cp: a blueprint asking for it wants long
+sequences checked, and the proxy keeps its seq_len), pipeline (pp: 1 under
+context parallelism, which the runtime does not run across stages), tensor (tp,
+with sequence parallelism as the source has it, or as the model needs it:
+``needs_sequence_parallel``), expert (ep), expert tensor (etp, which must also
+divide the proxy's expert width); dp is what is left of W. When the proxy's
+global batch of 8 sequences cannot feed dp replicas, it grows to the least
+multiple that can.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from __future__ import annotations
 from typing import Any
 
 from factory.checks import run_rules
+from factory.checks.runtime_rules import needs_sequence_parallel, runtime_refusals
 from factory.layers.model_spec import expert_layer_types
+from factory.planner.layout import data_parallel_size, resolve_layout
 from factory.proxy import PROXY_GLOBAL_BATCH, derive_proxy
 from factory.schemas.blueprint import Blueprint
 
@@ -43,13 +46,12 @@ def _divisors_down(n: int) -> list[int]:
 def proxy_with_layout(proxy: Blueprint, world: int, degrees: dict[str, Any]) -> Blueprint | None:
     """``proxy`` on ``world`` ranks with ``degrees`` (``pp``, ``tp``, ``ep``, ``cp`` and ``etp``
     (1 when absent), ``sp``: sequence parallelism where tp > 1), dp the rest; None if that
-    breaks a validation rule."""
+    breaks a validation rule or factory's runtime does not run it."""
     tp, pp, ep = degrees["tp"], degrees["pp"], degrees["ep"]
     cp, etp = degrees.get("cp", 1), degrees.get("etp", 1)
     if world % (tp * pp * cp) or world % (etp * ep * pp):
         return None
-    dp = world // (tp * pp * cp)
-    per_step = proxy.parallelism.micro_batch_size * dp
+    per_step = proxy.parallelism.micro_batch_size * data_parallel_size(world, tp, cp, pp)
     batch = -(-PROXY_GLOBAL_BATCH // per_step) * per_step
     data = proxy.model_dump(exclude_unset=True)
     data["parallelism"].update(
@@ -63,7 +65,7 @@ def proxy_with_layout(proxy: Blueprint, world: int, degrees: dict[str, Any]) -> 
     except ValueError:
         return None
     errors = [f for _, f in run_rules(candidate) if f.severity == "error"]
-    return None if errors else candidate
+    return None if errors or runtime_refusals(candidate) else candidate
 
 
 def derive_proxy_layout(bp: Blueprint, world_size: int, width: int = 256) -> ProxyLayout:
@@ -80,10 +82,9 @@ def derive_proxy_layout(bp: Blueprint, world_size: int, width: int = 256) -> Pro
         "ep": par.ep if has_moe else 1,
         "etp": par.expert_tp if has_moe else 1,
     }
-    degrees: dict[str, Any] = {**dict.fromkeys(DEGREES, 1), "sp": par.sequence_parallel or has_moe}
+    sp = par.sequence_parallel or needs_sequence_parallel(bp.model)
+    degrees: dict[str, Any] = {**dict.fromkeys(DEGREES, 1), "sp": sp}
     for name in DEGREES:
-        if name == "pp" and degrees["cp"] > 1:
-            continue  # the runtime does not run context parallelism across pipeline stages
         for value in _divisors_down(wanted[name]):
             if proxy_with_layout(proxy, world_size, {**degrees, name: value}) is not None:
                 degrees[name] = value
@@ -100,6 +101,6 @@ def derive_proxy_layout(bp: Blueprint, world_size: int, width: int = 256) -> Pro
     if chosen.parallelism.global_batch_size != PROXY_GLOBAL_BATCH:
         changes.append(
             f"global_batch_size {PROXY_GLOBAL_BATCH} -> {chosen.parallelism.global_batch_size} "
-            f"(dp {chosen.parallelism.world_size // (degrees['tp'] * degrees['pp'] * degrees['cp'])})"
+            f"(dp {resolve_layout(chosen).dp})"
         )
     return ProxyLayout((chosen, changes))

@@ -127,13 +127,6 @@ CASES = [
     ),
     (
         "parallelism.sequence_parallel",
-        {"parallelism.tp": 2, "parallelism.ep": 2},
-        "parallelism.sequence_parallel",
-        ("tp=2", "ep=2"),
-        "error",
-    ),
-    (
-        "parallelism.sequence_parallel",
         {"parallelism.sequence_parallel": True},
         "parallelism.sequence_parallel",
         ("tp=1",),

@@ -59,6 +59,8 @@ def test_context_parallelism_across_pipeline_stages_is_refused_before_launch(
     assert status == 2
     assert ": parallelism.cp: parallelism.cp=2 with pp=2: factory's runtime" in err, err
     assert "parallelism.pp=1" in err
+    # validate's rule, named; its warning is not printed before the refusal that repeats it
+    assert err.count("cp=2 with pp=2") == 1 and "[runtime.context_across_stages]" in err, err
 
 
 def test_transformer_engine_under_tensor_parallelism_is_refused_before_launch(

@@ -181,7 +181,7 @@ def test_sequence_parallel_with_moe_matches_one_process_and_checkpoints(tmp_path
         ({"attention": {"heads": 6, "kv_heads": 3, "head_dim": 8}}, 2, ["kv_heads (3)", "tp=2"]),
         ({"mamba": {"groups": 1}}, 2, ["mamba groups (1)"]),
         ({"mlp": {"intermediate_size": 66}, "pattern": "M-*"}, 4, ["up_proj", "width 66", "tp=4"]),
-        ({}, 2, ["sequence parallel is required with TP and MoE"]),
+        ({}, 2, ["tp=2 with MoE layers needs sequence parallelism"]),
     ],
 )
 def test_refuses_what_tp_cannot_split(section: dict[str, Any], tp: int, numbers: list) -> None:

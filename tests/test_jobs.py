@@ -90,6 +90,26 @@ def test_train_refuses_before_any_work(tmp_path: Path, monkeypatch: pytest.Monke
     assert not (tmp_path / "x").exists()
 
 
+def test_a_launch_is_checked_once_on_any_number_of_processes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from factory.jobs import train as job
+    from factory.schemas.blueprint import Blueprint
+
+    worlds: list[int] = []
+    check = job.check_launch
+
+    def counted(bp: Blueprint, world: int, backend: str = "auto") -> None:
+        worlds.append(world)
+        check(bp, world, backend)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(job, "check_launch", counted)
+    nano = factory.load_blueprint("nano")
+    job.prepare_training(nano, proxy=True, world_size=2)
+    job.prepare_training(nano, proxy=True, world_size=1)
+    assert worlds == [2, 1]
+
+
 def test_missing_transformer_engine_is_a_refusal_and_an_import_error(tmp_path: Path) -> None:
     import importlib.util
 

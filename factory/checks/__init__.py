@@ -14,6 +14,7 @@ from factory.checks import (
     model_rules,
     parallel_rules,
     precision_rules,
+    runtime_rules,
     training_rules,
 )
 from factory.checks.registry import RULES, Finding, Rule, rule, run_rules
@@ -29,5 +30,6 @@ __all__ = [
     "precision_rules",
     "rule",
     "run_rules",
+    "runtime_rules",
     "training_rules",
 ]

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from factory.checks.registry import Finding, layer_rule, rule
 from factory.dotted_paths import join_path
 from factory.layers.model_spec import expert_layer_types
+from factory.planner.layout import data_parallel_size
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.parallelism import GPU_SPECS
 from factory.spec.layer_type import LayerType
@@ -23,10 +24,11 @@ __all__: list[str] = []
 
 
 def _dp(bp: Blueprint) -> int | None:
-    """Derived data-parallel size, or None when tp*cp*pp does not divide the world."""
+    """The layout's data-parallel size, or None when tp*cp*pp does not divide the world."""
     par = bp.parallelism
-    model_size = par.tp * par.cp * par.pp
-    return par.world_size // model_size if par.world_size % model_size == 0 else None
+    if par.world_size % (par.tp * par.cp * par.pp):
+        return None
+    return data_parallel_size(par.world_size, par.tp, par.cp, par.pp)
 
 
 def _edp(bp: Blueprint) -> int | None:
@@ -238,14 +240,8 @@ def global_batch(bp: Blueprint) -> Iterator[Finding]:
 
 @rule("parallelism.sequence_parallel")
 def sequence_parallel(bp: Blueprint) -> Iterator[Finding]:
-    """TP with EP needs sequence parallelism; SP without TP does nothing."""
+    """SP without TP does nothing (``runtime.moe_sequence_parallel`` says when TP needs it)."""
     par = bp.parallelism
-    if par.tp > 1 and par.ep > 1 and not par.sequence_parallel:
-        yield Finding(
-            "parallelism.sequence_parallel",
-            f"sequence parallelism is required with tensor and expert parallelism "
-            f"(tp={par.tp}, ep={par.ep})",
-        )
     if par.sequence_parallel and par.tp == 1:
         yield Finding(
             "parallelism.sequence_parallel",

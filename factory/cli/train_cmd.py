@@ -132,8 +132,6 @@ def train(
     console = progress_console(log_format)
     loaded = load(target, overrides or [])
     main_rank = os.environ.get("RANK", "0") == "0"
-    if main_rank:  # one copy of each message, not one per process
-        print_diagnostics(loaded.warnings)
     relaunch = nproc is not None and launched_world_size() == 1
     world = nproc if relaunch else launched_world_size()
     try:
@@ -141,9 +139,12 @@ def train(
             loaded.blueprint, proxy=proxy, precision=precision, world_size=world
         )  # type: ignore[arg-type]  # parse_precision checked it
     except CannotLaunch as exc:
-        _refuse(loaded.source_map.diagnostic(exc.path, str(exc)).format(), main_rank)
+        diagnostic = loaded.source_map.diagnostic(exc.path, str(exc), rule=exc.rule)
+        _refuse(diagnostic.format(), main_rank)
     except (TrainRefused, ValueError) as exc:  # ValueError: a request that contradicts itself
         _refuse(f"factory train: {exc}", main_rank)
+    if main_rank:  # one copy of each, once accepted: a refusal repeats its runtime.* warning
+        print_diagnostics(loaded.warnings)
     if relaunch:
         raise typer.Exit(_launch(request, out, world, console))
     if request.layout_changes and main_rank:

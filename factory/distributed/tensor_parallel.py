@@ -67,6 +67,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import Placement
 
+from factory.checks.runtime_rules import sequence_parallel_problem
 from factory.distributed.quantized_tp import (
     local_quantized_gemm,
     quantized_split_problems,
@@ -101,8 +102,9 @@ def check_tensor_parallel(model: nn.Module, tp: int, sequence_parallel: bool) ->
         problems += layer.type.tp_rules(model.cfg, tp)
         names = layer.type.tp_whole_linears(model.cfg, tp)
         whole |= {f"{layer.prefix}.mixer.{name}" for name in names}
-    if tp > 1 and not sequence_parallel and any(t.expert_dim is not None for t in spec.tensors()):
-        problems.append(f"sequence parallel is required with TP and MoE (tp={tp})")
+    sp_problem = sequence_parallel_problem(model.cfg, tp, sequence_parallel)
+    if sp_problem is not None:
+        problems.append(sp_problem)
     split = [
         t for t in spec.tensors()
         if t.tp is not None and t.expert_dim is None and t.module not in whole

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import factory
 from factory.jobs.build_checks import run_losses
 from factory.layers.model_spec import expert_layer_types
+from factory.planner.layout import resolve_layout
 from factory.proxy import derive_proxy
 from factory.proxy_layout import proxy_with_layout
 
@@ -56,10 +57,9 @@ def run_layout_check(bp: Blueprint, out: Path, steps: int) -> dict[str, Any]:
     data = out / "smoke" / "data"
     run_ranks(_train_rank, CHECK_WORLD_SIZE, laid_out, run, data, steps, timeout=CHECK_TIMEOUT_S)
     par = laid_out.parallelism
-    dp = par.world_size // (par.tp * par.pp * par.cp)
     return {
         "world_size": par.world_size,
-        "layout": {"dp": dp, "ep": par.ep, "tp": par.tp, "pp": par.pp},
+        "layout": {"dp": resolve_layout(laid_out).dp, "ep": par.ep, "tp": par.tp, "pp": par.pp},
         "steps": list(range(1, steps + 1)),
         "losses": run_losses(run),
     }

@@ -3,15 +3,12 @@ group exists, and the ``torchrun`` command that ``factory train --nproc N`` runs
 
 ``torchrun --nproc-per-node N -m factory train BLUEPRINT`` starts N copies of
 ``factory train``; each finds ``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK`` in
-its environment (``factory.jobs.train``). What factory's runtime does not run
-yet is refused here, naming the field and the value that would work:
-
-* ``WORLD_SIZE`` must equal ``parallelism.world_size`` (the layout is the
-  blueprint's, not the launcher's);
-* context parallelism across pipeline stages (``cp > 1`` with ``pp > 1``);
-* Transformer Engine's linears under tensor parallelism (refused by
-  ``factory.jobs.train.prepare_training``, which knows the backend);
-* per-module (heterogeneous) layouts.
+its environment (``factory.jobs.train``). Refused here, naming the field and the
+value that would work: a ``WORLD_SIZE`` other than ``parallelism.world_size``
+(the layout is the blueprint's, not the launcher's), and on several processes
+whatever factory's runtime does not run yet
+(``factory.checks.runtime_rules.runtime_refusals``, which ``factory validate``
+reports as the ``runtime.*`` rules).
 
 torchrun ends a launch whose worker exits non-zero with its own traceback and
 failure summary, whatever the worker printed; :func:`tell_torchrun` puts a
@@ -26,12 +23,12 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from factory.layers.model_spec import expert_layer_types
+from factory.checks.runtime_rules import runtime_refusals
+from factory.precision.backends import PrecisionBackend
 
 if TYPE_CHECKING:
     from factory.schemas.blueprint import Blueprint
@@ -42,7 +39,7 @@ __all__ = [
     "launched_world_size",
     "shutdown_grace_seconds",
     "tell_torchrun",
-    "torchrun_command",
+    "torchrun_args",
 ]
 
 TORCHRUN_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
@@ -51,11 +48,13 @@ TORCHRUN_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
 
 class LaunchRefused(ValueError):
     """A layout that cannot be launched with this many processes or by this runtime;
-    ``path`` is the blueprint field at fault (the CLI reports its file and line)."""
+    ``path`` is the blueprint field at fault (the CLI reports its file and line), ``rule``
+    the validate rule that reports the same (None where none does)."""
 
-    def __init__(self, message: str, path: str = "parallelism") -> None:
+    def __init__(self, message: str, path: str = "parallelism", rule: str | None = None) -> None:
         super().__init__(message)
         self.path = path
+        self.rule = rule
 
 
 def launched_world_size() -> int:
@@ -66,9 +65,9 @@ def launched_world_size() -> int:
         raise LaunchRefused(f"WORLD_SIZE={os.environ['WORLD_SIZE']!r} is not a number") from None
 
 
-def check_launch(bp: Blueprint, world_size: int) -> None:
+def check_launch(bp: Blueprint, world_size: int, backend: PrecisionBackend = "auto") -> None:
     """Raise :class:`LaunchRefused` unless factory's runtime can run ``bp``'s layout on
-    ``world_size`` processes."""
+    ``world_size`` processes with the precision ``backend``."""
     par = bp.parallelism
     if world_size != par.world_size:
         raise LaunchRefused(
@@ -79,26 +78,10 @@ def check_launch(bp: Blueprint, world_size: int) -> None:
         )
     if world_size == 1:
         return
-    if par.cp > 1 and par.pp > 1:
-        raise LaunchRefused(
-            f"parallelism.cp={par.cp} with pp={par.pp}: factory's runtime does not run context "
-            "parallelism across pipeline stages yet (the Megatron export carries it); use "
-            "--set parallelism.cp=1 or --set parallelism.pp=1",
-            path="parallelism.cp",
-        )
-    has_moe = bool(expert_layer_types(bp.model))
-    if has_moe and par.tp > 1 and not par.sequence_parallel:
-        raise LaunchRefused(
-            f"tp={par.tp} with MoE layers needs sequence parallelism (each TP rank routes its "
-            "own part of the sequence); use --set parallelism.sequence_parallel=true",
-            path="parallelism.sequence_parallel",
-        )
-    if par.modules:
-        raise LaunchRefused(
-            f"parallelism.modules ({', '.join(par.modules)}): per-module layouts are not run "
-            "by factory's runtime",
-            path="parallelism.modules",
-        )
+    refused = runtime_refusals(bp, backend)
+    if refused:
+        rule, finding = refused[0]
+        raise LaunchRefused(finding.message, path=finding.path, rule=rule)
 
 
 def torchrun_args(nproc: int, factory_args: Sequence[str]) -> list[str]:
@@ -112,11 +95,6 @@ def shutdown_grace_seconds() -> int:
     kills them: long enough for the checkpoint they write first (``FACTORY_SHUTDOWN_GRACE_S``,
     default 600; the scheduler's own grace period is the real bound)."""
     return int(os.environ.get("FACTORY_SHUTDOWN_GRACE_S", "600"))
-
-
-def torchrun_command(nproc: int, factory_args: Sequence[str]) -> list[str]:
-    """The same launch as a shell command."""
-    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(nproc, factory_args)]
 
 
 def tell_torchrun(line: str) -> None:

@@ -104,11 +104,12 @@ class CannotResume(TrainRefused):
 class CannotLaunch(TrainRefused):
     """The launch does not fit the blueprint's layout, or runs what factory's runtime does not
     (``factory.jobs.launch``); refused before any process group is made. ``path`` is the
-    blueprint field at fault."""
+    blueprint field at fault, ``rule`` the validate rule that says the same (or None)."""
 
-    def __init__(self, message: str, path: str) -> None:
+    def __init__(self, message: str, path: str, rule: str | None = None) -> None:
         super().__init__(message)
         self.path = path
+        self.rule = rule
 
 
 class RankLost(RuntimeError):
@@ -186,16 +187,9 @@ def prepare_training(
         raise ValueError(f"precision must be one of {', '.join(backends)}, not {precision!r}")
     bp, changes = derive_proxy_layout(blueprint, world) if proxy else (blueprint, [])
     if world > 1:  # several processes were asked for: the layout must fit them first
-        _check_launch(bp, world)
+        _check_launch(bp, world, precision)
     if bp.training.compile and precision != "off" and uses_low_precision(bp):
         raise ValueError(f"{PRECISION_OFF}; run with --precision off or training.compile: false")
-    if precision == "te" and bp.parallelism.tp > 1 and uses_low_precision(bp):
-        raise CannotLaunch(
-            f"--precision te with parallelism.tp={bp.parallelism.tp}: factory does not split "
-            "Transformer Engine's linears yet; use --precision emulate (auto does under TP), "
-            "or --set parallelism.tp=1",
-            "parallelism.tp",
-        )
     if precision == "te":
         try:
             require_te()
@@ -208,15 +202,16 @@ def prepare_training(
     params, have = count_params(bp.model).total, _memory_bytes()
     if have and params * BYTES_PER_PARAM > have:
         raise ModelTooBig(bp.meta.name, params, have, proxy)
-    _check_launch(bp, world)
+    if world == 1:  # after the size: a model too big for one process says to train its proxy
+        _check_launch(bp, world, precision)
     return TrainRequest(bp, precision, tuple(changes))
 
 
-def _check_launch(bp: Blueprint, world: int) -> None:
+def _check_launch(bp: Blueprint, world: int, precision: PrecisionBackend) -> None:
     try:
-        check_launch(bp, world)
+        check_launch(bp, world, precision)
     except LaunchRefused as exc:
-        raise CannotLaunch(str(exc), exc.path) from exc
+        raise CannotLaunch(str(exc), exc.path, exc.rule) from exc
 
 
 def _memory_bytes() -> int:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 from factory.schemas.blueprint import Blueprint
 
-__all__ = ["Layout", "resolve_layout"]
+__all__ = ["Layout", "data_parallel_size", "resolve_layout"]
 
 
 @dataclass(frozen=True)
@@ -71,10 +71,18 @@ def _segments(bp: Blueprint) -> list[str]:
     return [main[i * per : (i + 1) * per] for i in range(pp)]
 
 
+def data_parallel_size(world_size: int, tp: int, cp: int, pp: int) -> int:
+    """DP: the copies of one model replica (``tp*cp*pp`` ranks) that ``world_size`` ranks
+    hold, at least 1. The one formula: a resolved :class:`Layout` carries it, and what
+    chooses a layout before it has a blueprint asks here (``parallelism.world_size`` says
+    when tp*cp*pp does not divide the world)."""
+    return max(1, world_size // (tp * cp * pp))
+
+
 def resolve_layout(bp: Blueprint) -> Layout:
     par = bp.parallelism
     tp, cp, pp, ep, etp = par.tp, par.cp, par.pp, par.ep, par.expert_tp
-    dp = max(1, par.world_size // (tp * cp * pp))
+    dp = data_parallel_size(par.world_size, tp, cp, pp)
     edp = max(1, par.world_size // (etp * ep * pp))
     segments = _segments(bp)
     vpp = max(1, len(segments) // pp)

@@ -32,6 +32,9 @@ def search_records(results: list[SearchResult]) -> list[dict[str, Any]]:
             "memory_per_rank_bytes": r.memory_bytes,
             "dominant_cost": r.dominant,
             "performance": r.performance.to_dict(),
+            "warnings": [
+                {"rule": rule, "path": f.path, "message": f.message} for rule, f in r.warnings
+            ],
         }
         for r in results
     ]
