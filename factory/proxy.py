@@ -7,10 +7,11 @@ top-k and expert ratios, the latent ratio, MTP and the precision policy, and
 passes every rule of ``factory.checks`` without a finding. The rule:
 
 * **Pattern.** Drop ``|`` (the proxy is pp=1). Cut the main stack into periods,
-  each ending at an attention layer ``*`` (the remainder is a period too); keep
-  the first two (no ``*``: the first min(len, 8) layers), append the stack's last
-  layer unless the proxy already ends with it, then one layer of each type still
-  missing. MTP is kept as written: the ``/`` segments or ``model.mtp`` as is.
+  each ending at a layer whose type ends one (``LayerType.ends_period``: attention
+  ``*``; the remainder is a period too); keep the first two (none ends a period: the
+  first min(len, 8) layers), append the stack's last layer unless the proxy already
+  ends with it, then one layer of each type still missing. MTP is kept as written:
+  the ``/`` segments or ``model.mtp`` as is.
 * **Layer sections.** Each layer type shrinks its own section
   (``LayerType.shrink`` in ``factory.layers``):
 
@@ -70,7 +71,7 @@ from typing import Any
 
 from factory.precision.policy import uses_low_precision
 from factory.schemas.blueprint import Blueprint
-from factory.spec.layer_type import LAYER_TYPES, ProxyScale
+from factory.spec.layer_type import LAYER_TYPES, ProxyScale, layer_type
 from factory.spec.rounding import half_up
 
 __all__ = ["derive_proxy", "proxy_pattern"]
@@ -81,11 +82,9 @@ PROXY_VOCAB, PROXY_MAX_SEQ_LEN, PROXY_CHECKPOINT_INTERVAL = 4096, 4096, 100
 
 def proxy_pattern(main: str) -> str:
     """The proxy's main stack from the source's (``|`` already dropped)."""
-    if "*" in main:
-        periods = main.split("*")
-        kept = "*".join(periods[:2]) + "*" if len(periods) > 2 else main
-    else:
-        kept = main[:8]
+    ends = [i + 1 for i, symbol in enumerate(main) if layer_type(symbol).ends_period]
+    # Two periods; a stack of one period whole; a stack without periods: its first 8 layers.
+    kept = main[: ends[1] if len(ends) > 1 else len(main) if ends else 8]
     if not kept.endswith(main[-1]):
         kept += main[-1]
     for symbol in dict.fromkeys(main):  # missing types, in order of first appearance

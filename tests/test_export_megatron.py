@@ -120,6 +120,20 @@ def test_transformer_config_accepts_every_preset(name):
 
 
 @needs_core
+def test_a_pattern_without_attention_or_mlps_gets_what_megatron_requires():
+    bp = make(**{"model.pattern": "MMMM"})
+    model = megatron_fields(bp)["model"]
+    required = ("num_attention_heads", "add_bias_linear", "activation_func", "gated_linear_unit")
+    assert [model[name] for name in required] == [
+        1,
+        False,
+        Ref("megatron.core.activations.squared_relu"),
+        False,
+    ]
+    assert _config(bp).num_attention_heads == 1
+
+
+@needs_core
 def test_uneven_pipeline_cuts_are_built_stage_by_stage():
     bp = make(**{"model.pattern": "M*M|E-M*ME", "parallelism.pp": 2})
     assert refusals(bp) == []

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import factory
-from factory.exports.hf_config import hf_config
+from factory.exports.hf_config import blueprint_fields_from_hf, hf_block_types, hf_config
 from factory.proxy import derive_proxy
 
 transformers = pytest.importorskip("transformers")
@@ -143,3 +143,12 @@ def test_mtp_loss_weight_none_means_unset(cli, written, read, tmp_path: Path) ->
     status, err = _import(cli, _folder_with(config, tmp_path / "m"), tmp_path / "bp.yaml")
     assert status == 0, err
     assert factory.load_blueprint(tmp_path / "bp.yaml").model.mtp.loss_scale == read
+
+
+def test_block_types_of_older_transformers_are_read() -> None:
+    config = json.loads((CONFIGS / "nemotron_3_nano_30b_a3b.json").read_text(encoding="utf-8"))
+    pattern = config["hybrid_override_pattern"]
+    older = {"linear_attention": "mamba", "full_attention": "attention"}  # before the rename
+    types = [older.get(block, block) for block in hf_block_types(pattern)]
+    assert {"mamba", "attention", "moe"} <= set(types)
+    assert blueprint_fields_from_hf({**config, "layers_block_type": types})["pattern"] == pattern

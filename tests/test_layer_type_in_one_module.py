@@ -3,8 +3,8 @@
 It declares a gated linear unit mixer ``U`` (tensors, FLOPs, activation memory, its
 module, its tensor-parallel split and rule, a check of its own, no Hugging Face or Megatron
 equivalent) and, editing nothing else in factory, gets: a plan, validate rules of its own, a graph that
-trains, a TP=2 run equal to one process (2 gloo ranks), a precision-table row, and clear
-refusals from both exports. ``CONTRIBUTING.md`` ("Adding a layer type") points here.
+trains, a TP=2 run equal to one process (2 gloo ranks), a precision-table row, a CPU proxy
+and an upcycled model that keep it, and clear refusals from both exports. ``CONTRIBUTING.md`` ("Adding a layer type") points here.
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ from factory.exports.megatron_refusals import refusals
 from factory.graph.hybrid_lm import HybridLM
 from factory.graph.init import initialize
 from factory.graph.loss import language_model_loss
+from factory.graph.upcycle import upcycle
 from factory.layers.model_spec import model_spec
 from factory.precision.policy import resolve_policy
+from factory.proxy import proxy_pattern
 from factory.spec.activations import BF16, TokenShards, prologue_bytes
 from factory.spec.layer_type import (
     LayerFinding,
@@ -138,6 +140,24 @@ def test_its_graph_trains(gated_unit) -> None:
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < 0.9 * losses[0], losses
+
+
+def test_its_proxy_and_upcycling_keep_it(gated_unit, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert proxy_pattern("MUME*MUME*MUME*-") == "MUME*MUME*-"
+    monkeypatch.setattr(GatedUnitType, "ends_period", True)  # its own periods, if it says so
+    assert proxy_pattern("MUME*MUME*MUME*-") == "MUME*-"
+
+    dense = factory.compile(make(**{"model.pattern": "MU*-"}), precision="off").model.eval()
+    bp = make(**{"model.pattern": "MU*E", "model.moe.top_k": 4})  # 4 = 512 / 128 shards
+    moe = factory.compile(bp, device="meta", precision="off").model.to_empty(device="cpu")
+    upcycle(moe, dense.state_dict(), torch.Generator().manual_seed(0))
+    unit, seeded = dense.backbone.layers[1].mixer, moe.backbone.layers[1].mixer
+    assert all(
+        torch.equal(a, b) for a, b in zip(unit.parameters(), seeded.parameters(), strict=True)
+    )
+    ids = torch.randint(0, bp.model.vocab_size, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(moe.eval()(ids).logits, dense(ids).logits)
 
 
 def _tp_worker(rank: int, world: int) -> dict[str, float]:

@@ -1,4 +1,5 @@
-"""Dense-to-MoE upcycling (factory.graph.upcycle): the MoE starts as the dense model, exactly."""
+"""Dense-to-MoE upcycling (factory.graph.upcycle, factory/layers/moe/upcycle.py): the MoE starts
+as the dense model, exactly."""
 
 from __future__ import annotations
 
@@ -224,7 +225,7 @@ def test_unfit_moe_blueprints_raise(dense: tuple[Any, Path], section: dict, mess
 
 def test_source_layer_must_be_dense_mlp(dense: tuple[Any, Path]) -> None:
     _, path = dense
-    with pytest.raises(UpcycleError, match=r"layers\.2 is not a dense MLP \(found '\*'\)"):
+    with pytest.raises(UpcycleError, match=r"layers\.2 is '\*', not the MLP layer \('-'\)"):
         upcycled(path, pattern="M-EE")
     with pytest.raises(UpcycleError, match=r"layers\.2 is 'M' in the blueprint but '\*'"):
         upcycled(path, pattern="M-ME")

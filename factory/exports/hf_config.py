@@ -20,9 +20,6 @@ from factory.spec.layer_type import LAYER_TYPES, layer_type
 
 __all__ = ["ExportError", "blueprint_fields_from_hf", "hf_block_types", "hf_config"]
 
-_OLDER_NAMES = {"mamba": "linear_attention", "attention": "full_attention"}
-"""Block-type names of older transformers releases."""
-
 
 class ExportError(ValueError):
     """The blueprint uses a feature the target format cannot represent."""
@@ -87,9 +84,8 @@ def hf_config(bp: Blueprint, dtype: str = "float32") -> dict[str, Any]:
 
 
 def _symbol_of(block_type: str) -> str:
-    block_type = _OLDER_NAMES.get(block_type, block_type)
     for symbol, kind in LAYER_TYPES.items():
-        if kind.hf_block_type == block_type:
+        if block_type == kind.hf_block_type or block_type in kind.hf_older_block_types:
             return symbol
     raise ExportError(f"unknown NemotronH layer type {block_type!r}")
 

@@ -27,7 +27,13 @@ from factory.exports.quant_recipe import (
     mtp_formats,
 )
 from factory.schemas.blueprint import Blueprint
-from factory.spec.layer_type import LAYER_TYPES, LayerType, MegatronField, Ref
+from factory.spec.layer_type import (
+    LAYER_TYPES,
+    MEGATRON_DEFAULT,
+    LayerType,
+    MegatronField,
+    Ref,
+)
 
 __all__ = [
     "PROVIDER_FIELDS_SINCE",
@@ -80,6 +86,30 @@ class Field:
 
 SKIP = object()
 """``get`` returns this when the field does not apply (no attention layers, no MoE, ...)."""
+
+
+@dataclass(frozen=True)
+class Required:
+    """A ``TransformerConfig`` field Megatron-Core requires whatever the pattern: where no layer
+    type in the pattern sets it, the value the layer types that set it declare for their absence
+    (``MegatronField.absent``), so the row comes from the registry when :func:`fields` is asked."""
+
+    name: str
+
+    def row(self) -> Field | None:
+        """The row (None where no registered layer type declares the field's absence)."""
+        declared = [
+            (kind, field)
+            for kind in sorted(LAYER_TYPES.values(), key=lambda kind: kind.name)
+            for field in kind.megatron_fields or ()
+            if field.name == self.name and field.absent is not MEGATRON_DEFAULT
+        ]
+        if not declared:
+            return None
+        value = declared[0][1].absent
+        layers = " or ".join(dict.fromkeys(kind.title or kind.name for kind, _ in declared))
+        return Field(f"(no {layers} layers)", "model", self.name, "config", lambda bp: value)
+
 
 # ConfigContainer sections and the class each is built from in recipe.py (module, class).
 # optimizer and ddp are Bridge's subclasses: ConfigContainer defers their __post_init__ to
@@ -219,7 +249,7 @@ def _mtp(fn: Callable[[Blueprint], Any]) -> Callable[[Blueprint], Any]:
 M, T, P = "model", "container", "mixed_precision"
 # One row per field reads as the table it is; the formatter would spread rows over lines.
 # fmt: off
-_MODEL_FIELDS: tuple[Field, ...] = (
+_MODEL_FIELDS: tuple[Field | Required, ...] = (
     # The hybrid stack. '|' is not written: pipeline cuts become first/last stage sizes.
     Field("model.pattern", M, "hybrid_layer_pattern", "provider", lambda bp: bp.model.layout.main),
     Field("model.pattern", M, "num_layers", "config", lambda bp: bp.model.num_layers),
@@ -242,14 +272,14 @@ _MODEL_FIELDS: tuple[Field, ...] = (
     Field("model.norm_eps", M, "layernorm_epsilon", "config", lambda bp: bp.model.norm_eps),
     Field("model.norm_eps", M, "normalization", "config", lambda bp: "RMSNorm"),
     Field("model.init.std", M, "init_method_std", "config", lambda bp: bp.model.init.std),
-    # Megatron requires these; a layer type in the pattern that sets one overrides its default.
-    Field("(no biased layers)", M, "add_bias_linear", "config", lambda bp: False),
-    Field("(no MLP or MoE layers)", M, "activation_func", "config",
-          lambda bp: Ref("megatron.core.activations.squared_relu")),
-    Field("(no MLP or MoE layers)", M, "gated_linear_unit", "config", lambda bp: False),
+    # Megatron requires these whatever the pattern; a layer type in the pattern that sets one
+    # overrides the value its layer types declare for a pattern without them.
+    Required("add_bias_linear"),
+    Required("activation_func"),
+    Required("gated_linear_unit"),
     Field("(none)", M, "hidden_dropout", "config", lambda bp: 0.0),
     Field("(none)", M, "attention_dropout", "config", lambda bp: 0.0),
-    Field("(no attention layers)", M, "num_attention_heads", "config", lambda bp: 1),
+    Required("num_attention_heads"),
 )
 # Each layer type's own fields (factory/layers/<name>/spec.py) come here, by layer name.
 _RUN_FIELDS: tuple[Field, ...] = (
@@ -349,8 +379,9 @@ def fields() -> tuple[Field, ...]:
     """Every row of the mapping: the model's, each registered layer type's (those the pattern
     does not use give nothing), then the run's."""
     by_name = sorted(LAYER_TYPES.values(), key=lambda kind: kind.name)
+    model = [row.row() if isinstance(row, Required) else row for row in _MODEL_FIELDS]
     own = [_layer_field(kind, f) for kind in by_name for f in kind.megatron_fields or ()]
-    return (*_MODEL_FIELDS, *own, *_RUN_FIELDS)
+    return (*(row for row in model if row is not None), *own, *_RUN_FIELDS)
 
 
 def _quant_recipe(bp: Blueprint) -> Any:

@@ -14,7 +14,7 @@ from typing import Any
 
 import factory.layers  # noqa: F401  (registers the built-in layer types the picture names)
 from factory.report.html_parts import escape, legend_key, svg
-from factory.spec.layer_type import LAYER_TYPES
+from factory.spec.layer_type import LAYER_TYPES, layer_type_named
 
 __all__ = ["PRECISION_COLOURS", "Segment", "layer_stack_svg", "segments", "type_colour"]
 
@@ -107,8 +107,10 @@ def _type_colour(symbol: str) -> str:
 def type_colour(name: str) -> str | None:
     """The colour of the layer type named ``name`` ('mamba', 'moe'...), as the stack draws
     it; None for a name that is no layer type."""
-    symbol = next((s for s, kind in LAYER_TYPES.items() if kind.name == name), None)
-    return None if symbol is None else _type_colour(symbol)
+    try:
+        return _type_colour(layer_type_named(name).symbol)
+    except KeyError:
+        return None
 
 
 def _type_title(symbol: str) -> str:

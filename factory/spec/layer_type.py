@@ -28,6 +28,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, TypeVar
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -39,11 +40,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LAYER_TYPES",
+    "MEGATRON_DEFAULT",
     "LayerFinding",
     "LayerType",
     "MegatronField",
     "ProxyScale",
     "Ref",
+    "UpcycleError",
     "layer_check",
     "layer_type",
     "layer_type_named",
@@ -106,6 +109,10 @@ class Ref:
     path: str
 
 
+MEGATRON_DEFAULT: Any = object()
+"""``MegatronField.absent`` of a field Megatron-Core gives a default of its own."""
+
+
 @dataclass(frozen=True)
 class MegatronField:
     """One field of Megatron-Core's ``TransformerConfig`` that a layer type's section sets."""
@@ -128,6 +135,15 @@ class MegatronField:
     reads: Literal["section", "parallelism"] = "section"
     """What ``get`` and ``when`` receive: the layer's section, or ``parallelism`` (a layout
     field only this layer type needs, such as the MoE's token dispatcher)."""
+    absent: Any = MEGATRON_DEFAULT
+    """The value a recipe gives a field Megatron-Core requires whatever the pattern, where no
+    layer type in the pattern sets it (``num_attention_heads`` is 1 without attention layers);
+    layer types sharing the field declare the same value. ``MEGATRON_DEFAULT``: Megatron-Core
+    has a default, and nothing is written."""
+
+
+class UpcycleError(ValueError):
+    """The source checkpoint cannot seed this model (``model.init.upcycle_from``)."""
 
 
 class LayerType:
@@ -156,6 +172,10 @@ class LayerType:
     """How pages and pictures name the layer type ('Mamba-2', 'MoE'); None: its ``name``."""
     routes_experts: ClassVar[bool] = False
     """The layer routes tokens to experts, which expert parallelism splits over EP ranks."""
+
+    ends_period: ClassVar[bool] = False
+    """The layer ends a period of the pattern's rhythm (attention, which hybrid patterns place
+    every few layers): the CPU proxy keeps the first two periods of the main stack."""
 
     context_parallel: ClassVar[str | None] = None
     """How the layer splits across a context-parallel group: ``"token_wise"`` (no token sees
@@ -318,6 +338,9 @@ class LayerType:
     def shrink(self, section: dict[str, Any], source: Any, proxy: ProxyScale) -> None:
         """Update this layer's section (a dict copy) in place for the CPU proxy."""
 
+    hf_older_block_types: ClassVar[tuple[str, ...]] = ()
+    """Its ``layers_block_type`` in older transformers releases, which an import still reads."""
+
     def hf_refusals(self, model: ModelConfig) -> list[str]:
         """What Hugging Face NemotronH cannot express about this layer."""
         if self.hf_block_type is None:
@@ -348,6 +371,29 @@ class LayerType:
         export writes them as zeros (an expert bias that is off adds nothing)."""
         return []
 
+    # Upcycling (``model.init.upcycle_from``, ``factory.graph.upcycle``).
+
+    checkpoint_marker: ClassVar[str | None] = None
+    """A parameter only this layer type's mixer has (``A_log``), by its name under the mixer:
+    how upcycling tells which layer type a source checkpoint holds at each place. None: it
+    cannot tell, and copying by name finds what does not fit."""
+    upcycles_from: ClassVar[str | None] = None
+    """The symbol of the layer type whose weights at the same place seed this one when a model
+    is upcycled (the MoE: from the dense MLP, by :meth:`upcycle`); None: copied by name."""
+
+    def upcycle(
+        self,
+        mixer: nn.Module,
+        source: Mapping[str, torch.Tensor],
+        prefix: str,
+        model: ModelConfig,
+        generator: torch.Generator,
+    ) -> None:
+        """Overwrite the built ``mixer`` (fp32) from the :attr:`upcycles_from` layer stored
+        under ``prefix`` (``backbone.layers.3.mixer``) in ``source``; ``generator`` draws what
+        is random. Raises :class:`UpcycleError` where that layer cannot seed this one."""
+        raise NotImplementedError(f"{self.name!r} layers do not upcycle")
+
 
 def register_layer_type(cls: type[LayerType]) -> type[LayerType]:
     """Class decorator: register one instance under ``cls.symbol``."""
@@ -376,6 +422,7 @@ def layer_type(symbol: str) -> LayerType:
 
 
 def layer_type_named(name: str) -> LayerType:
+    """The layer type plans and reports call ``name`` ('mamba', 'moe')."""
     for registered in LAYER_TYPES.values():
         if registered.name == name:
             return registered

@@ -38,7 +38,10 @@ class SelfAttention(LayerType):
     title = "attention"
     section = "attention"
     context_parallel = "kv_exchange"
+    ends_period = True
     hf_block_type = "full_attention"
+    hf_older_block_types = ("attention",)
+    checkpoint_marker = "q_proj.weight"
     megatron_modules: ClassVar[
         dict[str, str]
     ] = {  # Megatron fuses Q, K and V into one column-parallel GEMM
@@ -48,10 +51,12 @@ class SelfAttention(LayerType):
         "mixer.o_proj": "self_attention.linear_proj",
     }
     megatron_fields = (
-        MegatronField("num_attention_heads", "model.attention.heads", lambda a: a.heads),
+        MegatronField("num_attention_heads", "model.attention.heads", lambda a: a.heads, absent=1),
         MegatronField("num_query_groups", "model.attention.kv_heads", lambda a: a.kv_heads),
         MegatronField("kv_channels", "model.attention.head_dim", lambda a: a.head_dim),
-        MegatronField("add_bias_linear", "model.attention.bias", lambda a: a.bias, share="agree"),
+        MegatronField(
+            "add_bias_linear", "model.attention.bias", lambda a: a.bias, share="agree", absent=False
+        ),
     )
 
     @layer_check("model.attention_kv_heads")

@@ -57,6 +57,8 @@ class Mamba(LayerType):
     context_parallel = "heads_all_to_all"
     core_coefficient = "scan"
     hf_block_type = "linear_attention"
+    hf_older_block_types = ("mamba",)
+    checkpoint_marker = "A_log"
     megatron_modules: ClassVar[dict[str, str]] = {
         "mixer.in_proj": "mixer.in_proj",
         "mixer.out_proj": "mixer.out_proj",

@@ -32,19 +32,23 @@ MEGATRON_ACTIVATIONS = {
 
 def megatron_activation_fields(blueprint: str) -> tuple[MegatronField, MegatronField]:
     """``activation_func`` and ``gated_linear_unit`` from a section's ``activation``: one pair
-    of fields for the dense MLPs and the experts, which must agree."""
+    of fields for the dense MLPs and the experts, which must agree. Megatron requires them
+    even without either: Nemotron's relu2 then."""
+    func, gated = MEGATRON_ACTIVATIONS["relu2"]
     return (
         MegatronField(
             "activation_func",
             blueprint,
             lambda s: MEGATRON_ACTIVATIONS[s.activation][0],
             share="agree",
+            absent=func,
         ),
         MegatronField(
             "gated_linear_unit",
             blueprint,
             lambda s: MEGATRON_ACTIVATIONS[s.activation][1],
             share="agree",
+            absent=gated,
         ),
     )
 
@@ -87,6 +91,7 @@ class DenseMLP(LayerType):
     section = "mlp"
     context_parallel = "token_wise"
     hf_block_type = "mlp"
+    checkpoint_marker = "up_proj.weight"
     megatron_modules: ClassVar[dict[str, str]] = {  # Megatron fuses the gate into fc1
         "mixer.up_proj": "mlp.linear_fc1",
         "mixer.gate_proj": "mlp.linear_fc1",
@@ -100,7 +105,9 @@ class DenseMLP(LayerType):
             share="agree",
         ),
         *megatron_activation_fields("model.mlp.activation"),
-        MegatronField("add_bias_linear", "model.mlp.bias", lambda m: m.bias, share="agree"),
+        MegatronField(
+            "add_bias_linear", "model.mlp.bias", lambda m: m.bias, share="agree", absent=False
+        ),
     )
 
     def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from factory.layers.mlp.spec import (
+    DenseMLP,
     activation_values,
     megatron_activation_fields,
     mlp_tensors,
@@ -34,6 +35,7 @@ from factory.spec.rounding import half_up, nearest_multiple
 from factory.spec.tensors import Gemm, Init, Role, TensorSpec, expert_linear, linear
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -61,6 +63,8 @@ class MixtureOfExperts(LayerType):
     context_parallel = "token_wise"
     hf_block_type = "moe"
     static_shapes = False  # each expert's rows are the router's choice
+    checkpoint_marker = "gate.weight"
+    upcycles_from = DenseMLP.symbol
     megatron_modules: ClassVar[dict[str, str]] = {
         "mixer.experts.up_proj": "mlp.experts.linear_fc1",
         "mixer.experts.gate_proj": "mlp.experts.linear_fc1",
@@ -500,3 +504,15 @@ class MixtureOfExperts(LayerType):
         if cfg.router.expert_bias:
             return []
         return [(f"{prefix}.gate.e_score_correction_bias", (cfg.num_experts,))]
+
+    def upcycle(
+        self,
+        mixer: nn.Module,
+        source: Mapping[str, torch.Tensor],
+        prefix: str,
+        model: ModelConfig,
+        generator: torch.Generator,
+    ) -> None:
+        """Experts cut from the dense MLP's hidden units, copies routed alike, so the layer
+        starts as that MLP exactly (``upcycle.py`` has the construction)."""
+        self.torch_side("upcycle").upcycle_moe(mixer, source, prefix, generator, model.init.std)
