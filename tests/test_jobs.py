@@ -188,7 +188,7 @@ def test_off_a_terminal_training_logs_a_timestamped_line_per_few_steps() -> None
 
     from factory.runtime.callbacks import Event, Rollback
     from factory.runtime.display import StepDisplay
-    from factory.runtime.trainer import RunHistory
+    from factory.runtime.history import RunHistory
 
     out, now = io.StringIO(), [0.0]
     display = StepDisplay(False, 10, log_every_s=30.0, console=Console(file=out),

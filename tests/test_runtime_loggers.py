@@ -18,11 +18,12 @@ from runtime_helpers import MICRO, tiny_blueprint
 import factory
 from factory.runtime import loggers
 from factory.runtime.batches import build_shards
-from factory.runtime.callbacks import Callback, Event, StepStats, Verdict
+from factory.runtime.callbacks import Callback, Event, StepStats, TrainerView, Verdict
+from factory.runtime.fit import fit
 from factory.runtime.loader import ShardLoader
 from factory.runtime.loggers import LOGGERS, TRACKERS, run_loggers
 from factory.runtime.ranks import SingleProcess
-from factory.runtime.trainer import RunOptions, Trainer, fit
+from factory.runtime.run_options import RunOptions
 
 STEP_FIELDS = ("loss", "lm_loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen", "seconds")
 
@@ -38,7 +39,7 @@ class RollbackAt(Callback):
     def __init__(self, step: int) -> None:
         self.step, self.asked = step, False
 
-    def check_step(self, trainer: Trainer, stats: StepStats) -> Verdict:
+    def check_step(self, trainer: TrainerView, stats: StepStats) -> Verdict:
         if stats.step != self.step or self.asked:
             return Verdict()
         self.asked = True

@@ -48,7 +48,7 @@ from factory.runtime.loggers import require_loggers
 from factory.schemas.blueprint import Blueprint
 
 if TYPE_CHECKING:
-    from factory.runtime.trainer import RunHistory, StepRecord
+    from factory.runtime.history import RunHistory, StepRecord
 
 __all__ = [
     "BackendUnavailable",

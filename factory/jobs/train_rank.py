@@ -10,7 +10,8 @@ the same code (``factory.runtime.ranks``):
    the seed and its name (or read from ``model.init.checkpoint``), so no rank
    ever holds the whole model (``factory.runtime.placement``);
 3. every rank trains on its data-parallel share (``factory.runtime.trainer``)
-   with the standard callbacks, the job's progress reports and the run report;
+   with the standard callbacks (``factory.runtime.fit``), the job's progress reports
+   and the run report;
 4. the trained weights are gathered whole on rank 0, which writes ``train.json``
    and ``model/`` (not after a stop signal: the run is to be resumed, and the time
    before the scheduler's SIGKILL is short).
@@ -54,13 +55,15 @@ from factory.planner.layout import resolve_layout
 from factory.progress import PLAIN_EVERY_S, PLAIN_EVERY_STEPS, Progress
 from factory.report.run_metrics import ReportError
 from factory.report.run_page import write_report
-from factory.runtime.callbacks import Callback
+from factory.runtime.callbacks import Callback, TrainerView
 from factory.runtime.checkpoint import CheckpointError, complete_checkpoints
 from factory.runtime.display import StepProgress
+from factory.runtime.fit import fit
+from factory.runtime.history import RunHistory, StepRecord
 from factory.runtime.loader import DataError, ShardLoader
 from factory.runtime.placement import full_weights, lay_out, materialize_shards
 from factory.runtime.ranks import Ranks, is_transport_failure, joined_ranks
-from factory.runtime.trainer import RunHistory, RunOptions, StepRecord, Trainer, fit
+from factory.runtime.run_options import RunOptions
 from factory.schemas.blueprint import Blueprint
 
 __all__ = ["run_rank"]
@@ -227,7 +230,7 @@ class RunReport(Callback):
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
 
-    def post_train(self, trainer: Trainer, history: RunHistory) -> None:
+    def post_train(self, trainer: TrainerView, history: RunHistory) -> None:
         if trainer.ranks.is_main and history.end != "interrupted":  # leave while we may
             with contextlib.suppress(ReportError):  # a run stopped before its first step
                 write_report(self.run_dir)
