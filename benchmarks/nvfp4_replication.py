@@ -12,7 +12,7 @@ same initial weights, and the same data order:
 * ``nvfp4_no_hadamard``: the same with ``precision.nvfp4.hadamard=false``;
 * ``nvfp4_no_sr``: the same with ``precision.nvfp4.stochastic_rounding=false``.
 
-Training is :func:`factory.runtime.trainer.fit` with the blueprint's AdamW,
+Training is :func:`factory.runtime.fit.fit` with the blueprint's AdamW,
 WSD schedule, clipping and batch (global 8 x 256 tokens, micro 2).
 
 What is measured and how it is summarized (loss gaps vs bf16, spikes, step
@@ -79,8 +79,9 @@ def run_config(
 
     import factory
     from factory.checks.validate import load_blueprint
+    from factory.runtime.fit import fit
     from factory.runtime.loader import ShardLoader
-    from factory.runtime.trainer import RunOptions, fit
+    from factory.runtime.run_options import RunOptions
 
     config = CONFIGS[name]
     blueprint = load_blueprint(preset, list(config.overrides))

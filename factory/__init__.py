@@ -61,7 +61,9 @@ if TYPE_CHECKING:
     from factory.errors import BlueprintError
     from factory.exports.hf import export_hf
     from factory.jobs.build import BuildFailed, BuildResult, build
-    from factory.jobs.train import TrainRefused, TrainResult, train
+    from factory.jobs.train import train
+    from factory.jobs.train_errors import TrainRefused
+    from factory.jobs.train_request import TrainResult
     from factory.planner.plan import plan
 
 # Public names resolve on first use so that `import factory` imports neither
@@ -70,8 +72,8 @@ _LAZY = {
     "BlueprintError": "factory.errors",
     "BuildFailed": "factory.jobs.build",
     "BuildResult": "factory.jobs.build",
-    "TrainRefused": "factory.jobs.train",
-    "TrainResult": "factory.jobs.train",
+    "TrainRefused": "factory.jobs.train_errors",
+    "TrainResult": "factory.jobs.train_request",
     "build": "factory.jobs.build",
     "compile": "factory.compilation",
     "data": "factory",  # the subpackage itself: ``factory.data.build``

@@ -55,8 +55,9 @@ def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
     torch.set_num_threads(1)  # the same reduction order in every process
     import factory
+    from factory.runtime.fit import fit
     from factory.runtime.loader import ShardLoader
-    from factory.runtime.trainer import RunOptions, fit
+    from factory.runtime.run_options import RunOptions
     from factory.schemas.blueprint import Blueprint
 
     bp = Blueprint.model_validate(spec["blueprint"])

@@ -2,7 +2,10 @@
 
 A module-level import is an edge; importing ``factory.a.b`` also runs the
 packages ``factory`` and ``factory.a`` first, so those are edges too. The
-graph must have no cycle. An import inside a function is allowed only for
+graph must have no cycle. Nor may files name each other in a loop by any
+import statement, under ``TYPE_CHECKING`` or inside a function included: a
+module reads as one thing built on the modules it names, never as half of a
+pair. An import inside a function is allowed only for
 torch or an optional extra that the importing module does not already pull in
 (torch from a torch-free module, Transformer Engine, transformers, matplotlib
 ...), never to dodge a cycle, for the standard library or for a core
@@ -156,6 +159,59 @@ def test_the_import_graph_has_no_cycle() -> None:
             pytest.fail("import cycle: " + " -> ".join(cycle))
 
 
+def _named_modules(module: str) -> set[str]:
+    """The factory modules any import statement in ``module`` names, wherever it stands:
+    ``from package import submodule`` names the submodule alone."""
+    named = set()
+    for node in ast.walk(ast.parse(MODULES[module].read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            named |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base, *submodules = _targets(node, module)
+            named |= set(submodules)
+            if len(submodules) < len(node.names):  # it takes names defined in ``base``
+                named.add(base)
+    return {target for target in named if target in MODULES and target != module}
+
+
+def _file_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that reach one another through ``graph`` (Tarjan's strongly
+    connected components of more than one module)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = stack[stack.index(node) :]
+            del stack[stack.index(node) :]
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def test_no_files_name_each_other_in_a_loop() -> None:
+    graph = {module: _named_modules(module) for module in MODULES}
+    loops = [
+        " <-> ".join(str(MODULES[m].relative_to(ROOT)) for m in group)
+        for group in _file_cycles(graph)
+    ]
+    assert loops == []
+
+
 def _offences() -> list[str]:
     offences = []
     for module in sorted(MODULES):
@@ -187,4 +243,7 @@ def test_this_checker_sees_the_kinds_of_import_it_judges() -> None:
     assert "tensorboard" in _loads("factory.runtime.loggers.tensorboard_log")  # from TRACKERS
     lazy = dict((t, line) for line, t in _imports("factory.jobs.train")[1])
     assert "factory.jobs.train_rank" in lazy
+    assert "factory.runtime.step" in _named_modules("factory.runtime.callbacks")  # TYPE_CHECKING
+    assert "factory.jobs.train_rank" in _named_modules("factory.jobs.train")  # in a function
+    assert _file_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert sys.modules  # the checker never imports what it judges

@@ -74,15 +74,16 @@ def test_build_writes_the_folder_and_reports_each_stage(tmp_path: Path) -> None:
 
 def test_train_refuses_before_any_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from factory.jobs import train as job
+    from factory.jobs.train_errors import BYTES_PER_PARAM, ModelTooBig
 
     bp = factory.load_blueprint("nano")
     with pytest.raises(ValueError, match="precision must be one of auto, emulate, te, off"):
         factory.train(bp, proxy=True, out=tmp_path / "x", precision="fp3")  # type: ignore[arg-type]
     monkeypatch.setattr(job, "_memory_bytes", lambda: 2**30)
-    with pytest.raises(job.ModelTooBig, match="31,577,940,288 parameters") as info:
+    with pytest.raises(ModelTooBig, match="31,577,940,288 parameters") as info:
         factory.train(bp, out=tmp_path / "x")
     assert isinstance(info.value, factory.TrainRefused)
-    assert info.value.need_bytes == 31_577_940_288 * job.BYTES_PER_PARAM
+    assert info.value.need_bytes == 31_577_940_288 * BYTES_PER_PARAM
     nvfp4 = factory.load_blueprint("super")
     on = {"training": nvfp4.training.model_copy(update={"compile": True})}
     with pytest.raises(ValueError, match=r"training\.compile needs precision off"):
@@ -113,7 +114,7 @@ def test_a_launch_is_checked_once_on_any_number_of_processes(
 def test_missing_transformer_engine_is_a_refusal_and_an_import_error(tmp_path: Path) -> None:
     import importlib.util
 
-    from factory.jobs.train import BackendUnavailable
+    from factory.jobs.train_errors import BackendUnavailable
 
     if importlib.util.find_spec("transformer_engine") is not None:
         pytest.skip("Transformer Engine is installed here")
@@ -208,7 +209,7 @@ def test_off_a_terminal_training_logs_a_timestamped_line_per_few_steps() -> None
 
     from factory.runtime.callbacks import Event, Rollback
     from factory.runtime.display import StepDisplay
-    from factory.runtime.trainer import RunHistory
+    from factory.runtime.history import RunHistory
 
     out, now = io.StringIO(), [0.0]
     display = StepDisplay(False, 10, log_every_s=30.0, console=Console(file=out),

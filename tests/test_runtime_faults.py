@@ -21,9 +21,11 @@ import factory
 from factory.runtime import trainer
 from factory.runtime.batches import build_shards
 from factory.runtime.checkpoint import complete_checkpoints
+from factory.runtime.fit import fit
+from factory.runtime.history import RunHistory
 from factory.runtime.loader import ShardLoader
+from factory.runtime.run_options import RunOptions
 from factory.runtime.schedule import learning_rate
-from factory.runtime.trainer import RunHistory, RunOptions, fit
 
 
 @pytest.fixture(scope="module")

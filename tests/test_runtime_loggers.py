@@ -19,12 +19,13 @@ from runtime_helpers import MICRO, tiny_blueprint
 
 import factory
 from factory.runtime.batches import build_shards
-from factory.runtime.callbacks import Callback, Event, StepStats, Verdict
+from factory.runtime.callbacks import Callback, Event, StepStats, TrainerView, Verdict
+from factory.runtime.fit import fit
 from factory.runtime.loader import ShardLoader
 from factory.runtime.loggers import run_loggers, tracker_class
 from factory.runtime.loggers.tracker import Tracker
 from factory.runtime.ranks import SingleProcess
-from factory.runtime.trainer import RunOptions, Trainer, fit
+from factory.runtime.run_options import RunOptions
 from factory.schemas.trackers import TRACKERS, TrackerEntry, logger_names, register_tracker
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,7 +44,7 @@ class RollbackAt(Callback):
     def __init__(self, step: int) -> None:
         self.step, self.asked = step, False
 
-    def check_step(self, trainer: Trainer, stats: StepStats) -> Verdict:
+    def check_step(self, trainer: TrainerView, stats: StepStats) -> Verdict:
         if stats.step != self.step or self.asked:
             return Verdict()
         self.asked = True

@@ -16,9 +16,9 @@ from shard_reference import read_shard
 import factory
 from factory.data.shards.shard_reader import read_samples
 from factory.runtime.batches import build_shards
+from factory.runtime.fit import fit
 from factory.runtime.loader import ShardLoader
 from factory.runtime.schedule import learning_rate
-from factory.runtime.trainer import fit
 from factory.schemas.training import TrainingConfig
 from factory.spec.layer_type import layer_type
 

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from factory.runtime.callbacks import Event, StepStats, verdict
-from factory.runtime.monitors import Monitors, max_violation
+from factory.runtime.monitors import Monitors
+from factory.runtime.step import max_violation
 from factory.schemas.stability import StabilityConfig
 
 

@@ -42,18 +42,12 @@ from factory.jobs.launch import (
     torchrun_args,
 )
 from factory.jobs.run_lock import HELD_BY_LAUNCHER, RunFolderBusy, held_run_folder
-from factory.jobs.train import (
-    CannotLaunch,
-    CheckpointPolicy,
-    CheckpointWriteError,
-    RankLost,
-    TrainRefused,
-    TrainRequest,
-    TrainResult,
-    prepare_training,
-)
+from factory.jobs.train import prepare_training, run_training
+from factory.jobs.train_errors import CannotLaunch, RankLost, TrainRefused
+from factory.jobs.train_request import CheckpointPolicy, TrainRequest, TrainResult, TrainSettings
 from factory.precision.backends import PrecisionBackend
-from factory.progress import LogFormat, RichProgress, plain_log
+from factory.progress import LogFormat, RichProgress
+from factory.runtime.checkpoint_errors import CheckpointWriteError
 from factory.runtime.stop_signals import exit_status
 
 if TYPE_CHECKING:
@@ -134,9 +128,20 @@ def train(
     main_rank = os.environ.get("RANK", "0") == "0"
     relaunch = nproc is not None and launched_world_size() == 1
     world = nproc if relaunch else launched_world_size()
+    progress = RichProgress(console, log_format=log_format)
+    settings = TrainSettings(
+        out=out,
+        steps=steps,
+        data=data,
+        seed=seed,
+        progress=progress,
+        show_steps="plain" if progress.plain else "rich",
+        checkpoints=CheckpointPolicy(checkpoint_every, keep, async_checkpoint, resume),
+        notice=_notices(console, main_rank),
+    )
     try:
         request = prepare_training(
-            loaded.blueprint, proxy=proxy, precision=precision, world_size=world
+            loaded.blueprint, settings, proxy=proxy, precision=precision, world_size=world
         )  # type: ignore[arg-type]  # parse_precision checked it
     except CannotLaunch as exc:
         diagnostic = loaded.source_map.diagnostic(exc.path, str(exc), rule=exc.rule)
@@ -146,17 +151,13 @@ def train(
     if main_rank:  # one copy of each, once accepted: a refusal repeats its runtime.* warning
         print_diagnostics(loaded.warnings)
     if relaunch:
-        raise typer.Exit(_launch(request, out, world, console))
+        raise typer.Exit(_launch(request, world, console))
     if request.layout_changes and main_rank:
         changes = "; ".join(request.layout_changes)
         console.print(f"proxy layout: {changes}", markup=False, highlight=False)
-    policy = CheckpointPolicy(checkpoint_every, keep, async_checkpoint, resume)
-    shown = "plain" if plain_log(log_format, console) else "rich"
     try:
-        with RichProgress(console, log_format=log_format) as progress:
-            result = request.run(out=out, steps=steps, data=data, seed=seed, progress=progress,
-                                 show_steps=shown, checkpoints=policy,
-                                 notice=_notices(console, main_rank))  # fmt: skip
+        with progress:
+            result = run_training(request)
     except (TrainRefused, BuildRefused) as exc:  # BuildRefused: the recipe curated to nothing
         _refuse(f"factory train: {exc}", main_rank)
     except (RankLost, CheckpointWriteError) as exc:  # each rank says what it saw
@@ -181,9 +182,9 @@ def _notices(console: Console, main_rank: bool) -> Callable[[str], None]:
     return notice
 
 
-def _launch(request: TrainRequest, out: Path | None, world: int, console: Console) -> int:
+def _launch(request: TrainRequest, world: int, console: Console) -> int:
     """``--nproc``: hold the run folder, then run torchrun here; its ranks know it is held."""
-    folder = request.run_folder(out)
+    folder = request.out
     try:
         with held_run_folder(folder):
             os.environ[HELD_BY_LAUNCHER] = str(folder)

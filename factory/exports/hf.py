@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import factory
+from factory import compilation
 from factory.exports.hf_config import hf_config
 from factory.graph.weights import load_weights
 from factory.io import staged_directory
@@ -83,7 +83,7 @@ def export_hf(
     Hugging Face checkpoint in ``out``. What NemotronH cannot express is refused
     (:class:`~factory.exports.hf_config.ExportError`) before anything is built."""
     hf_config(blueprint)
-    compiled = factory.compile(blueprint, seed=seed, precision="off")  # weights only
+    compiled = compilation.compile(blueprint, seed=seed, precision="off")  # weights only
     if weights is not None:
         load_weights(compiled.model, weights)
     return write_hf_checkpoint(compiled.model, compiled.blueprint, out)

@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import factory
 from factory.jobs.build_checks import run_losses
+from factory.jobs.train import train
 from factory.layers.model_spec import expert_layer_types
 from factory.planner.layout import resolve_layout
 from factory.proxy import derive_proxy
@@ -43,7 +43,7 @@ def check_blueprint(bp: Blueprint) -> Blueprint:
 
 
 def _train_rank(rank: int, world: int, bp: Blueprint, run: Path, data: Path, steps: int) -> None:
-    factory.train(bp, out=run, data=data, steps=steps)
+    train(bp, out=run, data=data, steps=steps)
 
 
 def run_layout_check(bp: Blueprint, out: Path, steps: int) -> dict[str, Any]:

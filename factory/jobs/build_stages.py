@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-import factory
 from factory.data.build_job import build as build_data
 from factory.data.loaded_recipe import load_recipe
 from factory.exports.hf_config import hf_config
@@ -28,7 +27,8 @@ from factory.exports.megatron_refusals import refusals
 from factory.io import atomic_write_text, staged_directory
 from factory.jobs.build_checks import compare_losses, loss_falls, run_losses
 from factory.jobs.build_distributed import run_layout_check
-from factory.jobs.train import CheckpointPolicy
+from factory.jobs.train import train
+from factory.jobs.train_request import CheckpointPolicy
 from factory.layout_search import search_layouts
 from factory.planner.plan import plan
 from factory.precision.policy import flops_share, resolve_policy
@@ -106,11 +106,14 @@ def _plan(ctx: BuildContext) -> str:
 def _model(ctx: BuildContext) -> str:
     """The full model on the meta device: the graph checks every tensor against the model
     spec as it is built; here its parameter count must equal the plan's."""
-    compiled = factory.compile(ctx.blueprint, device="meta", precision="off")
+    # The graph is torch's; the build's torch-free stages run without it.
+    from factory.compilation import compile
+
+    compiled = compile(ctx.blueprint, device="meta", precision="off")
     model = compiled.model
     tensors = len(model.state_dict(keep_vars=True))
     parameters = sum(p.numel() for p in model.parameters())  # shared (tied) counted once
-    planned = factory.plan(compiled.blueprint).params.total
+    planned = plan(compiled.blueprint).params.total
     check = {"device": "meta", "tensors": tensors, "parameters": parameters}
     atomic_write_text(
         ctx.out / "model_check.json",
@@ -165,7 +168,7 @@ def _data(ctx: BuildContext) -> str:
 def _smoke(ctx: BuildContext) -> str:
 
     run = ctx.out / "smoke"
-    factory.train(
+    train(
         ctx.blueprint,
         out=run,
         proxy=True,

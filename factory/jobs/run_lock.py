@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from factory.folder_lock import FolderBusy, release, try_lock
-from factory.jobs.train import TrainRefused
+from factory.jobs.train_errors import TrainRefused
 
 __all__ = ["HELD_BY_LAUNCHER", "LOCK_NAME", "RunFolderBusy", "held_run_folder", "lock_run_folder"]
 

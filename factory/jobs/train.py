@@ -25,154 +25,54 @@ rerun of a run that completed all its steps changes nothing and says so
 What cannot run is refused by :func:`prepare_training` before any work: a model
 whose fp32 weights, gradients and Adam states would not fit this machine's
 memory (:class:`ModelTooBig`), a backend that is not installed, a launch that
-does not fit the layout (``factory.jobs.launch``).
+does not fit the layout (``factory.jobs.launch``). The request every rank carries and
+the result are ``factory.jobs.train_request``'s; the refusals ``factory.jobs.train_errors``'.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
 
 from factory.jobs.launch import LaunchRefused, check_launch, launched_world_size
+from factory.jobs.train_errors import (
+    BYTES_PER_PARAM,
+    BackendUnavailable,
+    CannotLaunch,
+    ModelTooBig,
+)
+from factory.jobs.train_request import (
+    CheckpointPolicy,
+    StepsShown,
+    TrainRequest,
+    TrainResult,
+    TrainSettings,
+    ignore_notice,
+)
 from factory.planner.params import count_params
 from factory.precision.backends import PRECISION_OFF, PrecisionBackend, require_te
 from factory.precision.policy import uses_low_precision
 from factory.progress import Progress, silent
 from factory.proxy_layout import derive_proxy_layout
-from factory.runtime.checkpoint_errors import CheckpointWriteError
 from factory.runtime.loggers import require_loggers
 from factory.schemas.blueprint import Blueprint
 
-if TYPE_CHECKING:
-    from factory.runtime.trainer import RunHistory, StepRecord
-
-__all__ = [
-    "BackendUnavailable",
-    "BadData",
-    "CannotLaunch",
-    "CannotResume",
-    "CheckpointPolicy",
-    "CheckpointWriteError",
-    "ModelTooBig",
-    "RankLost",
-    "StepsShown",
-    "TrainRefused",
-    "TrainRequest",
-    "TrainResult",
-    "prepare_training",
-    "train",
-]
-
-StepsShown = Literal["rich", "plain"] | None
-"""How the trainer shows its steps itself: a live rich bar, timestamped log lines, or not at
-all (None: the steps go to the ``progress`` callback as stage ``train``)."""
-
-BYTES_PER_PARAM = 16
-"""fp32 weight + gradient + two Adam moments: what one process holds per parameter."""
-
-
-class TrainRefused(Exception):
-    """A training request this machine cannot run; nothing was written (the CLI exits 2)."""
-
-
-class ModelTooBig(TrainRefused):
-    """The model's training state needs more memory than this machine has."""
-
-    def __init__(self, name: str, params: int, have_bytes: int, proxy: bool) -> None:
-        self.params, self.need_bytes, self.have_bytes = params, params * BYTES_PER_PARAM, have_bytes
-        hint = "" if proxy else "; train its CPU proxy (proxy=True, or --proxy)"
-        super().__init__(
-            f"{name} has {params:,} parameters, whose fp32 weights, gradients and Adam states "
-            f"need {self.need_bytes / 2**30:,.0f} GiB, more than this machine's "
-            f"{have_bytes / 2**30:,.0f} GiB{hint}"
-        )
-
-
-class BackendUnavailable(TrainRefused, ImportError):
-    """The requested precision backend is not installed (Transformer Engine, for ``te``), or
-    the package of a tracker ``training.loggers`` names (tensorboard, wandb)."""
-
-
-class CannotResume(TrainRefused):
-    """Nothing to resume, a checkpoint of another model, or one that cannot be read."""
-
-
-class CannotLaunch(TrainRefused):
-    """The launch does not fit the blueprint's layout, or runs what factory's runtime does not
-    (``factory.jobs.launch``); refused before any process group is made. ``path`` is the
-    blueprint field at fault, ``rule`` the validate rule that says the same (or None)."""
-
-    def __init__(self, message: str, path: str, rule: str | None = None) -> None:
-        super().__init__(message)
-        self.path = path
-        self.rule = rule
-
-
-class RankLost(RuntimeError):
-    """A collective failed mid-run: another rank died or stopped answering (the CLI exits 1)."""
-
-
-class BadData(TrainRefused):
-    """The data folder does not match its manifest (missing, truncated or changed shards)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointPolicy:
-    """When and how checkpoints are written and whether the run must resume from one."""
-
-    every: int | None = None
-    """Steps between checkpoints (default: the blueprint's ``training.checkpoint_interval``)."""
-    keep: int = 3
-    """Complete checkpoints kept (a rollback needs one from before the trouble)."""
-    async_save: bool = False
-    """Write checkpoints in the background while training goes on."""
-    resume: bool = False
-    """Insist on resuming (an error when the folder has no complete checkpoint). Without it a
-    folder that has one resumes anyway, and one that has none starts afresh."""
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainResult:
-    """What :func:`train` ran and wrote."""
-
-    out: Path
-    """The run folder (absolute): train.json, model/ and, unless data was given, data/."""
-    blueprint: Blueprint
-    """The blueprint that trained: the proxy's with ``proxy=True``."""
-    device: str
-    precision: dict[str, int]
-    """Linears per recipe as installed (empty with precision="off")."""
-    seed: int
-    data: Path
-    """The shards it trained on."""
-    history: RunHistory
-    """The trainer's records (one per optimizer step) and how the run ended."""
-    found_complete_at: int | None = None
-    """The step a rerun found the run folder's training complete at, having changed nothing
-    (``history`` is then ``train.json``'s); None when this call trained."""
-
-    @property
-    def records(self) -> list[StepRecord]:
-        return self.history.records
-
-    @property
-    def diverged(self) -> bool:
-        return self.history.diverged
+__all__ = ["prepare_training", "run_training", "train"]
 
 
 def prepare_training(
     blueprint: Blueprint,
+    settings: TrainSettings,
     *,
     proxy: bool = False,
     precision: PrecisionBackend = "auto",
     world_size: int | None = None,
 ) -> TrainRequest:
     """The training of ``blueprint`` (its CPU proxy laid out on ``world_size`` ranks with
-    ``proxy=True``) on ``world_size`` processes (default: this launch's), checked.
+    ``proxy=True``) on ``world_size`` processes (default: this launch's) with ``settings``,
+    checked.
 
     Raises :class:`CannotLaunch`, :class:`ModelTooBig` or :class:`BackendUnavailable` (also
     for a tracker of ``training.loggers`` that is not installed), and
@@ -204,7 +104,7 @@ def prepare_training(
         raise ModelTooBig(bp.meta.name, params, have, proxy)
     if world == 1:  # after the size: a model too big for one process says to train its proxy
         _check_launch(bp, world, precision)
-    return TrainRequest(bp, precision, tuple(changes))
+    return TrainRequest(bp, precision, tuple(changes), settings)
 
 
 def _check_launch(bp: Blueprint, world: int, precision: PrecisionBackend) -> None:
@@ -239,84 +139,38 @@ def train(
 ) -> TrainResult:
     """Train ``blueprint`` (its CPU proxy with ``proxy=True``) and write ``out``.
 
-    :func:`prepare_training` then :meth:`TrainRequest.run`; see both.
+    :func:`prepare_training` then :func:`run_training`; the keywords besides ``proxy`` and
+    ``precision`` are :class:`~factory.jobs.train_request.TrainSettings`'.
     """
-    request = prepare_training(blueprint, proxy=proxy, precision=precision)
-    return request.run(
+    settings = TrainSettings(
         out=out,
         steps=steps,
         data=data,
         seed=seed,
         workers=workers,
-        progress=progress,
+        progress=progress or silent,
         show_steps=show_steps,
-        checkpoints=checkpoints,
-        notice=notice,
+        checkpoints=checkpoints or CheckpointPolicy(),
+        notice=notice or ignore_notice,
     )
+    return run_training(prepare_training(blueprint, settings, proxy=proxy, precision=precision))
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainRequest:
-    """A training that :func:`prepare_training` accepted; :meth:`run` does it."""
+def run_training(request: TrainRequest) -> TrainResult:
+    """Train on this process's share of the layout and write the run folder.
 
-    blueprint: Blueprint
-    """The blueprint that trains (the proxy's, laid out on the launch, with ``proxy``)."""
-    precision: PrecisionBackend
-    layout_changes: tuple[str, ...] = ()
-    """What the proxy's layout changed to fit the launch (``factory.proxy_layout``)."""
+    The run folder holds what this module's docstring lists; a rerun into it resumes, or
+    finds the run complete and changes nothing.
 
-    def run(
-        self,
-        *,
-        out: Path | None = None,
-        steps: int | None = None,
-        data: Path | None = None,
-        seed: int | None = None,
-        workers: int = 1,
-        progress: Progress | None = None,
-        show_steps: StepsShown = None,
-        checkpoints: CheckpointPolicy | None = None,
-        notice: Callable[[str], None] | None = None,
-    ) -> TrainResult:
-        """Train on this process's share of the layout and write the run folder.
+    Raises :class:`~factory.jobs.run_lock.RunFolderBusy` while another training holds
+    the run folder, :class:`~factory.jobs.train_errors.CannotResume` or
+    :class:`~factory.jobs.train_errors.BadData` before any step,
+    :class:`~factory.runtime.checkpoint_errors.CheckpointWriteError` (an ``OSError``) when a
+    checkpoint cannot be written, and :class:`~factory.jobs.train_errors.RankLost` when
+    another rank dies. A SIGTERM or SIGINT ends the run at the next step with a checkpoint:
+    its history ends ``interrupted``, naming the signal.
+    """
+    # This rank's share of the work imports torch: ``factory.train`` resolves without it.
+    from factory.jobs.train_rank import run_rank
 
-        ``out`` defaults to ``runs/NAME``; ``steps`` to the blueprint's; ``seed`` to
-        ``training.seed``. ``data`` trains on shards built already instead of building the
-        recipe (with ``workers`` processes) at the blueprint's ``data.seq_len``.
-        ``progress`` gets the data build's stages, ``compile``, ``train`` (optimizer steps)
-        and ``export``; ``show_steps`` lets the trainer show each step's loss, learning rate,
-        gradient norm, tokens/s and ETA itself instead of reporting ``train``: ``"rich"`` a
-        live bar, ``"plain"`` a timestamped line every ``PLAIN_EVERY_STEPS`` steps or
-        ``PLAIN_EVERY_S`` seconds (``factory.progress``). ``checkpoints`` sets the cadence and resume
-        behaviour. ``notice`` is told, a line at a time, what the run repaired or skipped
-        (a damaged checkpoint passed over for an older one, a torn line of metrics.jsonl).
-
-        Raises :class:`~factory.jobs.run_lock.RunFolderBusy` while another training holds
-        ``out``, :class:`CannotResume` or :class:`BadData` before any step,
-        :class:`CheckpointWriteError` (an ``OSError``) when a checkpoint cannot be written,
-        and :class:`RankLost` when another rank dies. A SIGTERM or SIGINT ends the run at the
-        next step with a checkpoint: its history ends ``interrupted``, naming the signal.
-        """
-        # This rank's share of the work imports torch: ``factory.train`` resolves without it.
-        from factory.jobs.train_rank import run_rank
-
-        return run_rank(
-            self,
-            out=self.run_folder(out),
-            steps=steps,
-            data=data,
-            seed=self.blueprint.training.seed if seed is None else seed,
-            workers=workers,
-            progress=progress or silent,
-            show_steps=show_steps,
-            checkpoints=checkpoints or CheckpointPolicy(),
-            notice=notice or _ignore,
-        )
-
-    def run_folder(self, out: Path | None) -> Path:
-        """The run folder :meth:`run` writes for ``out`` (default ``runs/NAME``), absolute."""
-        return (out or Path("runs") / self.blueprint.meta.name).resolve()
-
-
-def _ignore(line: str) -> None:
-    """The default notice: the caller did not ask to be told."""
+    return run_rank(request)

@@ -1,8 +1,8 @@
 """One process's share of ``factory.train``: join the ranks, curate, compile, lay out, train, write.
 
 Every process of a launch runs :func:`run_rank` with the same
-:class:`~factory.jobs.train.TrainRequest`; on one process it is world size 1 of
-the same code (``factory.runtime.ranks``):
+:class:`~factory.jobs.train_request.TrainRequest`; on one process it is world size 1
+of the same code (``factory.runtime.ranks``):
 
 1. rank 0 builds the data recipe's shards (the others wait at a barrier);
 2. every rank builds the model on the meta device, lays it out over the
@@ -10,7 +10,8 @@ the same code (``factory.runtime.ranks``):
    the seed and its name (or read from ``model.init.checkpoint``), so no rank
    ever holds the whole model (``factory.runtime.placement``);
 3. every rank trains on its data-parallel share (``factory.runtime.trainer``)
-   with the standard callbacks, the job's progress reports and the run report;
+   with the standard callbacks (``factory.runtime.fit``), the job's progress reports
+   and the run report;
 4. the trained weights are gathered whole on rank 0, which writes ``train.json``
    and ``model/`` (not after a stop signal: the run is to be resumed, and the time
    before the scheduler's SIGKILL is short).
@@ -28,71 +29,53 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch.distributed as dist
 
-import factory
+from factory import compilation
 from factory.compilation import Compiled
 from factory.data.build_job import build as build_data
 from factory.exports.hf import write_hf_checkpoint
 from factory.folder_lock import release
 from factory.io import atomic_write_text
 from factory.jobs.run_lock import RunFolderBusy, held_by_launcher, lock_run_folder
-from factory.jobs.train import (
-    BadData,
-    CannotResume,
-    CheckpointPolicy,
-    RankLost,
-    StepsShown,
-    TrainRefused,
-    TrainRequest,
-    TrainResult,
-)
+from factory.jobs.train_errors import BadData, CannotResume, RankLost, TrainRefused
+from factory.jobs.train_request import TrainRequest, TrainResult
 from factory.planner.layout import resolve_layout
-from factory.progress import PLAIN_EVERY_S, PLAIN_EVERY_STEPS, Progress
+from factory.progress import PLAIN_EVERY_S, PLAIN_EVERY_STEPS
 from factory.report.run_metrics import ReportError
 from factory.report.run_page import write_report
-from factory.runtime.callbacks import Callback
+from factory.runtime.callbacks import Callback, TrainerView
 from factory.runtime.checkpoint import CheckpointError, complete_checkpoints
 from factory.runtime.display import StepProgress
+from factory.runtime.fit import fit
+from factory.runtime.history import RunHistory, StepRecord
 from factory.runtime.loader import DataError, ShardLoader
 from factory.runtime.placement import full_weights, lay_out, materialize_shards
 from factory.runtime.ranks import Ranks, is_transport_failure, joined_ranks
-from factory.runtime.trainer import RunHistory, RunOptions, StepRecord, Trainer, fit
-from factory.schemas.blueprint import Blueprint
+from factory.runtime.run_options import RunOptions
 
 __all__ = ["run_rank"]
 
 
-def run_rank(
-    request: TrainRequest,
-    *,
-    out: Path,
-    steps: int | None,
-    data: Path | None,
-    seed: int,
-    workers: int,
-    progress: Progress,
-    show_steps: StepsShown,
-    checkpoints: CheckpointPolicy,
-    notice: Callable[[str], None],
-) -> TrainResult:
-    """Train this process's share of ``request`` into the run folder ``out`` (absolute)."""
-    bp = request.blueprint
+def run_rank(request: TrainRequest) -> TrainResult:
+    """Train this process's share of ``request`` into its run folder."""
+    bp, out, seed = request.blueprint, request.out, request.seed
+    progress = request.settings.progress
     try:
         with joined_ranks(resolve_layout(bp)) as ranks, _holding(out, ranks):
-            finished = _finished(bp, out, steps, data, ranks)
+            finished = _finished(request, ranks)
             if finished is not None:
                 return finished
-            shards = _curated(bp, out, data, workers, progress, ranks)
+            shards = _curated(request, ranks)
             if ranks.is_main:
                 progress("compile", 0, 1)
             # Built on meta, laid out, then each rank fills only its shards. Upcycling and
             # tied embeddings need the whole model first: every rank builds it.
             deferred = not (bp.model.init.upcycle_from or bp.model.tie_embeddings)
-            compiled = factory.compile(
+            compiled = compilation.compile(
                 bp, device=ranks.device, seed=seed, precision=request.precision, deferred=deferred
             )
             lay_out(compiled, ranks)
@@ -100,15 +83,14 @@ def run_rank(
                 materialize_shards(compiled, ranks, seed)
             if ranks.is_main:
                 progress("compile", 1, 1)
-            history = _fit(compiled, shards, out, steps, seed, checkpoints, ranks, progress,
-                           show_steps, notice)  # fmt: skip
+            history = _fit(compiled, shards, request, ranks)
             stopped = history.end == "interrupted"  # the same on every rank
             weights = None if stopped else full_weights(compiled.model, ranks)
             result = TrainResult(out, bp, ranks.device.type, _recipes(compiled), seed, shards,
                                  history)  # fmt: skip
             if weights is not None:  # rank 0, still holding the run folder
                 progress("export", 0, 1)
-                _write_summary(result, data)
+                _write_summary(result, request.settings.data)
                 write_hf_checkpoint(weights, bp, out / "model")
                 progress("export", 1, 1)
     except (dist.DistError, RuntimeError) as exc:
@@ -123,15 +105,14 @@ def run_rank(
     return result
 
 
-def _finished(
-    bp: Blueprint, out: Path, steps: int | None, data: Path | None, ranks: Ranks
-) -> TrainResult | None:
-    """The run in ``out`` when it already completed all its steps, as rank 0 finds it: the
+def _finished(request: TrainRequest, ranks: Ranks) -> TrainResult | None:
+    """The run in the run folder when it already completed all its steps, as rank 0 finds it: the
     rerun then writes nothing (no checkpoint saved again, no ``run`` and ``end`` lines
     appended to metrics.jsonl, no new report). ``train.json`` and ``model/`` are written
     last: with both there, ``train.json`` saying completed and the newest checkpoint at the
     last step, the export finished too; without them the rerun resumes there and exports."""
-    total = bp.training_steps if steps is None else steps
+    bp, out, data = request.blueprint, request.out, request.settings.data
+    total = bp.training_steps if request.settings.steps is None else request.settings.steps
     done = _completed_at(out, bp.meta.name) == total if ranks.is_main else False
     if not ranks.agree(done):
         return None
@@ -191,14 +172,13 @@ def _holding(out: Path, ranks: Ranks) -> Iterator[None]:
             release(fd)
 
 
-def _curated(
-    bp: Blueprint, out: Path, data: Path | None, workers: int, progress: Progress, ranks: Ranks
-) -> Path:
-    """The shards the run trains on: ``data``, or the recipe's, built whole by rank 0 into
-    ``out/data`` (a rerun finds them and keeps them) while the other ranks wait."""
+def _curated(request: TrainRequest, ranks: Ranks) -> Path:
+    """The shards the run trains on: the settings' ``data``, or the recipe's, built whole by
+    rank 0 into ``out/data`` (a rerun finds them and keeps them) while the other ranks wait."""
+    bp, out, settings = request.blueprint, request.out, request.settings
     out.mkdir(parents=True, exist_ok=True)
-    if data is not None:
-        return data
+    if settings.data is not None:
+        return settings.data
     folder = out / "data"
     failure: Exception | None = None
     if ranks.is_main and not (folder / "manifest.json").is_file():
@@ -206,9 +186,9 @@ def _curated(
             build_data(
                 bp.data.recipe,
                 folder,
-                workers=workers,
+                workers=settings.workers,
                 seq_len=bp.data.seq_len,
-                progress=progress,
+                progress=settings.progress,
             )
         except Exception as exc:  # the other ranks wait for the answer, not for a timeout
             failure = exc
@@ -227,26 +207,16 @@ class RunReport(Callback):
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
 
-    def post_train(self, trainer: Trainer, history: RunHistory) -> None:
+    def post_train(self, trainer: TrainerView, history: RunHistory) -> None:
         if trainer.ranks.is_main and history.end != "interrupted":  # leave while we may
             with contextlib.suppress(ReportError):  # a run stopped before its first step
                 write_report(self.run_dir)
 
 
-def _fit(
-    compiled: Compiled,
-    shards: Path,
-    out: Path,
-    steps: int | None,
-    seed: int,
-    policy: CheckpointPolicy,
-    ranks: Ranks,
-    progress: Progress,
-    show_steps: StepsShown,
-    notice: Callable[[str], None],
-) -> RunHistory:
+def _fit(compiled: Compiled, shards: Path, request: TrainRequest, ranks: Ranks) -> RunHistory:
     """Train ``compiled`` on this rank's data-parallel share of ``shards``."""
-    bp = compiled.blueprint
+    bp, out, seed, settings = compiled.blueprint, request.out, request.seed, request.settings
+    policy, show_steps = settings.checkpoints, settings.show_steps
     options = RunOptions(
         run_dir=out,
         checkpoint_every=policy.every,
@@ -259,15 +229,15 @@ def _fit(
         log_every_s=PLAIN_EVERY_S if show_steps == "plain" else 0.0,
         ranks=ranks,
         stop_on_signals=True,
-        notice=notice,
+        notice=settings.notice,
     )
-    extra: list[Callback] = [] if show_steps else [StepProgress(progress)]
+    extra: list[Callback] = [] if show_steps else [StepProgress(settings.progress)]
     extra.append(RunReport(out))
     share = {"rank": ranks.data_rank, "world_size": ranks.data_size}
     micro = bp.parallelism.micro_batch_size
     try:
         with ShardLoader(shards, micro, seed=seed, verify=True, **share) as batches:
-            return fit(compiled, batches, steps, options, extra)
+            return fit(compiled, batches, settings.steps, options, extra)
     except DataError as exc:
         raise BadData(str(exc)) from exc
     except CheckpointError as exc:

@@ -18,6 +18,9 @@ A callback with state that must survive a resume names it with ``state_key``:
 the trainer stores :meth:`Callback.state_dict` in each checkpoint's
 ``meta.json`` under that key and hands it back on resume and rollback.
 
+A callback sees the trainer as a :class:`TrainerView`: what a callback may read
+and call. The trainer satisfies it, and neither module imports the other.
+
 This module does not import torch.
 """
 
@@ -25,11 +28,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 if TYPE_CHECKING:
+    from factory.compilation import Compiled
+    from factory.runtime.history import RunHistory, StepRecord
+    from factory.runtime.ranks import Ranks
+    from factory.runtime.run_options import RunOptions
+    from factory.runtime.run_state import Position
     from factory.runtime.step import StepOutcome
-    from factory.runtime.trainer import RunHistory, StepRecord, Trainer
 
 __all__ = [
     "SEVERITY",
@@ -38,6 +45,7 @@ __all__ = [
     "PeriodicCheckpoint",
     "Rollback",
     "StepStats",
+    "TrainerView",
     "Verdict",
     "verdict",
 ]
@@ -113,35 +121,50 @@ class Rollback:
     anneal_steps: int
 
 
+class TrainerView(Protocol):
+    """The trainer (``factory.runtime.trainer.Trainer``) as its callbacks see it."""
+
+    compiled: Compiled
+    steps: int
+    """The schedule step the run trains to."""
+    position: Position
+    ranks: Ranks
+    options: RunOptions
+    history: RunHistory
+
+    def save(self) -> None:
+        """Checkpoint the run as it stands (nothing without a run folder)."""
+
+
 class Callback:
     """Base class: every hook does nothing. Override what the callback needs."""
 
     state_key: ClassVar[str | None] = None
     """Where this callback's state goes in a checkpoint's ``meta.json`` (None: it has none)."""
 
-    def pre_train(self, trainer: Trainer) -> None:
+    def pre_train(self, trainer: TrainerView) -> None:
         """Before the first step (after a resume has put the run at its position)."""
 
-    def check_step(self, trainer: Trainer, stats: StepStats) -> Verdict:
+    def check_step(self, trainer: TrainerView, stats: StepStats) -> Verdict:
         """After the step's backward pass and gradient norm, before the optimizer applies it."""
         return Verdict()
 
-    def on_event(self, trainer: Trainer, event: Event) -> None:
+    def on_event(self, trainer: TrainerView, event: Event) -> None:
         """Each event of the merged verdict, before the trainer acts on it."""
 
-    def on_rollback(self, trainer: Trainer, rollback: Rollback) -> None:
+    def on_rollback(self, trainer: TrainerView, rollback: Rollback) -> None:
         """After the trainer went back to a checkpoint."""
 
-    def post_step(self, trainer: Trainer, record: StepRecord, outcome: StepOutcome) -> None:
+    def post_step(self, trainer: TrainerView, record: StepRecord, outcome: StepOutcome) -> None:
         """After an optimizer step was applied (``trainer.position`` is past it)."""
 
-    def on_checkpoint(self, trainer: Trainer, path: Path, seconds: float) -> None:
+    def on_checkpoint(self, trainer: TrainerView, path: Path, seconds: float) -> None:
         """After a checkpoint write was issued (complete unless written asynchronously)."""
 
-    def post_train(self, trainer: Trainer, history: RunHistory) -> None:
+    def post_train(self, trainer: TrainerView, history: RunHistory) -> None:
         """After the run ended, completed or not, and its last checkpoint is complete."""
 
-    def close(self, trainer: Trainer) -> None:
+    def close(self, trainer: TrainerView) -> None:
         """Always, last, also when the run failed: release what the callback holds."""
 
     def state_dict(self) -> dict[str, Any]:
@@ -159,7 +182,7 @@ class PeriodicCheckpoint(Callback):
             raise ValueError(f"checkpoints every {every} steps: must be at least 1")
         self.every = every
 
-    def post_step(self, trainer: Trainer, record: StepRecord, outcome: StepOutcome) -> None:
+    def post_step(self, trainer: TrainerView, record: StepRecord, outcome: StepOutcome) -> None:
         step = trainer.position.step
         if step % self.every == 0 and step < trainer.steps:
             trainer.save()

@@ -28,11 +28,11 @@ from rich.progress import (
 from rich.progress import Progress as Bar
 
 from factory.progress import Progress, duration, stamped
-from factory.runtime.callbacks import Callback, Event, Rollback
+from factory.runtime.callbacks import Callback, Event, Rollback, TrainerView
 
 if TYPE_CHECKING:
+    from factory.runtime.history import RunHistory, StepRecord
     from factory.runtime.step import StepOutcome
-    from factory.runtime.trainer import RunHistory, StepRecord, Trainer
 
 __all__ = ["StepDisplay", "StepProgress"]
 
@@ -65,7 +65,7 @@ class StepDisplay(Callback):
         """Whether plain lines are written (no bar, and a cadence asked for)."""
         return self.bar is None and bool(self.log_every or self.log_every_s)
 
-    def pre_train(self, trainer: Trainer) -> None:
+    def pre_train(self, trainer: TrainerView) -> None:
         if not trainer.ranks.is_main:
             self.enabled, self.log_every, self.log_every_s = False, 0, 0.0
         self.total, self._first = trainer.steps, trainer.position.step
@@ -88,16 +88,16 @@ class StepDisplay(Callback):
             self.description, total=self.total, completed=trainer.position.step, status=""
         )
 
-    def on_event(self, trainer: Trainer, event: Event) -> None:
+    def on_event(self, trainer: TrainerView, event: Event) -> None:
         self.say(f"{self.description}: [{event.action}] {event.monitor}: {event.message}")
 
-    def on_rollback(self, trainer: Trainer, rollback: Rollback) -> None:
+    def on_rollback(self, trainer: TrainerView, rollback: Rollback) -> None:
         self.say(
             f"{self.description}: rollback from step {rollback.from_step} to "
             f"{rollback.to_step}, {rollback.skipped_samples} samples skipped"
         )
 
-    def post_step(self, trainer: Trainer, record: StepRecord, outcome: StepOutcome) -> None:
+    def post_step(self, trainer: TrainerView, record: StepRecord, outcome: StepOutcome) -> None:
         step = trainer.position.step
         tokens_per_s = f"{outcome.tokens / max(record.seconds, 1e-9):,.0f} tok/s"
         loss, lr = f"loss {record.lm_loss:.4f}", f"lr {record.lr:.2e}"
@@ -127,13 +127,13 @@ class StepDisplay(Callback):
             return "ETA 0 s"
         return f"ETA {duration((self.clock() - self._began) / done * (self.total - step))}"
 
-    def post_train(self, trainer: Trainer, history: RunHistory) -> None:
+    def post_train(self, trainer: TrainerView, history: RunHistory) -> None:
         if history.end != "completed":
             self.say(
                 f"{self.description}: stopped at step {trainer.position.step}: {history.message}"
             )
 
-    def close(self, trainer: Trainer) -> None:
+    def close(self, trainer: TrainerView) -> None:
         if self.bar is not None:
             self.bar.__exit__(None, None, None)
             self.bar = None
@@ -152,10 +152,10 @@ class StepProgress(Callback):
     def __init__(self, progress: Progress) -> None:
         self.progress = progress
 
-    def pre_train(self, trainer: Trainer) -> None:
+    def pre_train(self, trainer: TrainerView) -> None:
         if trainer.ranks.is_main:
             self.progress("train", trainer.position.step, trainer.steps)
 
-    def post_step(self, trainer: Trainer, record: StepRecord, outcome: StepOutcome) -> None:
+    def post_step(self, trainer: TrainerView, record: StepRecord, outcome: StepOutcome) -> None:
         if trainer.ranks.is_main:
             self.progress("train", trainer.position.step, trainer.steps)

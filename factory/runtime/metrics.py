@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from factory.layers.model_spec import model_spec
-from factory.runtime.callbacks import Callback, Event, Rollback
+from factory.runtime.callbacks import Callback, Event, Rollback, TrainerView
 
 if TYPE_CHECKING:
+    from factory.runtime.history import RunHistory, StepRecord
     from factory.runtime.ranks import Ranks
     from factory.runtime.step import StepOutcome
-    from factory.runtime.trainer import RunHistory, StepRecord, Trainer
 
 __all__ = [
     "JSON_KEYS",
@@ -190,7 +190,7 @@ class MetricsLog(Callback):
         self._file.write(json.dumps({"kind": kind, **fields}, sort_keys=False) + "\n")
         self._file.flush()
 
-    def pre_train(self, trainer: Trainer) -> None:
+    def pre_train(self, trainer: TrainerView) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         torn = remove_torn_tail(self.path)
         if torn and trainer.ranks.is_main:
@@ -212,26 +212,26 @@ class MetricsLog(Callback):
             )
         )
 
-    def on_event(self, trainer: Trainer, event: Event) -> None:
+    def on_event(self, trainer: TrainerView, event: Event) -> None:
         self.write(event)
 
-    def on_rollback(self, trainer: Trainer, rollback: Rollback) -> None:
+    def on_rollback(self, trainer: TrainerView, rollback: Rollback) -> None:
         self.write(rollback)
 
-    def post_step(self, trainer: Trainer, record: StepRecord, outcome: StepOutcome) -> None:
+    def post_step(self, trainer: TrainerView, record: StepRecord, outcome: StepOutcome) -> None:
         self.write(step_metrics(record, outcome))
 
-    def on_checkpoint(self, trainer: Trainer, path: Path, seconds: float) -> None:
+    def on_checkpoint(self, trainer: TrainerView, path: Path, seconds: float) -> None:
         p = trainer.position
         self.write(
             CheckpointSaved(p.update, p.step, str(path), seconds, trainer.options.async_checkpoint)
         )
 
-    def post_train(self, trainer: Trainer, history: RunHistory) -> None:
+    def post_train(self, trainer: TrainerView, history: RunHistory) -> None:
         p = trainer.position
         self.write(RunEnd(p.update, p.step, history.end, history.message))
 
-    def close(self, trainer: Trainer) -> None:
+    def close(self, trainer: TrainerView) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None

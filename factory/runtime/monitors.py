@@ -14,26 +14,17 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from factory.runtime.callbacks import Callback, Event, StepStats, Verdict
+from factory.runtime.callbacks import Callback, Event, StepStats, TrainerView, Verdict
 from factory.schemas.stability import StabilityConfig
 
-if TYPE_CHECKING:
-    from factory.runtime.trainer import Trainer
-
-__all__ = ["Monitors", "max_violation"]
+__all__ = ["Monitors"]
 
 _MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this is its standard deviation
 _RELATIVE_FLOOR = 0.01
 """A spread below 1% of the median never counts: a flat window (a loss at min_lr, a clipped
 gradient norm) would otherwise make any wobble a spike."""
-
-
-def max_violation(tokens_per_expert: list[float]) -> float:
-    """MaxVio of one MoE layer: max over experts of load / mean load - 1 (0 when balanced)."""
-    mean = sum(tokens_per_expert) / max(1, len(tokens_per_expert))
-    return max(tokens_per_expert) / mean - 1 if mean > 0 else 0.0
 
 
 class _Baseline:
@@ -77,7 +68,7 @@ class Monitors(Callback):
         self._track_episode(stats, events)
         return events
 
-    def check_step(self, trainer: Trainer, stats: StepStats) -> Verdict:
+    def check_step(self, trainer: TrainerView, stats: StepStats) -> Verdict:
         """The step's events; a rollback goes back to before the episode's first sign."""
         return Verdict(tuple(self.observe(stats)), self.first_sign_step)
 

@@ -27,10 +27,15 @@ from torch import nn
 
 from factory.graph.loss import language_model_loss
 from factory.runtime.batches import MicroBatch
-from factory.runtime.monitors import max_violation
 from factory.runtime.ranks import Ranks, SingleProcess
 
-__all__ = ["StepOutcome", "forward_backward"]
+__all__ = ["StepOutcome", "forward_backward", "max_violation"]
+
+
+def max_violation(tokens_per_expert: list[float]) -> float:
+    """MaxVio of one MoE layer: max over experts of load / mean load - 1 (0 when balanced)."""
+    mean = sum(tokens_per_expert) / max(1, len(tokens_per_expert))
+    return max(tokens_per_expert) / mean - 1 if mean > 0 else 0.0
 
 
 @dataclass

@@ -23,7 +23,8 @@ the trainer. Everything else happens in callbacks (``factory.runtime.callbacks``
 the stability monitors (``warn`` logs, ``stop`` checkpoints and ends the run,
 ``rollback`` returns to the last checkpoint before the trouble began, skips the
 data that led there and anneals the learning rate), ``metrics.jsonl``, the
-progress display and periodic checkpoints. :func:`fit` runs the standard set.
+progress display and periodic checkpoints. The trainer imports none of them:
+``factory.runtime.fit`` chooses the standard set.
 
 With ``stop_on_signals`` a SIGTERM or SIGINT (``factory.runtime.stop_signals``)
 ends the run at the next step boundary, on every rank at the same step: the
@@ -41,8 +42,7 @@ from __future__ import annotations
 import math
 import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -51,7 +51,7 @@ import torch
 from factory.compilation import Compiled, compile_for_training
 from factory.graph.loss import mtp_loss_scale
 from factory.runtime.batches import MicroBatch
-from factory.runtime.callbacks import Callback, PeriodicCheckpoint, Rollback, StepStats, Verdict
+from factory.runtime.callbacks import Callback, Rollback, StepStats, Verdict
 from factory.runtime.checkpoint import (
     CheckpointDamaged,
     Checkpointer,
@@ -59,27 +59,16 @@ from factory.runtime.checkpoint import (
     complete_checkpoints,
     set_aside,
 )
-from factory.runtime.display import StepDisplay
 from factory.runtime.gradients import clip_to_norm, norm_masters
-from factory.runtime.loggers import run_loggers
-from factory.runtime.monitors import Monitors
+from factory.runtime.history import RunHistory, StepRecord
 from factory.runtime.optimizer import MasterOptimizer
-from factory.runtime.ranks import Ranks, SingleProcess
+from factory.runtime.run_options import RunOptions
 from factory.runtime.run_state import Anneal, Position, restore, snapshot
 from factory.runtime.schedule import annealed_rate, learning_rate
 from factory.runtime.step import StepOutcome, forward_backward
 from factory.runtime.stop_signals import StopSignals, catching_stop_signals
 
-__all__ = [
-    "BatchSource",
-    "RunHistory",
-    "RunOptions",
-    "StepRecord",
-    "Trainer",
-    "fit",
-    "learning_rate_at",
-    "standard_callbacks",
-]
+__all__ = ["BatchSource", "Trainer", "learning_rate_at"]
 
 
 class BatchSource(Protocol):
@@ -101,82 +90,6 @@ class BatchSource(Protocol):
         """Resume a saved position; refuse one from another order."""
 
 
-@dataclass
-class RunOptions:
-    """How a run is driven (the blueprint says what is trained)."""
-
-    run_dir: Path | None = None
-    """Where ``checkpoints/`` and ``metrics.jsonl`` go; None writes neither."""
-    checkpoint_every: int | None = None
-    """Steps between checkpoints (default: ``training.checkpoint_interval``)."""
-    keep_checkpoints: int = 3
-    async_checkpoint: bool = False
-    resume: bool = False
-    """Continue from the latest complete checkpoint in ``run_dir`` (an error if none)."""
-    seed: int | None = None
-    """Seeds torch's global generator (default ``training.seed``)."""
-    progress: bool = False
-    """Draw a rich progress bar (rank 0)."""
-    log_every: int = 0
-    """Without the bar, log a timestamped step line every this many steps (0: not by steps)."""
-    log_every_s: float = 0.0
-    """... or this many seconds after the last, whichever comes first (0: not by time)."""
-    description: str = "train"
-    ranks: Ranks = field(default_factory=SingleProcess)
-    """The other processes of a distributed run (``factory.runtime.ranks``); this rank's
-    batches are its data-parallel share. Rank 0 writes ``metrics.jsonl`` and shows progress;
-    every other rank writes ``ranks/rank_NNNNN.jsonl``."""
-    stop_on_signals: bool = False
-    """Catch SIGTERM and SIGINT while training: checkpoint at the next step boundary and end
-    the run ``interrupted`` (a second signal still ends the process at once)."""
-    notice: Callable[[str], None] = field(default=lambda line: None)
-    """Told, one line each, what the run repaired or skipped on its way (a damaged
-    checkpoint passed over, a torn line of metrics.jsonl removed); rank 0 only."""
-
-
-@dataclass
-class StepRecord:
-    """What one optimizer step did (losses averaged over its micro-batches)."""
-
-    step: int
-    loss: float
-    """The optimised loss: LM + scaled MTP + MoE aux."""
-    lm_loss: float
-    """Next-token cross-entropy alone, the number runs are compared on."""
-    lr: float
-    grad_norm: float
-    """Global gradient norm before clipping."""
-    seconds: float
-    tokens_seen: int
-    finite: bool
-    switched_to_bf16: bool = False
-    update: int = 0
-
-
-@dataclass
-class RunHistory:
-    """What a run did: one record per applied step, the monitor events, how it ended."""
-
-    records: list[StepRecord] = field(default_factory=list)
-    events: list[Any] = field(default_factory=list)
-    """The :class:`~factory.runtime.callbacks.Event` s the callbacks raised."""
-    end: str = "completed"
-    """'completed', 'stopped' (a monitor's stop, or a rollback that could not happen),
-    'diverged' (stopped at a non-finite loss or gradient) or 'interrupted' (a stop signal:
-    ``signal`` says which)."""
-    message: str = ""
-    signal: int = 0
-    """The signal that interrupted the run (0: none)."""
-
-    @property
-    def diverged(self) -> bool:
-        return self.end == "diverged"
-
-    @property
-    def lm_losses(self) -> list[float]:
-        return [r.lm_loss for r in self.records]
-
-
 def learning_rate_at(position: Position, steps: int, compiled: Compiled) -> float:
     """The schedule's rate at ``position``, capped by a rollback's annealing."""
     training = compiled.blueprint.training
@@ -189,32 +102,12 @@ def learning_rate_at(position: Position, steps: int, compiled: Compiled) -> floa
     return rate
 
 
-def standard_callbacks(
-    compiled: Compiled, options: RunOptions, on_step: Sequence[Callback] = ()
-) -> list[Callback]:
-    """The callbacks every run has, in the order they run: with a run folder ``metrics.jsonl``
-    and the other ``training.loggers`` (``factory.runtime.loggers``), the stability monitors,
-    the display, ``on_step``, periodic checkpoints."""
-    training = compiled.blueprint.training
-    callbacks: list[Callback] = []
-    if options.run_dir is not None:
-        callbacks.extend(run_loggers(training.loggers, options.run_dir, options.ranks))
-    callbacks.append(Monitors(training.stability))
-    callbacks.append(
-        StepDisplay(options.progress, options.log_every, options.description, options.log_every_s)
-    )
-    callbacks.extend(on_step)
-    if options.run_dir is not None:
-        every = options.checkpoint_every or training.checkpoint_interval
-        callbacks.append(PeriodicCheckpoint(every))
-    return callbacks
-
-
 class Trainer:
     """Trains ``compiled.model`` on ``batches`` until schedule step ``steps``.
 
-    Callbacks see the trainer: its ``compiled`` model, ``steps``, ``position``,
-    ``ranks``, ``options`` and ``history``, and may call :meth:`save`.
+    Callbacks see it as a :class:`~factory.runtime.callbacks.TrainerView`: its
+    ``compiled`` model, ``steps``, ``position``, ``ranks``, ``options`` and ``history``,
+    and :meth:`save`.
     """
 
     def __init__(
@@ -499,18 +392,3 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_rollback(self, rollback)
         return True
-
-
-def fit(
-    compiled: Compiled,
-    batches: BatchSource,
-    steps: int | None = None,
-    options: RunOptions | None = None,
-    on_step: Sequence[Callback] = (),
-) -> RunHistory:
-    """Train ``compiled.model`` until schedule step ``steps`` (default: the blueprint's) with
-    the :func:`standard_callbacks` (``on_step`` among them, after the display)."""
-    o = options or RunOptions()
-    total = steps if steps is not None else compiled.blueprint.training_steps
-    callbacks = standard_callbacks(compiled, o, on_step)
-    return Trainer(compiled, batches, total, o, callbacks).fit()

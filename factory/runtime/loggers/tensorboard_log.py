@@ -19,7 +19,7 @@ from torch.utils.tensorboard import SummaryWriter
 from factory.runtime.loggers.tracker import Tracker
 
 if TYPE_CHECKING:
-    from factory.runtime.trainer import Trainer
+    from factory.runtime.callbacks import TrainerView
 
 __all__ = ["FLUSH_SECONDS", "TENSORBOARD", "TensorBoardLog"]
 
@@ -35,7 +35,7 @@ class TensorBoardLog(Tracker):
         super().__init__(run_dir)
         self._writer: SummaryWriter | None = None
 
-    def open(self, trainer: Trainer) -> None:
+    def open(self, trainer: TrainerView) -> None:
         self._writer = SummaryWriter(
             log_dir=str(self.run_dir / TENSORBOARD),
             purge_step=trainer.position.step,
@@ -60,7 +60,7 @@ class TensorBoardLog(Tracker):
         start = Event(step=step, session_log=SessionLog(status=SessionLog.START))
         self.writer.file_writer.add_event(start)
 
-    def on_checkpoint(self, trainer: Trainer, path: Path, seconds: float) -> None:
+    def on_checkpoint(self, trainer: TrainerView, path: Path, seconds: float) -> None:
         super().on_checkpoint(trainer, path, seconds)
         self.writer.flush()
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from factory.runtime.callbacks import Callback, Event, Rollback
+from factory.runtime.callbacks import Callback, Event, Rollback, TrainerView
 from factory.runtime.metrics import StepMetrics, step_metrics
 
 if TYPE_CHECKING:
+    from factory.runtime.history import RunHistory, StepRecord
     from factory.runtime.step import StepOutcome
-    from factory.runtime.trainer import RunHistory, StepRecord, Trainer
 
 __all__ = ["STEP_SCALARS", "Tracker", "event_scalar", "step_scalars"]
 
@@ -54,7 +54,7 @@ class Tracker(Callback):
         self._step_events: list[Event] = []
         """The events of the step in flight, written again if it is rolled back."""
 
-    def open(self, trainer: Trainer) -> None:
+    def open(self, trainer: TrainerView) -> None:
         """Start writing; ``trainer.position`` is where the run starts (after a resume)."""
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
@@ -70,18 +70,18 @@ class Tracker(Callback):
     def shut(self) -> None:
         """Finish writing (always called, also after a failure; see ``completed``)."""
 
-    def pre_train(self, trainer: Trainer) -> None:
+    def pre_train(self, trainer: TrainerView) -> None:
         self.open(trainer)
         if trainer.position.step:
             self.note(trainer.position.step, "run", f"resumed at step {trainer.position.step}")
 
-    def post_step(self, trainer: Trainer, record: StepRecord, outcome: StepOutcome) -> None:
+    def post_step(self, trainer: TrainerView, record: StepRecord, outcome: StepOutcome) -> None:
         self._step_events.clear()
         self.scalars(record.step, step_scalars(step_metrics(record, outcome)))
         if record.switched_to_bf16:
             self.note(record.step, "run", f"precision switched to BF16 after step {record.step}")
 
-    def on_event(self, trainer: Trainer, event: Event) -> None:
+    def on_event(self, trainer: TrainerView, event: Event) -> None:
         self._step_events.append(event)
         self._write_event(event)
 
@@ -90,12 +90,12 @@ class Tracker(Callback):
         text = f"{event.monitor} ({event.action}) at step {event.step}: {event.message}"
         self.note(event.step, "events", text)
 
-    def on_checkpoint(self, trainer: Trainer, path: Path, seconds: float) -> None:
+    def on_checkpoint(self, trainer: TrainerView, path: Path, seconds: float) -> None:
         step = trainer.position.step
         self.scalars(step, {"checkpoint/seconds": seconds})
         self.note(step, "checkpoints", f"step {step}: {path}")
 
-    def on_rollback(self, trainer: Trainer, rollback: Rollback) -> None:
+    def on_rollback(self, trainer: TrainerView, rollback: Rollback) -> None:
         self.rewind(rollback.to_step)
         for event in self._step_events:
             self._write_event(event)
@@ -108,10 +108,10 @@ class Tracker(Callback):
         )
         self.note(rollback.from_step, "rollbacks", text)
 
-    def post_train(self, trainer: Trainer, history: RunHistory) -> None:
+    def post_train(self, trainer: TrainerView, history: RunHistory) -> None:
         ended = history.end + (f": {history.message}" if history.message else "")
         self.note(trainer.position.step, "run", ended)
         self.completed = True
 
-    def close(self, trainer: Trainer) -> None:
+    def close(self, trainer: TrainerView) -> None:
         self.shut()

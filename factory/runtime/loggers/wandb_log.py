@@ -26,7 +26,7 @@ from factory.io import atomic_write_text
 from factory.runtime.loggers.tracker import Tracker
 
 if TYPE_CHECKING:
-    from factory.runtime.trainer import Trainer
+    from factory.runtime.callbacks import TrainerView
 
 __all__ = ["RUN_ID", "WandbLog"]
 
@@ -41,7 +41,7 @@ class WandbLog(Tracker):
         super().__init__(run_dir)
         self._run: Any = None
 
-    def open(self, trainer: Trainer) -> None:
+    def open(self, trainer: TrainerView) -> None:
         bp = trainer.compiled.blueprint
         try:
             self._run = wandb.init(

@@ -1,0 +1,48 @@
+"""How the trainer drives a run: where it writes, when it checkpoints, what it shows.
+
+The blueprint says what is trained; :class:`RunOptions` says how one run of it
+goes (``factory.runtime.trainer``), and the callbacks read it through the trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from factory.runtime.ranks import Ranks, SingleProcess
+
+__all__ = ["RunOptions"]
+
+
+@dataclass
+class RunOptions:
+    """How a run is driven (the blueprint says what is trained)."""
+
+    run_dir: Path | None = None
+    """Where ``checkpoints/`` and ``metrics.jsonl`` go; None writes neither."""
+    checkpoint_every: int | None = None
+    """Steps between checkpoints (default: ``training.checkpoint_interval``)."""
+    keep_checkpoints: int = 3
+    async_checkpoint: bool = False
+    resume: bool = False
+    """Continue from the latest complete checkpoint in ``run_dir`` (an error if none)."""
+    seed: int | None = None
+    """Seeds torch's global generator (default ``training.seed``)."""
+    progress: bool = False
+    """Draw a rich progress bar (rank 0)."""
+    log_every: int = 0
+    """Without the bar, log a timestamped step line every this many steps (0: not by steps)."""
+    log_every_s: float = 0.0
+    """... or this many seconds after the last, whichever comes first (0: not by time)."""
+    description: str = "train"
+    ranks: Ranks = field(default_factory=SingleProcess)
+    """The other processes of a distributed run (``factory.runtime.ranks``); this rank's
+    batches are its data-parallel share. Rank 0 writes ``metrics.jsonl`` and shows progress;
+    every other rank writes ``ranks/rank_NNNNN.jsonl``."""
+    stop_on_signals: bool = False
+    """Catch SIGTERM and SIGINT while training: checkpoint at the next step boundary and end
+    the run ``interrupted`` (a second signal still ends the process at once)."""
+    notice: Callable[[str], None] = field(default=lambda line: None)
+    """Told, one line each, what the run repaired or skipped on its way (a damaged
+    checkpoint passed over, a torn line of metrics.jsonl removed); rank 0 only."""
