@@ -95,6 +95,7 @@ def test_a_launch_is_checked_once_on_any_number_of_processes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from factory.jobs import train as job
+    from factory.jobs.train_request import TrainSettings
     from factory.schemas.blueprint import Blueprint
 
     worlds: list[int] = []
@@ -106,8 +107,8 @@ def test_a_launch_is_checked_once_on_any_number_of_processes(
 
     monkeypatch.setattr(job, "check_launch", counted)
     nano = factory.load_blueprint("nano")
-    job.prepare_training(nano, proxy=True, world_size=2)
-    job.prepare_training(nano, proxy=True, world_size=1)
+    job.prepare_training(nano, TrainSettings(), proxy=True, world_size=2)
+    job.prepare_training(nano, TrainSettings(), proxy=True, world_size=1)
     assert worlds == [2, 1]
 
 
