@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from factory.checks.registry import Finding, layer_rule, rule
 from factory.dotted_paths import join_path
 from factory.layers.model_spec import expert_layer_types
-from factory.planner.layout import data_parallel_size
+from factory.planner.layout import data_parallel_size, expert_data_parallel_size
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.parallelism import GPU_SPECS
 from factory.spec.layer_type import LayerType
@@ -34,8 +34,9 @@ def _dp(bp: Blueprint) -> int | None:
 def _edp(bp: Blueprint) -> int | None:
     """Derived expert data-parallel size, or None when etp*ep*pp does not divide the world."""
     par = bp.parallelism
-    expert_size = par.expert_tp * par.ep * par.pp
-    return par.world_size // expert_size if par.world_size % expert_size == 0 else None
+    if par.world_size % (par.expert_tp * par.ep * par.pp):
+        return None
+    return expert_data_parallel_size(par.world_size, par.ep, par.expert_tp, par.pp)
 
 
 def _vpp(bp: Blueprint) -> int:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 from factory.schemas.blueprint import Blueprint
 
-__all__ = ["Layout", "data_parallel_size", "resolve_layout"]
+__all__ = ["Layout", "data_parallel_size", "expert_data_parallel_size", "resolve_layout"]
 
 
 @dataclass(frozen=True)
@@ -79,11 +79,17 @@ def data_parallel_size(world_size: int, tp: int, cp: int, pp: int) -> int:
     return max(1, world_size // (tp * cp * pp))
 
 
+def expert_data_parallel_size(world_size: int, ep: int, etp: int, pp: int) -> int:
+    """EDP: the copies of one expert replica (``etp*ep*pp`` ranks, MoE parallel folding) that
+    ``world_size`` ranks hold, at least 1; like :func:`data_parallel_size`, the one formula."""
+    return max(1, world_size // (etp * ep * pp))
+
+
 def resolve_layout(bp: Blueprint) -> Layout:
     par = bp.parallelism
     tp, cp, pp, ep, etp = par.tp, par.cp, par.pp, par.ep, par.expert_tp
     dp = data_parallel_size(par.world_size, tp, cp, pp)
-    edp = max(1, par.world_size // (etp * ep * pp))
+    edp = expert_data_parallel_size(par.world_size, ep, etp, pp)
     segments = _segments(bp)
     vpp = max(1, len(segments) // pp)
     stages = tuple(tuple(segments[v * pp + r] for v in range(vpp)) for r in range(pp))
