@@ -133,21 +133,21 @@ RECIPES: dict[str, tuple[Callable[[], GemmQuantizer], float, float, float]] = {
         0.25,
         0.10,
     ),
-    "fp8-tensorwise": (lambda: make_quantizer("fp8", fp8_options=FP8Options()), 0.05, 0.08, 0.02),
+    "fp8-tensorwise": (lambda: make_quantizer("fp8", FP8Options()), 0.05, 0.08, 0.02),
     "fp8-e4m3": (
-        lambda: make_quantizer("fp8", fp8_options=FP8Options(format="e4m3")),
+        lambda: make_quantizer("fp8", FP8Options(format="e4m3")),
         0.05,
         0.05,
         0.02,
     ),
     "fp8-delayed": (
-        lambda: make_quantizer("fp8", fp8_options=FP8Options(scaling="delayed")),
+        lambda: make_quantizer("fp8", FP8Options(scaling="delayed")),
         0.05,
         0.08,
         0.02,
     ),
     "fp8-blockwise": (
-        lambda: make_quantizer("fp8", fp8_options=FP8Options(scaling="blockwise")),
+        lambda: make_quantizer("fp8", FP8Options(scaling="blockwise")),
         0.05,
         0.08,
         0.02,
@@ -155,7 +155,7 @@ RECIPES: dict[str, tuple[Callable[[], GemmQuantizer], float, float, float]] = {
     "mxfp8": (lambda: make_quantizer("mxfp8"), 0.06, 0.06, 0.02),
     "mor": (lambda: make_quantizer("mor"), 0.05, 0.05, 0.02),
     "mor-block": (
-        lambda: make_quantizer("mor", mor_options=MoROptions(granularity="block")),
+        lambda: make_quantizer("mor", MoROptions(granularity="block")),
         0.05,
         0.05,
         0.02,
@@ -371,7 +371,7 @@ def test_make_quantizer() -> None:
     assert isinstance(make_quantizer("mxfp8"), MXFP8Quantizer)
     assert isinstance(make_quantizer("mor"), MoRQuantizer)
     options = NVFP4Options(hadamard=False)
-    q = make_quantizer("nvfp4", nvfp4_options=options, seed=5)
+    q = make_quantizer("nvfp4", options, seed=5)
     assert isinstance(q, NVFP4Quantizer) and q.options is options
     assert q.generator.initial_seed() == 5
     with pytest.raises(ValueError, match="bf16"):
