@@ -28,7 +28,8 @@ from factory.precision.quantizers import (
     NVFP4Quantizer,
     make_quantizer,
 )
-from factory.schemas.precision import FP8Options, MoROptions, NVFP4Options
+from factory.schemas.precision import FP8Options, MoROptions, NVFP4Options, PrecisionConfig
+from factory.schemas.precision_recipes import SHIPPED, PrecisionRecipe
 
 # --- NVFP4: exactly the recipe of docs/precision.md, 'GEMM operands' --------------------------
 
@@ -376,6 +377,14 @@ def test_make_quantizer() -> None:
     assert q.generator.initial_seed() == 5
     with pytest.raises(ValueError, match="bf16"):
         make_quantizer("bf16")
+
+
+@pytest.mark.parametrize("recipe", [r for r in SHIPPED if r.quantizes], ids=lambda r: r.name)
+def test_every_quantizing_recipe_names_its_quantizer(recipe: PrecisionRecipe) -> None:
+    """The import path in each record is a quantizer of that recipe, built with its settings."""
+    quantizer = make_quantizer(recipe.name, seed=3)
+    assert isinstance(quantizer, GemmQuantizer) and quantizer.recipe == recipe.name
+    assert quantizer.split_block == recipe.split_block(PrecisionConfig().options_for(recipe.name))
 
 
 def test_the_fprop_weight_is_cast_once_per_update() -> None:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from blueprint_factory import assert_fires, findings, make
+from blueprint_factory import DELETE, assert_fires, findings, make
 from pydantic import ValidationError
 
 import factory
@@ -238,7 +238,7 @@ def test_megatron_refuses_it_by_name(mxfp6) -> None:
 
 
 def test_its_graph_trains(mxfp6) -> None:
-    bp = make(**{"precision.recipe": "mxfp6"})
+    bp = make(**{"precision.recipe": "mxfp6", "model.pattern": "M*-", "model.moe": DELETE})
     compiled = factory.compile(bp, precision="emulate")
     model, runtime = compiled.model, compiled.precision
     assert runtime is not None

@@ -66,7 +66,7 @@ def declared_by_recipe(
 ) -> Iterator[Finding]:
     """A check a precision recipe declares (``PrecisionRecipe.checks``), run when it is the
     blueprint's default recipe."""
-    if recipe_named(bp.precision.recipe) is recipe:
+    if check in recipe_named(bp.precision.recipe).checks:
         for found in check.check(bp):
             yield Finding(*found)
 
