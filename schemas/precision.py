@@ -22,7 +22,9 @@ from factory.schemas.base import (
     Section,
     Seed,
 )
-from factory.schemas.precision_recipes import PRECISION_RECIPES, recipe_named
+
+# The registry module alone (its package imports every recipe, whose modules name this one).
+from factory.schemas.precision_recipes.registry import PRECISION_RECIPES, recipe_named
 
 __all__ = [
     "FP8Options",

@@ -16,19 +16,17 @@ Engine recipe is built from TE's module, which the caller imports, so a record
 and everything that reads it stay torch-free. ``CONTRIBUTING.md`` ("Adding a
 precision recipe") walks through adding one.
 
-This module imports nothing from factory at run time, so the schema can ask it
-which names exist.
+This module names no other module of factory, so the schema can ask it which
+names exist: what its callables receive (the blueprint, its ``precision``
+section, a recipe's settings section) is typed ``Any`` here and exactly in each
+recipe's module.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from factory.schemas.blueprint import Blueprint
-    from factory.schemas.precision import PrecisionConfig
+from typing import Any
 
 __all__ = [
     "PRECISION_RECIPES",
@@ -59,8 +57,9 @@ class RecipeCheck:
 
     name: str
     """The rule's name (``factory validate --rules`` lists it)."""
-    check: Callable[[Blueprint], Iterator[RecipeFinding]]
-    """The blueprint -> its findings; the function's docstring's first line is the summary."""
+    check: Callable[[Any], Iterator[RecipeFinding]]
+    """The ``Blueprint`` -> its findings; the function's docstring's first line is the
+    summary."""
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,7 @@ def _per_tensor(options: Any) -> int:
     return 1
 
 
-def _nothing_refused(precision: PrecisionConfig) -> list[tuple[str, str]]:
+def _nothing_refused(precision: Any) -> list[tuple[str, str]]:
     return []
 
 
@@ -122,9 +121,9 @@ class PrecisionRecipe:
     megatron: Callable[[Any], MegatronPreset] | None = None
     """Its Megatron names for its settings; None where Megatron has none (the export refuses
     it as the default recipe and in per-module overrides)."""
-    megatron_refusals: Callable[[PrecisionConfig], list[tuple[str, str]]] = _nothing_refused
-    """(blueprint path, reason) for what Megatron cannot express of the precision section when
-    this is its default recipe."""
+    megatron_refusals: Callable[[Any], list[tuple[str, str]]] = _nothing_refused
+    """The ``precision`` section (``PrecisionConfig``) -> (blueprint path, reason) for what
+    Megatron cannot express of it when this is its default recipe."""
     checks: tuple[RecipeCheck, ...] = ()
     """Its own validate rules."""
 
