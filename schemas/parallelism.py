@@ -30,9 +30,10 @@ class GPUSpec(Section):
     generation: Literal["hopper", "blackwell"] = "hopper"
     """Tensor-core generation: the performance model fits one GEMM efficiency per generation."""
     dense_flops: dict[str, float]
-    """Peak dense tensor-core FLOP/s per GEMM format ('bf16', 'fp8', 'mxfp8', 'nvfp4'); a
-    format the chip has no tensor cores for is absent (factory emulates it: the performance
-    model then runs its GEMMs at the BF16 peak and adds the casts)."""
+    """Peak dense tensor-core FLOP/s per GEMM format ('bf16', 'fp8', 'mxfp8', 'nvfp4'), the
+    ``peak_format`` a precision recipe names; a format the chip has no tensor cores for is
+    absent (factory emulates it: the performance model then runs its GEMMs at the BF16 peak
+    and adds the casts, and ``precision.hardware_support`` warns)."""
     hbm_bytes_per_s: float
     """Peak HBM bandwidth, bytes/s."""
     nvlink_bytes_per_s: float

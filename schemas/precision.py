@@ -8,9 +8,10 @@ of ``factory.kernels``. Module names in ``overrides`` are the graph's names, as
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
+from pydantic_core import PydanticCustomError
 
 from factory.schemas.base import (
     MAX_HIDDEN_SIZE,
@@ -22,8 +23,10 @@ from factory.schemas.base import (
     Seed,
 )
 
+# The registry module alone (its package imports every recipe, whose modules name this one).
+from factory.schemas.precision_recipes.registry import PRECISION_RECIPES, recipe_named
+
 __all__ = [
-    "LOW_PRECISION",
     "FP8Options",
     "HighPrecisionLayers",
     "MoROptions",
@@ -33,12 +36,27 @@ __all__ = [
     "SwitchToBF16",
 ]
 
-Recipe = Literal["bf16", "fp8", "nvfp4", "mxfp8", "mor"]
-"""bf16: no quantisation. fp8: E4M3/E5M2 with the scaling below. nvfp4: E2M1 with E4M3
-block scales. mxfp8: E4M3 with E8M0 scales over 32 elements. mor: per-tensor FP8/BF16 choice."""
 
-LOW_PRECISION = frozenset({"fp8", "mxfp8", "nvfp4", "mor"})
-"""Recipes that quantize GEMMs (Transformer Engine's low-precision kernels, or their emulation)."""
+def _registered(name: str) -> str:
+    # Asked at validation, not fixed when this module is imported, so a recipe registered
+    # later (a test's) is a name like the shipped ones; the error is a Literal's.
+    if name not in PRECISION_RECIPES:
+        names = [repr(registered) for registered in PRECISION_RECIPES]
+        expected = " or ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
+        raise PydanticCustomError(
+            "literal_error", "Input should be {expected}", {"expected": expected}
+        )
+    return name
+
+
+def _recipe_enum(schema: dict[str, Any]) -> None:
+    schema["enum"] = list(PRECISION_RECIPES)
+
+
+Recipe = Annotated[str, AfterValidator(_registered), Field(json_schema_extra=_recipe_enum)]
+"""A registered recipe (``factory.schemas.precision_recipes``). bf16: no quantisation. fp8:
+E4M3/E5M2 with the scaling below. nvfp4: E2M1 with E4M3 block scales. mxfp8: E4M3 with E8M0
+scales over 32 elements. mor: per-tensor FP8/BF16 choice."""
 
 
 class FP8Options(Section):
@@ -117,7 +135,14 @@ class PrecisionConfig(Section):
     def low_precision_recipes(self) -> list[str]:
         """The quantizing recipes the policy uses, the default's and the overrides', sorted
         (empty: every GEMM stays in BF16)."""
-        return sorted({self.recipe, *self.overrides.values()} & LOW_PRECISION)
+        used = {self.recipe, *self.overrides.values()}
+        return sorted(name for name in used if recipe_named(name).quantizes)
+
+    def options_for(self, recipe: str) -> Section | None:
+        """The section of ``recipe``'s settings (``fp8`` for fp8 ...); None for a recipe
+        without one."""
+        name = recipe_named(recipe).options
+        return None if name is None else getattr(self, name)
 
     recipe: Recipe = "bf16"
     """Default format of every linear layer."""

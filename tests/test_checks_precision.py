@@ -9,6 +9,8 @@ import factory
 from factory.checks import RULES
 from factory.loading.blueprint import preset_names
 from factory.schemas import Blueprint
+from factory.schemas.parallelism import GPU_SPECS
+from factory.schemas.precision_recipes import SHIPPED
 
 PRECISION_RULES = sorted(name for name in RULES if name.startswith("precision."))
 HP = "precision.high_precision"
@@ -178,6 +180,14 @@ def test_valid_policies_are_silent(overrides):
     bp = make(**overrides)
     said = {name: findings(name, bp) for name in PRECISION_RULES}
     assert {name: f for name, f in said.items() if f} == {}
+
+
+def test_every_recipe_runs_at_a_peak_some_gpu_lists():
+    """A recipe's peak_format is a format of the GPU table (else no GPU runs it natively)."""
+    formats = {fmt for spec in GPU_SPECS.values() for fmt in spec.dense_flops}
+    assert {
+        recipe.name: recipe.peak_format for recipe in SHIPPED if recipe.peak_format not in formats
+    } == {}
 
 
 def test_blackwell_formats_are_fine_on_blackwell():

@@ -28,7 +28,8 @@ from factory.precision.quantizers import (
     NVFP4Quantizer,
     make_quantizer,
 )
-from factory.schemas.precision import FP8Options, MoROptions, NVFP4Options
+from factory.schemas.precision import FP8Options, MoROptions, NVFP4Options, PrecisionConfig
+from factory.schemas.precision_recipes import SHIPPED, PrecisionRecipe
 
 # --- NVFP4: exactly the recipe of docs/precision.md, 'GEMM operands' --------------------------
 
@@ -133,21 +134,21 @@ RECIPES: dict[str, tuple[Callable[[], GemmQuantizer], float, float, float]] = {
         0.25,
         0.10,
     ),
-    "fp8-tensorwise": (lambda: make_quantizer("fp8", fp8_options=FP8Options()), 0.05, 0.08, 0.02),
+    "fp8-tensorwise": (lambda: make_quantizer("fp8", FP8Options()), 0.05, 0.08, 0.02),
     "fp8-e4m3": (
-        lambda: make_quantizer("fp8", fp8_options=FP8Options(format="e4m3")),
+        lambda: make_quantizer("fp8", FP8Options(format="e4m3")),
         0.05,
         0.05,
         0.02,
     ),
     "fp8-delayed": (
-        lambda: make_quantizer("fp8", fp8_options=FP8Options(scaling="delayed")),
+        lambda: make_quantizer("fp8", FP8Options(scaling="delayed")),
         0.05,
         0.08,
         0.02,
     ),
     "fp8-blockwise": (
-        lambda: make_quantizer("fp8", fp8_options=FP8Options(scaling="blockwise")),
+        lambda: make_quantizer("fp8", FP8Options(scaling="blockwise")),
         0.05,
         0.08,
         0.02,
@@ -155,7 +156,7 @@ RECIPES: dict[str, tuple[Callable[[], GemmQuantizer], float, float, float]] = {
     "mxfp8": (lambda: make_quantizer("mxfp8"), 0.06, 0.06, 0.02),
     "mor": (lambda: make_quantizer("mor"), 0.05, 0.05, 0.02),
     "mor-block": (
-        lambda: make_quantizer("mor", mor_options=MoROptions(granularity="block")),
+        lambda: make_quantizer("mor", MoROptions(granularity="block")),
         0.05,
         0.05,
         0.02,
@@ -371,11 +372,19 @@ def test_make_quantizer() -> None:
     assert isinstance(make_quantizer("mxfp8"), MXFP8Quantizer)
     assert isinstance(make_quantizer("mor"), MoRQuantizer)
     options = NVFP4Options(hadamard=False)
-    q = make_quantizer("nvfp4", nvfp4_options=options, seed=5)
+    q = make_quantizer("nvfp4", options, seed=5)
     assert isinstance(q, NVFP4Quantizer) and q.options is options
     assert q.generator.initial_seed() == 5
     with pytest.raises(ValueError, match="bf16"):
         make_quantizer("bf16")
+
+
+@pytest.mark.parametrize("recipe", [r for r in SHIPPED if r.quantizes], ids=lambda r: r.name)
+def test_every_quantizing_recipe_names_its_quantizer(recipe: PrecisionRecipe) -> None:
+    """The import path in each record is a quantizer of that recipe, built with its settings."""
+    quantizer = make_quantizer(recipe.name, seed=3)
+    assert isinstance(quantizer, GemmQuantizer) and quantizer.recipe == recipe.name
+    assert quantizer.split_block == recipe.split_block(PrecisionConfig().options_for(recipe.name))
 
 
 def test_the_fprop_weight_is_cast_once_per_update() -> None:

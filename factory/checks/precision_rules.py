@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from fnmatch import fnmatchcase
 
-from factory.checks.registry import Finding, rule
+from factory.checks.registry import Finding, recipe_checks, rule
 from factory.dotted_paths import join_path
 from factory.errors import did_you_mean
 from factory.layers.model_spec import model_spec
@@ -23,10 +23,11 @@ from factory.precision.policy import (
     index_free,
     quantizable_gemm_names,
     resolve_policy,
-    split_block,
     uses_low_precision,
 )
 from factory.schemas.blueprint import Blueprint
+from factory.schemas.parallelism import GPU_SPECS
+from factory.schemas.precision_recipes import PrecisionRecipe, RecipeCheck, recipe_named
 from factory.spec.tensors import TensorSpec
 
 __all__: list[str] = []
@@ -59,17 +60,15 @@ def high_precision_layers(bp: Blueprint) -> Iterator[Finding]:
             )
 
 
-@rule("precision.delayed_scaling_first_last")
-def delayed_scaling_first_last(bp: Blueprint) -> Iterator[Finding]:
-    """FP8 delayed scaling cannot keep first/last layers in BF16 (Megatron raises)."""
-    prec = bp.precision
-    hp = prec.high_precision
-    if prec.recipe == "fp8" and prec.fp8.scaling == "delayed" and (hp.first or hp.last):
-        yield Finding(
-            "precision.fp8.scaling",
-            f"fp8 delayed scaling is incompatible with first/last BF16 layers "
-            f"(high_precision first={hp.first}, last={hp.last}); use tensorwise scaling",
-        )
+@recipe_checks
+def declared_by_recipe(
+    recipe: PrecisionRecipe, bp: Blueprint, check: RecipeCheck
+) -> Iterator[Finding]:
+    """A check a precision recipe declares (``PrecisionRecipe.checks``), run when it is the
+    blueprint's default recipe."""
+    if check in recipe_named(bp.precision.recipe).checks:
+        for found in check.check(bp):
+            yield Finding(*found)
 
 
 @rule("precision.override_globs")
@@ -107,21 +106,23 @@ def switch_to_bf16_unused(bp: Blueprint) -> Iterator[Finding]:
         )
 
 
-_BLACKWELL_ONLY = {"nvfp4": "NVFP4", "mxfp8": "MXFP8"}
-
-
 @rule("precision.hardware_support")
 def hardware_support(bp: Blueprint) -> Iterator[Finding]:
-    """NVFP4 and MXFP8 GEMMs need Blackwell (SM100+); Hopper GPUs would only emulate them."""
+    """A recipe's GEMMs need tensor cores for its format (GPU_SPECS' peaks); other GPUs would
+    only emulate them."""
     gpu = bp.parallelism.gpu
-    if gpu not in ("h100", "h200"):
-        return
     used = {bp.precision.recipe, *bp.precision.overrides.values()}
-    for recipe in sorted(used & _BLACKWELL_ONLY.keys()):
+    for name in sorted(used):
+        recipe = recipe_named(name)
+        fmt, title = recipe.peak_format, recipe.title
+        if fmt in GPU_SPECS[gpu].dense_flops:
+            continue
+        able = [other for other, spec in GPU_SPECS.items() if fmt in spec.dense_flops]
+        generations = "/".join(sorted({GPU_SPECS[g].generation.title() for g in able}))
+        need = f"a {generations} GPU ({', '.join(able)})" if able else "tensor cores no GPU has"
         yield Finding(
-            "precision.recipe" if recipe == bp.precision.recipe else "precision.overrides",
-            f"{_BLACKWELL_ONLY[recipe]} GEMMs need a Blackwell GPU (b200, b300, gb200, gb300); "
-            f"{gpu} GPUs have no {_BLACKWELL_ONLY[recipe]} tensor cores",
+            "precision.recipe" if name == bp.precision.recipe else "precision.overrides",
+            f"{title} GEMMs need {need}; {gpu} GPUs have no {title} tensor cores",
             "warning",
         )
 
@@ -137,8 +138,8 @@ def tp_blocks(bp: Blueprint) -> Iterator[Finding]:
     for layer in model_spec(bp.model).layers:
         whole = set(layer.type.tp_whole_linears(bp.model, par.tp))
         for t in layer.tensors:
-            recipe, block = blocks.get(t.gemm_name, ("bf16", 1)) if t.gemm else ("bf16", 1)
-            if block == 1 or t.expert_dim is not None:
+            recipe, block = blocks.get(t.gemm_name, ("", 1)) if t.gemm else ("", 1)
+            if block == 1 or t.expert_dim is not None:  # not a GEMM, or per-tensor scales
                 continue
             findings = []
             if t.tp is not None and t.module.rpartition(".")[2] not in whole:
@@ -152,11 +153,10 @@ def tp_blocks(bp: Blueprint) -> Iterator[Finding]:
 
 
 def _split_blocks(bp: Blueprint) -> dict[str, tuple[str, int]]:
-    """GEMM name -> its recipe and the recipe's block (1: per-tensor scales, or bf16)."""
+    """GEMM name -> its recipe and the recipe's block (1: per-tensor scales, or none)."""
     p = bp.precision
-    options = {"fp8": p.fp8, "mor": p.mor, "nvfp4": p.nvfp4}
     return {
-        row.name: (row.recipe, split_block(row.recipe, options.get(row.recipe)))
+        row.name: (row.recipe, recipe_named(row.recipe).split_block(p.options_for(row.recipe)))
         for row in resolve_policy(bp)
     }
 

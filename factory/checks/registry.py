@@ -16,6 +16,12 @@ from functools import partial
 from typing import Literal
 
 from factory.schemas.blueprint import Blueprint
+from factory.schemas.precision_recipes import (
+    PRECISION_RECIPES,
+    PrecisionRecipe,
+    RecipeCheck,
+    recipes_revision,
+)
 from factory.spec.layer_type import LAYER_TYPES, LayerType, registry_revision
 
 __all__ = [
@@ -24,9 +30,10 @@ __all__ = [
     "Rule",
     "layer_checks",
     "layer_rule",
+    "recipe_checks",
     "rule",
     "run_rules",
-    "sync_layer_rules",
+    "sync_registered_rules",
 ]
 
 
@@ -71,8 +78,10 @@ def rule(name: str) -> Callable[[RuleFn], RuleFn]:
 _LayerRules = Callable[[LayerType], list[Rule]]
 """A family of layer rules: the rules it makes for one registered layer type."""
 _LAYER_RULES: list[_LayerRules] = []
-_synced: tuple[int, int] | None = None  # (layer registry revision, families) at the last sync
-_FROM_LAYERS: set[str] = set()
+_RECIPE_RULES: list[Callable[[PrecisionRecipe], list[Rule]]] = []
+"""The same for precision recipes (``factory.schemas.precision_recipes``)."""
+_synced: tuple[int, ...] | None = None  # registry revisions and families at the last sync
+_FROM_LAYERS: set[str] = set()  # the rules the families made, layer types' and recipes'
 
 
 def layer_rule(
@@ -89,7 +98,7 @@ def layer_rule(
             return [Rule(f"{prefix}_{kind.name}", summary(kind), _bind(fn, kind, kind.name))]
 
         _LAYER_RULES.append(rules)
-        sync_layer_rules()
+        sync_registered_rules()
         return fn
 
     return register
@@ -108,30 +117,56 @@ def layer_checks(fn: LayerCheckFn) -> LayerCheckFn:
         return out
 
     _LAYER_RULES.append(rules)
-    sync_layer_rules()
+    sync_registered_rules()
     return fn
 
 
-def sync_layer_rules() -> None:
-    """Give :data:`RULES` the rules every family makes for every registered layer type, and
-    none for layer types no longer registered."""
+def recipe_checks(fn: Callable[..., Iterator[Finding]]) -> Callable[..., Iterator[Finding]]:
+    """Register ``fn(recipe, bp, check)`` as the runner of every check a precision recipe
+    declares (``PrecisionRecipe.checks``), each as a rule of the check's own name."""
+
+    def rules(recipe: PrecisionRecipe) -> list[Rule]:
+        return [
+            Rule(c.name, _summary(c), _bind(partial(fn, check=c), recipe, c.name))
+            for c in recipe.checks
+        ]
+
+    _RECIPE_RULES.append(rules)
+    sync_registered_rules()
+    return fn
+
+
+def _summary(check: RecipeCheck) -> str:
+    return (check.check.__doc__ or check.name).strip().splitlines()[0]
+
+
+def sync_registered_rules() -> None:
+    """Give :data:`RULES` the rules every family makes for every registered layer type and
+    precision recipe, and none for those no longer registered."""
     global _synced
-    if _synced == (registry_revision(), len(_LAYER_RULES)):
+    state = (registry_revision(), recipes_revision(), len(_LAYER_RULES), len(_RECIPE_RULES))
+    if _synced == state:
         return
     wanted: dict[str, Rule] = {}
     for family in _LAYER_RULES:
         for kind in sorted(LAYER_TYPES.values(), key=lambda kind: kind.name):
             for made in family(kind):
                 wanted[made.name] = RULES.get(made.name) or made
+    for recipe_family in _RECIPE_RULES:
+        for recipe in PRECISION_RECIPES.values():
+            for made in recipe_family(recipe):
+                wanted[made.name] = RULES.get(made.name) or made
     for name in _FROM_LAYERS - set(wanted):
         del RULES[name]
     RULES.update((name, r) for name, r in wanted.items() if name not in RULES)
     _FROM_LAYERS.clear()
     _FROM_LAYERS.update(wanted)
-    _synced = (registry_revision(), len(_LAYER_RULES))
+    _synced = state
 
 
-def _bind(check: Callable[..., Iterator[Finding]], kind: LayerType, label: str) -> RuleFn:
+def _bind(
+    check: Callable[..., Iterator[Finding]], kind: LayerType | PrecisionRecipe, label: str
+) -> RuleFn:
     def bound(bp: Blueprint) -> Iterator[Finding]:
         return check(kind, bp=bp)
 
@@ -148,5 +183,5 @@ def run_rules(bp: Blueprint) -> list[tuple[Rule, Finding]]:
     which imports every rule module, before this module; layer types registered since
     get their layer rules here.
     """
-    sync_layer_rules()
+    sync_registered_rules()
     return [(r, finding) for r in RULES.values() for finding in r.check(bp)]

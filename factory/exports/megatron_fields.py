@@ -27,6 +27,7 @@ from factory.exports.quant_recipe import (
     mtp_formats,
 )
 from factory.schemas.blueprint import Blueprint
+from factory.schemas.precision_recipes import HIGH_PRECISION, MegatronPreset, recipe_named
 from factory.spec.layer_type import (
     LAYER_TYPES,
     MEGATRON_DEFAULT,
@@ -127,15 +128,8 @@ SECTIONS: dict[str, tuple[str, str]] = {
 }
 
 _WSD_SHAPES = {"linear": "linear", "cosine": "cosine", "minus_sqrt": "minus_sqrt"}
-# Bridge's named mixed-precision presets (training/mixed_precision.py) per factory recipe.
-_MIXED = {
-    ("bf16", None): "bf16_mixed",
-    ("fp8", "tensorwise"): "bf16_with_fp8_current_scaling_mixed",
-    ("fp8", "delayed"): "bf16_with_fp8_delayed_scaling_mixed",
-    ("fp8", "blockwise"): "bf16_with_fp8_subchannel_scaling_mixed",
-    ("mxfp8", None): "bf16_with_mxfp8_mixed",
-    ("nvfp4", None): "bf16_with_nvfp4_mixed",
-}
+_UNEXPRESSED = MegatronPreset("bf16_mixed")
+"""What the export writes for a recipe Megatron has no name for (the refusals name it)."""
 
 
 def _layer_value(kind: LayerType, field: MegatronField, bp: Blueprint) -> Any:
@@ -218,28 +212,20 @@ def _high(bp: Blueprint, end: Literal["first", "last", "any"]) -> Any:
     # Written whenever the recipe is not bf16: the fp8 current-scaling preset keeps one BF16
     # layer at each end by itself, which the blueprint may not ask for.
     hp = bp.precision.high_precision
-    if bp.precision.recipe == "bf16":
+    if not recipe_named(bp.precision.recipe).quantizes:
         return SKIP
     return {"first": hp.first, "last": hp.last, "any": bool(hp.first or hp.last)}[end]
 
 
-def _fp8(bp: Blueprint) -> Any:
-    rec = bp.precision.recipe
-    if rec == "fp8":
-        return bp.precision.fp8.format
-    return "e4m3" if rec == "mxfp8" else SKIP
+def _preset(bp: Blueprint) -> MegatronPreset:
+    """Bridge's mixed-precision preset for the default recipe and its settings."""
+    p = bp.precision
+    to_megatron = recipe_named(p.recipe).megatron
+    return _UNEXPRESSED if to_megatron is None else to_megatron(p.options_for(p.recipe))
 
 
-def _fp8_recipe(bp: Blueprint) -> Any:
-    rec = bp.precision.recipe
-    if rec == "fp8":
-        return bp.precision.fp8.scaling
-    return "mxfp8" if rec == "mxfp8" else SKIP
-
-
-def _mixed(bp: Blueprint) -> str:
-    rec = bp.precision.recipe
-    return _MIXED.get((rec, bp.precision.fp8.scaling if rec == "fp8" else None), "bf16_mixed")
+def _preset_field(name: str) -> Callable[[Blueprint], Any]:
+    return lambda bp: _preset(bp).fields.get(name, SKIP)
 
 
 def _mtp(fn: Callable[[Blueprint], Any]) -> Callable[[Blueprint], Any]:
@@ -312,13 +298,11 @@ _RUN_FIELDS: tuple[Field, ...] = (
     Field("parallelism.recompute", M, "recompute_granularity", "config", _recompute),
     # Precision: Bridge's MixedPrecisionConfig.setup() overwrites these model fields with the
     # preset's, so they are set on the preset ("name") rather than on the model.
-    Field("precision.recipe", P, "name", T, _mixed),
-    Field("precision.recipe", P, "fp8", T, _fp8),
-    Field("precision.fp8.scaling", P, "fp8_recipe", T, _fp8_recipe),
-    Field("precision.recipe", P, "fp4", T,
-          lambda bp: "e2m1" if bp.precision.recipe == "nvfp4" else SKIP),
-    Field("precision.recipe", P, "fp4_recipe", T,
-          lambda bp: "nvfp4" if bp.precision.recipe == "nvfp4" else SKIP),
+    Field("precision.recipe", P, "name", T, lambda bp: _preset(bp).name),
+    Field("precision.recipe", P, "fp8", T, _preset_field("fp8")),
+    Field("precision.fp8.scaling", P, "fp8_recipe", T, _preset_field("fp8_recipe")),
+    Field("precision.recipe", P, "fp4", T, _preset_field("fp4")),
+    Field("precision.recipe", P, "fp4_recipe", T, _preset_field("fp4_recipe")),
     Field("precision.high_precision", P, "first_last_layers_bf16", T, lambda bp: _high(bp, "any")),
     Field("precision.high_precision.first", P, "num_layers_at_start_in_bf16", T,
           lambda bp: _high(bp, "first")),
@@ -398,8 +382,8 @@ def _quant_recipe(bp: Blueprint) -> Any:
 
 
 def _mtp_in_bf16(bp: Blueprint) -> Any:
-    quantized = bp.precision.recipe != "bf16" and bp.model.mtp_depth
-    return True if quantized and mtp_formats(bp) == {"bf16"} else SKIP
+    quantized = recipe_named(bp.precision.recipe).quantizes and bp.model.mtp_depth
+    return True if quantized and mtp_formats(bp) == {HIGH_PRECISION} else SKIP
 
 
 def megatron_fields(bp: Blueprint) -> dict[str, dict[str, Any]]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from factory.exports.megatron_fields import pipeline_stage_sizes, shared_field_conflicts
 from factory.exports.quant_recipe import QuantRecipeError, megatron_quant_recipe, mtp_formats
 from factory.schemas.blueprint import Blueprint
-from factory.schemas.precision import NVFP4Options
+from factory.schemas.precision_recipes import HIGH_PRECISION, recipe_named
 from factory.spec.layer_type import LAYER_TYPES
 
 __all__ = ["not_carried", "refusals"]
@@ -102,27 +102,10 @@ def _layout(bp: Blueprint) -> list[tuple[str, str]]:
 
 def _precision(bp: Blueprint) -> list[tuple[str, str]]:
     p, out = bp.precision, []
-    if p.recipe == "mor":
-        out.append(("precision.recipe", "Mixture of Representations has no Megatron recipe"))
-    if p.recipe == "nvfp4" and p.nvfp4 != NVFP4Options():
-        out.append(
-            (
-                "precision.nvfp4",
-                "Transformer Engine's NVFP4BlockScaling recipe is fixed "
-                "(16x16 weight tiles, Hadamard wgrad, stochastic rounding)",
-            )
-        )
-    if (
-        p.recipe == "fp8"
-        and p.fp8.scaling == "delayed"
-        and (p.high_precision.first or p.high_precision.last)
-    ):
-        out.append(
-            (
-                "precision.high_precision",
-                "Megatron refuses first/last BF16 layers with delayed scaling",
-            )
-        )
+    recipe = recipe_named(p.recipe)
+    if recipe.megatron is None:
+        out.append(("precision.recipe", f"{recipe.title} has no Megatron recipe"))
+    out += recipe.megatron_refusals(p)
     if p.high_precision.layers:
         out.append(
             (
@@ -137,7 +120,7 @@ def _precision(bp: Blueprint) -> list[tuple[str, str]]:
         except QuantRecipeError as exc:
             out += [(f"precision.overrides: {path}", why) for path, why in exc.problems]
         mtp = mtp_formats(bp)
-        if mtp and mtp not in ({p.recipe}, {"bf16"}):
+        if mtp and mtp not in ({p.recipe}, {HIGH_PRECISION}):
             out.append(
                 (
                     "precision.overrides (MTP layers)",

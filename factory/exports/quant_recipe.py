@@ -23,12 +23,14 @@ when they are all BF16 and refuses other MTP formats.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from factory.layers.model_spec import model_spec
 from factory.precision.policy import resolve_policy
 from factory.schemas.blueprint import Blueprint
+from factory.schemas.precision_recipes import recipe_named
 
 __all__ = [
     "QUANT_RECIPE_FILE",
@@ -46,14 +48,6 @@ QUANT_RECIPE_LOADER = "megatron.core.quantization.utils.load_quantization_recipe
 
 TE_CONFIG_TYPE = "TEQuantizationParams"
 """``transformer_engine_config_type`` of megatron-core's TE per-module parameters."""
-
-_FORMATS: dict[str, dict[str, str]] = {
-    "bf16": {},  # no FP8/FP4 recipe: the module runs in high precision
-    "nvfp4": {"fp4_quantization_recipe": "nvfp4"},
-    "mxfp8": {"fp8_quantization_recipe": "mxfp8"},
-}
-"""Our formats as megatron-core's ``TEQuantizationRecipe`` fields (``Fp4Recipe``/``Fp8Recipe``
-values). Per-tensor FP8 depends on its scaling (:func:`_format`)."""
 
 
 class QuantRecipeError(ValueError):
@@ -74,11 +68,13 @@ class MegatronQuantRecipe:
     """Formats of the MTP layers' GEMMs (the export maps all-BF16 to keep_mtp_spec_in_bf16)."""
 
 
-def _format(bp: Blueprint, recipe: str) -> dict[str, str] | None:
-    if recipe == "fp8":
-        scaling = bp.precision.fp8.scaling
-        return None if scaling == "delayed" else {"fp8_quantization_recipe": scaling}
-    return _FORMATS.get(recipe)
+def _format(bp: Blueprint, recipe: str) -> Mapping[str, str] | None:
+    """Our format as megatron-core's ``TEQuantizationRecipe`` fields (``Fp4Recipe``/``Fp8Recipe``
+    values; empty: the module runs in high precision), or None where it has none."""
+    to_megatron = recipe_named(recipe).megatron
+    if to_megatron is None:
+        return None
+    return to_megatron(bp.precision.options_for(recipe)).module_recipe
 
 
 def mtp_formats(bp: Blueprint) -> set[str]:

@@ -9,7 +9,7 @@ Every pipeline rank is evaluated, because the first rank holds the most
 in-flight micro-batches while the last holds the head, the logits and MTP.
 
 Assumptions: activations are bf16, except a tensor kept only as a quantized GEMM's input,
-which Transformer Engine keeps in the recipe's format (:data:`SAVED_GEMM_INPUT`) in the
+which Transformer Engine keeps in the recipe's format (its ``saved_input_bytes``) in the
 layers the recipe quantizes; full recompute's transient (one layer rematerialised during
 its backward) is not added; the vocabulary is not padded to a multiple of 128 x TP.
 """
@@ -25,6 +25,7 @@ from factory.planner.layout import Layout
 from factory.planner.params import LayerParams, tensor_params
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.model import ModelConfig
+from factory.schemas.precision_recipes import recipe_named
 from factory.spec.activations import BF16, FP32, INT64, TokenShards
 from factory.spec.layer_type import LAYER_TYPES, LayerType, layer_type
 
@@ -197,17 +198,6 @@ def _optimizer_bytes(params: ParamsOnRank, layout: Layout, instances: int) -> di
 
 # --------------------------------------------------------------------------- activations
 
-SAVED_GEMM_INPUT: dict[str, float] = {
-    "bf16": BF16,
-    "fp8": 1.0,
-    "mxfp8": 1.0 + 1 / 32,
-    "nvfp4": 0.5 + 1 / 16,
-}
-"""Bytes per element Transformer Engine keeps of a quantized GEMM's input for the weight
-gradient: the quantized copy alone (the column-wise one the wgrad GEMM reads) with its
-scales, an E8M0 byte per 32 elements for MXFP8, an E4M3 byte per 16 for NVFP4. A recipe
-not listed (``mor``, which picks per tensor) counts BF16."""
-
 
 def _layer_bytes(model: ModelConfig, kind: LayerType, t: TokenShards, recompute: str) -> int:
     """Bytes one layer saves for backward per micro-batch on one rank."""
@@ -281,7 +271,7 @@ def memory_per_rank(bp: Blueprint, layout: Layout) -> MemoryPlan:
         etp=layout.etp,
     )
     used = set(model.layout.main + model.mtp_pattern)
-    in_recipe = replace(tokens, gemm_input=SAVED_GEMM_INPUT.get(bp.precision.recipe, BF16))
+    in_recipe = replace(tokens, gemm_input=recipe_named(bp.precision.recipe).saved_input_bytes)
     per_type = tuple(
         {
             kind.name: _layer_bytes(model, kind, shards, par.recompute)

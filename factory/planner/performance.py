@@ -27,10 +27,14 @@ from factory.planner.stage_time import StageContext, Term, stage_terms
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.model import ModelConfig
 from factory.schemas.parallelism import GPU_SPECS, GPUSpec
+from factory.schemas.precision_recipes import recipe_named
 from factory.spec.activations import BF16
 
 __all__ = ["Performance", "peak_format", "predict", "step_terms"]
 
+_EMULATED_AT = "bf16"
+"""The ``GPUSpec.dense_flops`` format whose peak a GEMM runs at where the chip has no tensor
+cores for its recipe's format (factory emulates it)."""
 _ADAM_BYTES = 4 + 2 * 4 + 2 * 4 + 2 * 4 + 2
 """Bytes an Adam step moves per parameter: read the fp32 gradient, read and write the fp32
 master weight and both moments, write the BF16 weight."""
@@ -67,10 +71,10 @@ class Performance:
 
 
 def peak_format(recipe: str, gpu: GPUSpec) -> str:
-    """The format a recipe's GEMMs run at on ``gpu``: mor chooses FP8 where it can; a format
-    without tensor cores is emulated at BF16."""
-    wanted = "fp8" if recipe == "mor" else recipe
-    return wanted if wanted in gpu.dense_flops else "bf16"
+    """The format a recipe's GEMMs run at on ``gpu``: the recipe's ``peak_format`` (mor runs
+    its FP8 choice on FP8 tensor cores); a format without tensor cores is emulated at BF16."""
+    wanted = recipe_named(recipe).peak_format
+    return wanted if wanted in gpu.dense_flops else _EMULATED_AT
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,7 @@ class StepInputs:
 def _context(inputs: StepInputs, layout: Layout, model: ModelConfig, d0: float) -> StageContext:
     spec = GPU_SPECS[inputs.gpu]
     fmt = peak_format(inputs.recipe, spec)
+    quantizes = recipe_named(inputs.recipe).quantizes
     return StageContext(
         model=model,
         terms=inputs.terms,
@@ -99,10 +104,10 @@ def _context(inputs: StepInputs, layout: Layout, model: ModelConfig, d0: float) 
         sequence_parallel=layout.sequence_parallel,
         recompute=inputs.recompute,
         generation=spec.generation,
-        bf16_peak=spec.dense_flops["bf16"],
+        bf16_peak=spec.bf16_dense_flops,
         low_peak=spec.dense_flops[fmt],
-        recipe=inputs.recipe,
-        emulated=inputs.recipe != "bf16" and fmt == "bf16",
+        quantizes=quantizes,
+        emulated=quantizes and fmt == _EMULATED_AT,
         hbm=spec.hbm_bytes_per_s,
         links=Links(spec.nvlink_domain, spec.nvlink_bytes_per_s, spec.network_bytes_per_s),
         d0=d0,

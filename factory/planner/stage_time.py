@@ -58,7 +58,8 @@ class StageContext:
     bf16_peak: float
     low_peak: float
     """Peak of the recipe's format; the BF16 peak where the chip only emulates it."""
-    recipe: str
+    quantizes: bool
+    """The recipe quantizes its GEMMs (not bf16)."""
     emulated: bool
     hbm: float
     links: Links
@@ -95,7 +96,7 @@ def _gemm_seconds(g: GemmTerm, ctx: StageContext, bf16: bool) -> tuple[float, fl
             k, n = g.in_features, g.out_features / tp
         else:
             k, n = g.in_features, g.out_features
-    quantized = g.quantizable and not bf16 and ctx.recipe != "bf16"
+    quantized = g.quantizable and not bf16 and ctx.quantizes
     peak = ctx.low_peak if quantized else ctx.bf16_peak
     flops = 3 * 2 * tokens * k * n
     seconds = flops / (peak * shape_efficiency(rows, k, n, ctx.d0))

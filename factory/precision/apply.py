@@ -1,7 +1,7 @@
 """Apply a resolved precision table to a compiled graph, and switch it to BF16 late.
 
 :func:`apply_precision` walks :func:`~factory.precision.policy.resolve_policy`'s
-table: every linear whose recipe is not ``bf16`` becomes a
+table: every linear whose recipe quantizes becomes a
 :class:`~factory.precision.qlinear.QuantizedLinear` sharing its parameters, and
 every grouped expert layer gets a
 :class:`~factory.precision.qlinear.QuantizedExpertLinear` hook with one
@@ -28,6 +28,7 @@ from factory.precision.qlinear import QuantizedExpertLinear, QuantizedLinear
 from factory.precision.quantizers import GemmQuantizer, MoRQuantizer, make_quantizer
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.precision import SwitchToBF16
+from factory.schemas.precision_recipes import recipe_named
 
 __all__ = ["PrecisionRuntime", "apply_precision"]
 
@@ -115,11 +116,10 @@ def apply_precision(model: nn.Module, blueprint: Blueprint, seed: int = 0) -> Pr
     )
     expert_hooks: dict[str, dict[str, GemmQuantizer]] = {}
     for row_index, row in enumerate(table):
-        if row.recipe == "bf16":
+        if not recipe_named(row.recipe).quantizes:
             continue
-        quantizer = make_quantizer(
-            row.recipe, precision.nvfp4, precision.fp8, precision.mor, seed=seed + row_index
-        )
+        options = precision.options_for(row.recipe)
+        quantizer = make_quantizer(row.recipe, options, seed=seed + row_index)
         runtime.quantizers[row.name] = quantizer
         if row.grouped:
             owner, projection = row.name.rsplit(".", 1)

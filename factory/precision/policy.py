@@ -28,7 +28,7 @@ from fnmatch import fnmatchcase
 from factory.layers.model_spec import model_spec
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.model import ModelConfig
-from factory.schemas.precision import FP8Options, MoROptions, NVFP4Options
+from factory.schemas.precision_recipes import HIGH_PRECISION, recipe_named
 from factory.spec.tensors import Role
 
 __all__ = [
@@ -39,15 +39,9 @@ __all__ = [
     "index_free",
     "quantizable_gemm_names",
     "resolve_policy",
-    "split_block",
     "uses_low_precision",
 ]
 
-
-_NVFP4_BLOCK, _MXFP8_BLOCK, _FP8_BLOCKWISE_BLOCK = 16, 32, 128
-"""Elements per scale along a GEMM dimension: NVFP4's 1x16 blocks, 16x16 weight tiles and
-16-token Hadamard tiles; OCP MX's 32-element blocks; blockwise FP8's 1x128 / 128x128 blocks
-(``docs/precision.md``, 'Formats')."""
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)")
 
@@ -70,22 +64,6 @@ class ModulePrecision:
 def uses_low_precision(bp: Blueprint) -> bool:
     """True when the recipe or any override quantizes some GEMM."""
     return bool(bp.precision.low_precision_recipes)
-
-
-def split_block(recipe: str, options: FP8Options | MoROptions | NVFP4Options | None = None) -> int:
-    """Elements that share a scale along a GEMM dimension in ``recipe`` (with its options
-    section): a tensor-parallel rank quantizes its share of a split dimension as one process
-    does only if the share is whole blocks. 1 where the scale is per tensor (any split works:
-    the amax is reduced over the group) and for bf16."""
-    if recipe == "nvfp4":
-        return _NVFP4_BLOCK
-    if recipe == "mxfp8":
-        return _MXFP8_BLOCK
-    if isinstance(options, FP8Options) and options.scaling == "blockwise":
-        return _FP8_BLOCKWISE_BLOCK
-    if isinstance(options, MoROptions) and options.granularity == "block":
-        return options.block_size
-    return 1
 
 
 def quantizable_gemm_names(model: ModelConfig) -> list[str]:
@@ -133,8 +111,8 @@ def resolve_policy(bp: Blueprint) -> list[ModulePrecision]:
             if fnmatchcase(name, glob):
                 recipe, reason = fmt, f"override {glob}"
         index = layer.index if layer is not None else None
-        if index is not None and index in high and recipe != "bf16":
-            recipe, reason = "bf16", "high_precision"
+        if index is not None and index in high and recipe_named(recipe).quantizes:
+            recipe, reason = HIGH_PRECISION, "high_precision"
         grouped = tensor.role is Role.EXPERT_LINEAR
         table.append(ModulePrecision(name, recipe, reason, tensor.forward_flops(), index, grouped))
     return table

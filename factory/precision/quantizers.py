@@ -30,6 +30,7 @@ history there, MoR its statistics, NVFP4 its stochastic-rounding generator.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,9 +39,10 @@ import torch
 
 from factory.kernels import cast_dispatch, fp8, hadamard, mor
 from factory.kernels.tensor_parts import TensorPart
-from factory.precision.policy import split_block
 from factory.precision.splits import WHOLE_GEMM, GemmSplit
-from factory.schemas.precision import FP8Options, MoROptions, NVFP4Options
+from factory.schemas.base import Section
+from factory.schemas.precision import FP8Options, MoROptions, NVFP4Options, PrecisionConfig
+from factory.schemas.precision_recipes import recipe_named
 
 __all__ = [
     "FP8Quantizer",
@@ -70,6 +72,7 @@ class GemmQuantizer:
     """The interface; subclasses implement one recipe. See the module docstring."""
 
     recipe: str = ""
+    """The registered recipe it carries out (``factory.schemas.precision_recipes``)."""
     reuses_casts: bool = False
     """wgrad takes the transposes of the fprop/dgrad casts (so fprop's input cast is kept)."""
 
@@ -101,11 +104,17 @@ class GemmQuantizer:
     def weight(self, w: torch.Tensor, split: GemmSplit = WHOLE_GEMM) -> torch.Tensor:
         raise NotImplementedError
 
+    @classmethod
+    def for_recipe(cls, options: Section | None, seed: int) -> GemmQuantizer:
+        """One module's quantizer from its recipe's settings section (None for a recipe
+        without one); ``seed`` seeds a recipe that draws random numbers."""
+        return cls() if options is None else cls(options)  # type: ignore[call-arg]
+
     @property
     def split_block(self) -> int:
         """Elements one scale covers along a GEMM dimension: a tensor-parallel rank must hold
-        whole blocks (``factory.precision.policy.split_block``)."""
-        return split_block(self.recipe, getattr(self, "options", None))
+        whole blocks (the recipe's ``split_block``)."""
+        return recipe_named(self.recipe).split_block(getattr(self, "options", None))
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to quantize exactly as this one would have (random
@@ -151,6 +160,11 @@ class NVFP4Quantizer(GemmQuantizer):
     ``docs/precision.md``, 'Random Hadamard transform')."""
 
     recipe = "nvfp4"
+
+    @classmethod
+    def for_recipe(cls, options: Section | None, seed: int) -> GemmQuantizer:
+        assert isinstance(options, NVFP4Options)
+        return cls(options, seed)
 
     def __init__(self, options: NVFP4Options, seed: int = 0) -> None:
         self.options = options
@@ -375,20 +389,14 @@ class MoRQuantizer(_OneCastQuantizer):
         return _per_matrix(one, x)
 
 
-def make_quantizer(
-    recipe: str,
-    nvfp4_options: NVFP4Options | None = None,
-    fp8_options: FP8Options | None = None,
-    mor_options: MoROptions | None = None,
-    seed: int = 0,
-) -> GemmQuantizer:
-    """The quantizer of one module for a recipe name of the precision schema (not bf16)."""
-    if recipe == "nvfp4":
-        return NVFP4Quantizer(nvfp4_options or NVFP4Options(), seed)
-    if recipe == "fp8":
-        return FP8Quantizer(fp8_options or FP8Options())
-    if recipe == "mxfp8":
-        return MXFP8Quantizer()
-    if recipe == "mor":
-        return MoRQuantizer(mor_options or MoROptions())
-    raise ValueError(f"no quantizer for recipe {recipe!r} (bf16 runs unquantized)")
+def make_quantizer(recipe: str, options: Section | None = None, seed: int = 0) -> GemmQuantizer:
+    """The quantizer of one module for a registered recipe that quantizes, with its settings
+    section (None: the recipe's defaults); its class is the one the recipe names."""
+    record = recipe_named(recipe)
+    if record.quantizer is None:
+        raise ValueError(f"no quantizer for recipe {recipe!r} (it runs unquantized)")
+    if options is None and record.options is not None:
+        options = PrecisionConfig().options_for(recipe)
+    module, _, name = record.quantizer.rpartition(".")
+    quantizer: type[GemmQuantizer] = getattr(importlib.import_module(module), name)
+    return quantizer.for_recipe(options, seed)

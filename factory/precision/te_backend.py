@@ -3,19 +3,9 @@
 ``pip install factory[gpu]`` brings ``transformer_engine``; it is imported only
 here, and only when used. :func:`apply_te` swaps every quantized linear of the
 table for a ``te.Linear`` holding the same weights, run under the TE recipe of
-its format (``precision.*`` options map onto the recipe's fields):
-
-=========  ====================================================================
-nvfp4      ``NVFP4BlockScaling(disable_rht=not hadamard,
-           disable_stochastic_rounding=not stochastic_rounding,
-           disable_2d_quantization=weight_tile != "16x16")``
-fp8        ``Float8CurrentScaling`` / ``DelayedScaling(amax_history_len,
-           amax_compute_algo, margin)`` with format HYBRID or E4M3, or
-           ``Float8BlockScaling`` (E4M3; TE's power-of-two block scales
-           differ from the emulation's amax/448 by less than a factor 2)
-mxfp8      ``MXFP8BlockScaling(fp8_format=E4M3)``
-mor        no TE recipe: stays on the emulated path
-=========  ====================================================================
+its format: the recipe's ``te_recipe`` (``factory/schemas/precision_recipes/``) maps its
+``precision.*`` settings onto the fields of TE's recipe (``docs/precision.md``, 'Transformer
+Engine mapping'). A recipe without one (``mor``) stays on the emulated path.
 
 Grouped expert GEMMs keep the emulated quantized path (correct on CUDA, not
 fast); mapping them to ``te.GroupedLinear`` needs its per-expert split sizes
@@ -37,6 +27,7 @@ from factory.precision.backends import available
 from factory.precision.qlinear import QuantizedLinear, quantized_matmul
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.precision import PrecisionConfig
+from factory.schemas.precision_recipes import recipe_named
 
 __all__ = ["TELinear", "apply_te", "te_recipe", "usable"]
 
@@ -48,30 +39,11 @@ def usable(device: torch.device) -> bool:
 
 def te_recipe(recipe: str, precision: PrecisionConfig) -> Any | None:
     """The TE recipe object for one of our formats, or None where TE has none (mor)."""
-    r = importlib.import_module("transformer_engine.common.recipe")
-    if recipe == "nvfp4":
-        o = precision.nvfp4
-        return r.NVFP4BlockScaling(
-            disable_rht=not o.hadamard,
-            disable_stochastic_rounding=not o.stochastic_rounding,
-            disable_2d_quantization=o.weight_tile != "16x16",
-        )
-    if recipe == "mxfp8":
-        return r.MXFP8BlockScaling(fp8_format=r.Format.E4M3)
-    if recipe == "fp8":
-        o8 = precision.fp8
-        fmt = r.Format.HYBRID if o8.format == "hybrid" else r.Format.E4M3
-        if o8.scaling == "delayed":
-            return r.DelayedScaling(
-                fp8_format=fmt,
-                amax_history_len=o8.amax_history_len,
-                amax_compute_algo=o8.amax_compute,
-                margin=o8.margin,
-            )
-        if o8.scaling == "blockwise":  # E4M3 everywhere, as the emulation
-            return r.Float8BlockScaling(fp8_format=r.Format.E4M3)
-        return r.Float8CurrentScaling(fp8_format=fmt)
-    return None
+    build = recipe_named(recipe).te_recipe
+    if build is None:
+        return None
+    te = importlib.import_module("transformer_engine.common.recipe")
+    return build(te, precision.options_for(recipe))
 
 
 def _autocast(te: Any, recipe: Any) -> Callable[[], contextlib.AbstractContextManager[Any]]:
@@ -135,7 +107,7 @@ def apply_te(model: nn.Module, blueprint: Blueprint, seed: int = 0) -> Precision
         if not isinstance(op, QuantizedLinear):
             ops.append(op)
     for row in runtime.table:
-        if row.recipe == "bf16" or row.grouped:
+        if not recipe_named(row.recipe).quantizes or row.grouped:
             continue
         if row.recipe not in recipes:
             recipes[row.recipe] = te_recipe(row.recipe, blueprint.precision)

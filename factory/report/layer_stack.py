@@ -14,19 +14,13 @@ from typing import Any
 
 import factory.layers  # noqa: F401  (registers the built-in layer types the picture names)
 from factory.report.html_parts import escape, legend_key, svg
+from factory.schemas.precision_recipes import PRECISION_RECIPES
 from factory.spec.layer_type import LAYER_TYPES, layer_type_named
 
-__all__ = ["PRECISION_COLOURS", "Segment", "layer_stack_svg", "segments", "type_colour"]
+__all__ = ["Segment", "layer_stack_svg", "precision_colour", "segments", "type_colour"]
 
 TYPE_PALETTE = ("#4c78a8", "#f58518", "#54a24b", "#b279a2", "#e45756", "#72b7b2", "#eeca3b")
 """Layer types take these colours in registration order (M, *, -, E, then any added)."""
-PRECISION_COLOURS = {
-    "nvfp4": "#e7298a",
-    "mxfp8": "#17becf",
-    "fp8": "#bcbd22",
-    "mor": "#8c564b",
-    "bf16": "#b8b8b8",
-}
 OTHER_COLOUR = "#555555"
 WIDTH = 1120
 """Pixels the cells may use: the page is 1200 px wide at most."""
@@ -57,9 +51,9 @@ def segments(stage_patterns: list[list[str]]) -> list[Segment]:
 
 
 def precision_colour(recipe: str) -> str:
-    if recipe in PRECISION_COLOURS:
-        return PRECISION_COLOURS[recipe]
-    return PRECISION_COLOURS["fp8"] if recipe.startswith("fp8") else OTHER_COLOUR
+    """The colour a recipe declares; a name no recipe has (a page of an older plan) is grey."""
+    registered = PRECISION_RECIPES.get(recipe)
+    return OTHER_COLOUR if registered is None else registered.colour
 
 
 def _modules_by_cell(modules: list[dict[str, Any]]) -> dict[tuple[str, int], list[dict[str, Any]]]:
@@ -208,5 +202,6 @@ def layer_stack_svg(
 
 
 def _recipe_order(recipe: str) -> tuple[int, str]:
-    order = list(PRECISION_COLOURS)
-    return (order.index(recipe) if recipe in order else len(order), recipe)
+    """Registration order, then the names no recipe has."""
+    order = list(PRECISION_RECIPES)
+    return (order.index(recipe) if recipe in PRECISION_RECIPES else len(order), recipe)

@@ -28,7 +28,7 @@ class TokenShards:
     etp: int
     gemm_input: float = BF16
     """Bytes per element a GEMM keeps of its input for the weight gradient: 2 in BF16; under
-    a quantizing recipe, the quantized copy (``factory.planner.memory.SAVED_GEMM_INPUT``)."""
+    a quantizing recipe, the quantized copy (the recipe's ``saved_input_bytes``)."""
 
     def replicated(self, width: int) -> float:
         """Elements of an [n, width] tensor that TP replicates unless sequence parallel is on."""
