@@ -59,12 +59,12 @@ def _divisors(n: int, limit: int | None = None) -> list[int]:
 def _patterns(model: ModelConfig, pp: int) -> Iterator[tuple[int, str]]:
     """(vpp, pattern) choices for ``pp`` stages: the pattern's own '|' segments, else an even
     split (vpp 1) and evenly spaced pipes for each vpp the layers allow."""
-    layout = model.layout
-    if layout.has_pipes:
-        if len(layout.segments) % pp == 0:
-            yield len(layout.segments) // pp, model.pattern
+    parsed = model.parsed_pattern
+    if parsed.has_pipes:
+        if len(parsed.segments) % pp == 0:
+            yield len(parsed.segments) // pp, model.pattern
         return
-    main, layers = layout.main, layout.num_layers
+    main, layers = parsed.main, parsed.num_layers
     if pp == 1 or layers % pp == 0:
         yield 1, model.pattern
     for vpp in range(2, MAX_VPP + 1):

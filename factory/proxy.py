@@ -118,8 +118,8 @@ def derive_proxy(bp: Blueprint, width: int = 256) -> Blueprint:
     data: dict[str, Any] = bp.model_dump(exclude_unset=True)
     model: dict[str, Any] = data["model"]
 
-    main = proxy_pattern(src.layout.main)
-    model["pattern"] = "/".join((main, *src.layout.mtp))
+    main = proxy_pattern(src.parsed_pattern.main)
+    model["pattern"] = "/".join((main, *src.parsed_pattern.mtp))
     model["hidden_size"] = width
     model["vocab_size"] = min(src.vocab_size, PROXY_VOCAB)
     # Context parallelism exists for long sequences: its proxy keeps them.

@@ -223,31 +223,31 @@ class ModelConfig(Section):
     @field_validator("pattern")
     @classmethod
     def _pattern_parses(cls, value: str) -> str:
-        layout = HybridPattern.parse(value)  # raises PatternError (a ValueError) with the position
-        if layout.num_layers > MAX_LAYERS:
-            raise ValueError(f"{layout.num_layers} layers; at most {MAX_LAYERS} are supported")
+        parsed = HybridPattern.parse(value)  # raises PatternError (a ValueError) with the position
+        if parsed.num_layers > MAX_LAYERS:
+            raise ValueError(f"{parsed.num_layers} layers; at most {MAX_LAYERS} are supported")
         return value
 
     @cached_property
-    def layout(self) -> HybridPattern:
+    def parsed_pattern(self) -> HybridPattern:
         """The parsed pattern."""
         return HybridPattern.parse(self.pattern)
 
     @property
     def num_layers(self) -> int:
-        return self.layout.num_layers
+        return self.parsed_pattern.num_layers
 
     @property
     def mtp_depth(self) -> int:
         """MTP depth from the pattern's '/' segments, else from the mtp section."""
-        if self.layout.mtp_depth:
-            return self.layout.mtp_depth
+        if self.parsed_pattern.mtp_depth:
+            return self.parsed_pattern.mtp_depth
         return self.mtp.depth if self.mtp else 0
 
     @property
     def mtp_pattern(self) -> str:
-        if self.layout.mtp:
-            return self.layout.mtp[0]
+        if self.parsed_pattern.mtp:
+            return self.parsed_pattern.mtp[0]
         return self.mtp.pattern if self.mtp else ""
 
     @property

@@ -78,7 +78,7 @@ def _config(bp) -> Any:
 def _stages(bp) -> list[str]:
     """What megatron-core's MambaStack builds on each pipeline rank of ``bp``."""
     config = _config(bp)
-    main = bp.model.layout.main
+    main = bp.model.parsed_pattern.main
     types = allocate_layers(config.num_layers, 0.0, 0.0, main)
     assert "".join(types) == main
     pp = config.pipeline_model_parallel_size
@@ -115,7 +115,7 @@ def test_transformer_config_accepts_every_preset(name):
     config = _config(bp)
     assert config.num_layers == bp.model.num_layers
     stages = _stages(bp)
-    assert "".join(stages) == bp.model.layout.main
+    assert "".join(stages) == bp.model.parsed_pattern.main
     assert [len(s) for s in stages] == pipeline_stage_sizes(bp)
 
 

@@ -72,7 +72,7 @@ def test_forward_returns_a_typed_output(super_proxy) -> None:
     assert out.aux_loss is not None and out.aux_loss > 0
     moe_layers = [
         f"backbone.layers.{i}"
-        for i, c in enumerate(super_proxy.blueprint.model.layout.main)
+        for i, c in enumerate(super_proxy.blueprint.model.parsed_pattern.main)
         if c == "E"
     ]
     assert list(out.tokens_per_expert) == [*moe_layers, "mtp.layers.1"]

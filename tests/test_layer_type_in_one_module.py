@@ -85,7 +85,7 @@ class GatedUnitType(LayerType):
     @layer_check("model.gated_unit_count")
     def few_units(self, bp: Any) -> Iterator[LayerFinding]:
         """At most MAX_UNITS gated units per stack (a check of this layer type alone)."""
-        count = bp.model.layout.main.count(self.symbol)
+        count = bp.model.parsed_pattern.main.count(self.symbol)
         if count > MAX_UNITS:
             yield "model.pattern", f"{count} gated units, more than {MAX_UNITS}", "warning"
 

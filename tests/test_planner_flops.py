@@ -98,7 +98,9 @@ def test_exact_close_to_six_n_active_plus_attention_core(
     assert count_params(model).active - count_params(model).embedding == active_without_embedding
     seq_len = 8192
     q = model.attention.heads * model.attention.head_dim
-    reference = 6 * active_without_embedding + 6 * seq_len * q * model.layout.main.count("*")
+    reference = 6 * active_without_embedding + 6 * seq_len * q * model.parsed_pattern.main.count(
+        "*"
+    )
     exact = flops_per_token(model, seq_len).exact
     assert reference < exact < 1.02 * reference
 

@@ -222,7 +222,7 @@ def test_it_has_rows_in_the_precision_table_and_a_colour(mxfp6) -> None:
     assert {row.recipe for row in table if row.layer == 0} == {"bf16"}
     assert 0 < flops_share(table)["mxfp6"] < 1
     assert precision_colour("mxfp6") == COLOUR
-    picture = layer_stack_svg([[bp.model.layout.main]], bp.model.mtp_pattern,
+    picture = layer_stack_svg([[bp.model.parsed_pattern.main]], bp.model.mtp_pattern,
                               [dataclasses.asdict(row) for row in table])  # fmt: skip
     assert f'fill="{COLOUR}"' in picture and ">MXFP6<" in picture
 

@@ -35,19 +35,19 @@ def test_proxy_passes_every_rule(pair: tuple[Blueprint, Blueprint]) -> None:
 
 def test_proxy_keeps_every_layer_type(pair: tuple[Blueprint, Blueprint]) -> None:
     source, proxy = pair
-    assert set(proxy.model.layout.main) == set(source.model.layout.main)
-    assert proxy.model.layout.symbols() | set(proxy.model.mtp_pattern) == (
-        source.model.layout.symbols() | set(source.model.mtp_pattern)
+    assert set(proxy.model.parsed_pattern.main) == set(source.model.parsed_pattern.main)
+    assert proxy.model.parsed_pattern.symbols() | set(proxy.model.mtp_pattern) == (
+        source.model.parsed_pattern.symbols() | set(source.model.mtp_pattern)
     )
-    assert not proxy.model.layout.has_pipes
+    assert not proxy.model.parsed_pattern.has_pipes
 
 
 def test_proxy_keeps_the_first_period(pair: tuple[Blueprint, Blueprint]) -> None:
     source, proxy = pair
-    main = source.model.layout.main
+    main = source.model.parsed_pattern.main
     first = main[: main.index("*") + 1] if "*" in main else main[:8]
-    assert proxy.model.layout.main.startswith(first)
-    assert proxy.model.layout.main[-1] == main[-1]
+    assert proxy.model.parsed_pattern.main.startswith(first)
+    assert proxy.model.parsed_pattern.main[-1] == main[-1]
 
 
 def test_proxy_keeps_the_gqa_ratio(pair: tuple[Blueprint, Blueprint]) -> None:
@@ -82,7 +82,7 @@ def test_proxy_keeps_mtp(pair: tuple[Blueprint, Blueprint]) -> None:
     assert proxy.model.mtp_pattern == source.model.mtp_pattern
     assert proxy.model.mtp_stored_blocks == source.model.mtp_stored_blocks
     assert proxy.model.mtp == source.model.mtp
-    assert proxy.model.layout.mtp == source.model.layout.mtp
+    assert proxy.model.parsed_pattern.mtp == source.model.parsed_pattern.mtp
 
 
 def test_proxy_keeps_the_precision_policy(pair: tuple[Blueprint, Blueprint]) -> None:
@@ -170,7 +170,7 @@ def test_plan_proxy_json(capsys: pytest.CaptureFixture[str]) -> None:
     )
 
 
-SUPER_MAIN = factory.load_blueprint("super").model.layout.main
+SUPER_MAIN = factory.load_blueprint("super").model.parsed_pattern.main
 
 
 @pytest.mark.parametrize(
@@ -186,7 +186,7 @@ def test_proxy_of_edited_presets_is_clean(name: str, overrides: list[str]) -> No
     source = factory.load_blueprint(name, overrides)
     proxy = derive_proxy(source)
     assert [(r.name, f.message) for r, f in run_rules(proxy)] == []
-    assert proxy.model.layout.mtp == source.model.layout.mtp
+    assert proxy.model.parsed_pattern.mtp == source.model.parsed_pattern.mtp
     layers = proxy.precision.high_precision.layers
     assert layers == sorted(set(layers)) and all(0 <= i < proxy.model.num_layers for i in layers)
 

@@ -33,12 +33,14 @@ def used_symbols(model: ModelConfig) -> set[str]:
     Characters of a malformed ``model.mtp.pattern`` are ignored here; the
     ``model.mtp_pattern`` rule reports them.
     """
-    return (set(model.layout.main) | set(model.mtp_pattern)) & set(LAYER_TYPES)
+    return (set(model.parsed_pattern.main) | set(model.mtp_pattern)) & set(LAYER_TYPES)
 
 
 def _count(model: ModelConfig, symbol: str) -> int:
     """Layers of one type, MTP inner layers counted once per depth."""
-    return model.layout.main.count(symbol) + model.mtp_depth * model.mtp_pattern.count(symbol)
+    return model.parsed_pattern.main.count(symbol) + model.mtp_depth * model.mtp_pattern.count(
+        symbol
+    )
 
 
 def unbuilt_symbol(text: str) -> str | None:
@@ -100,7 +102,7 @@ def unused_sections(bp: Blueprint) -> Iterator[Finding]:
 @rule("model.mtp_segments")
 def mtp_segments(bp: Blueprint) -> Iterator[Finding]:
     """All '/' MTP segments of the pattern are identical (Megatron requires it)."""
-    mtp = bp.model.layout.mtp
+    mtp = bp.model.parsed_pattern.mtp
     different = sorted(set(mtp) - {mtp[0]}) if mtp else []
     if different:
         yield Finding(
@@ -118,20 +120,20 @@ def mtp_consistent(bp: Blueprint) -> Iterator[Finding]:
     pattern have defaults, and a blueprint that writes just
     ``mtp: {repeated: true}`` next to a '/' pattern is consistent.
     """
-    layout, mtp = bp.model.layout, bp.model.mtp
-    if mtp is None or not layout.mtp:
+    parsed, mtp = bp.model.parsed_pattern, bp.model.mtp
+    if mtp is None or not parsed.mtp:
         return
     written = mtp.model_fields_set
-    if "depth" in written and mtp.depth != layout.mtp_depth:
+    if "depth" in written and mtp.depth != parsed.mtp_depth:
         yield Finding(
             "model.mtp.depth",
-            f"model.mtp.depth={mtp.depth} but the pattern has {layout.mtp_depth} '/' MTP segments",
+            f"model.mtp.depth={mtp.depth} but the pattern has {parsed.mtp_depth} '/' MTP segments",
         )
-    if "pattern" in written and mtp.pattern != layout.mtp[0]:
+    if "pattern" in written and mtp.pattern != parsed.mtp[0]:
         yield Finding(
             "model.mtp.pattern",
             f"model.mtp.pattern={mtp.pattern!r} but the pattern's MTP segments are "
-            f"{layout.mtp[0]!r}",
+            f"{parsed.mtp[0]!r}",
         )
 
 

@@ -41,11 +41,11 @@ def _edp(bp: Blueprint) -> int | None:
 
 def _vpp(bp: Blueprint) -> int:
     """Virtual stages per rank: written, else '|' segments / pp, else 1."""
-    par, layout = bp.parallelism, bp.model.layout
+    par, parsed = bp.parallelism, bp.model.parsed_pattern
     if par.vpp is not None:
         return par.vpp
-    if layout.has_pipes:
-        return max(1, len(layout.segments) // par.pp)
+    if parsed.has_pipes:
+        return max(1, len(parsed.segments) // par.pp)
     return 1
 
 
@@ -153,9 +153,9 @@ def _expert_tp_split(bp: Blueprint, etp: int, path: str, note: str = "") -> Iter
 @rule("parallelism.pipeline")
 def pipeline(bp: Blueprint) -> Iterator[Finding]:
     """'|' segments fill pp ranks evenly; vpp agrees with them; no-pipe splits are even."""
-    par, layout = bp.parallelism, bp.model.layout
-    pp, segments = par.pp, len(layout.segments)
-    if layout.has_pipes:
+    par, parsed = bp.parallelism, bp.model.parsed_pattern
+    pp, segments = par.pp, len(parsed.segments)
+    if parsed.has_pipes:
         if segments % pp:
             yield Finding(
                 "parallelism.pp",
@@ -174,16 +174,16 @@ def pipeline(bp: Blueprint) -> Iterator[Finding]:
                 f"vpp={par.vpp} needs '|' stage boundaries in model.pattern "
                 "(Megatron does not interleave a pattern without pipes)",
             )
-        if pp > 1 and layout.num_layers % pp:
+        if pp > 1 and parsed.num_layers % pp:
             yield Finding(
                 "parallelism.pp",
-                f"pp={pp} must divide num_layers ({layout.num_layers}) when the pattern has no '|'",
+                f"pp={pp} must divide num_layers ({parsed.num_layers}) when the pattern has no '|'",
             )
         elif pp > 1:
             yield Finding(
                 "model.pattern",
                 f"DEPRECATION: pp={pp} with a pattern without '|' separators splits "
-                f"{layout.num_layers} layers evenly; mark the stage boundaries with '|'",
+                f"{parsed.num_layers} layers evenly; mark the stage boundaries with '|'",
                 "warning",
             )
     vpp = _vpp(bp)

@@ -26,7 +26,7 @@ class ExportError(ValueError):
 
 
 def _used_types(model: ModelConfig) -> list[str]:
-    used = set(model.layout.main + model.mtp_pattern)
+    used = set(model.parsed_pattern.main + model.mtp_pattern)
     return [symbol for symbol in LAYER_TYPES if symbol in used]
 
 
@@ -51,7 +51,7 @@ def hf_config(bp: Blueprint, dtype: str = "float32") -> dict[str, Any]:
     if refusals:
         raise ExportError("cannot export to Hugging Face NemotronH: " + "; ".join(refusals))
     m = bp.model
-    main = m.layout.main
+    main = m.parsed_pattern.main
     cfg: dict[str, Any] = {
         "architectures": ["NemotronHForCausalLM"],
         "model_type": "nemotron_h",

@@ -184,10 +184,10 @@ def shared_field_conflicts(bp: Blueprint) -> list[tuple[str, str]]:
 
 def pipeline_stage_sizes(bp: Blueprint) -> list[int]:
     """Layers per pipeline stage the blueprint asks for ('|' segments, else an even split)."""
-    layout, pp = bp.model.layout, bp.parallelism.pp
-    if layout.has_pipes:
-        return [len(segment) for segment in layout.segments]
-    n = layout.num_layers
+    parsed, pp = bp.model.parsed_pattern, bp.parallelism.pp
+    if parsed.has_pipes:
+        return [len(segment) for segment in parsed.segments]
+    n = parsed.num_layers
     return [n // pp] * pp if n % pp == 0 else []
 
 
@@ -237,7 +237,7 @@ M, T, P = "model", "container", "mixed_precision"
 # fmt: off
 _MODEL_FIELDS: tuple[Field | Required, ...] = (
     # The hybrid stack. '|' is not written: pipeline cuts become first/last stage sizes.
-    Field("model.pattern", M, "hybrid_layer_pattern", "provider", lambda bp: bp.model.layout.main),
+    Field("model.pattern", M, "hybrid_layer_pattern", "provider", lambda bp: bp.model.parsed_pattern.main),
     Field("model.pattern", M, "num_layers", "config", lambda bp: bp.model.num_layers),
     Field("model.pattern", M, "is_hybrid_model", "config", lambda bp: True),
     Field("model.hidden_size", M, "hidden_size", "config", lambda bp: bp.model.hidden_size),

@@ -32,14 +32,14 @@ def _megatron_cuts(sizes: list[int], total: int) -> list[int]:
 
 def _model(bp: Blueprint) -> list[tuple[str, str]]:
     m, out = bp.model, []
-    used = m.layout.main + m.mtp_pattern
+    used = m.parsed_pattern.main + m.mtp_pattern
     if m.position_embedding == "rope" and m.rope_base != int(m.rope_base):
         out.append(("model.rope_base", f"Megatron's rotary_base is an int, got {m.rope_base}"))
     out += shared_field_conflicts(bp)
     for kind in LAYER_TYPES.values():
         if kind.symbol in used:
             out += kind.megatron_refusals(m)
-    if len(set(m.layout.mtp)) > 1:
+    if len(set(m.parsed_pattern.mtp)) > 1:
         out.append(
             (
                 "model.pattern",
@@ -62,8 +62,8 @@ def _model(bp: Blueprint) -> list[tuple[str, str]]:
 
 
 def _layout(bp: Blueprint) -> list[tuple[str, str]]:
-    par, layout, out = bp.parallelism, bp.model.layout, []
-    vpp = par.vpp or (len(layout.segments) // par.pp if layout.has_pipes else 1)
+    par, parsed, out = bp.parallelism, bp.model.parsed_pattern, []
+    vpp = par.vpp or (len(parsed.segments) // par.pp if parsed.has_pipes else 1)
     if vpp > 1:
         out.append(
             (
@@ -78,11 +78,11 @@ def _layout(bp: Blueprint) -> list[tuple[str, str]]:
             out.append(
                 (
                     "parallelism.pp",
-                    f"{layout.num_layers} layers do not split evenly "
+                    f"{parsed.num_layers} layers do not split evenly "
                     f"over pp={par.pp} and the pattern has no '|'",
                 )
             )
-        elif _megatron_cuts(sizes, layout.num_layers) != sizes:
+        elif _megatron_cuts(sizes, parsed.num_layers) != sizes:
             out.append(
                 (
                     "model.pattern",

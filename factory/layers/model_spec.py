@@ -139,7 +139,7 @@ def _model_spec(model: ModelConfig, revision: int) -> ModelSpec:
             1,
             tuple(_block(model, f"backbone.layers.{i}", symbol)),
         )
-        for i, symbol in enumerate(model.layout.main)
+        for i, symbol in enumerate(model.parsed_pattern.main)
     ]
     return ModelSpec(
         model=model,

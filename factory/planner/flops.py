@@ -77,8 +77,8 @@ def _megatron_split(model: ModelConfig, seq_len: int) -> dict[str, int] | None:
 
     Layer counts are get_hybrid_layer_counts': the MTP pattern's layers count once per depth.
     """
-    counts = dict.fromkeys(model.layout.main + model.mtp_pattern, 0)
-    for symbol in model.layout.main:
+    counts = dict.fromkeys(model.parsed_pattern.main + model.mtp_pattern, 0)
+    for symbol in model.parsed_pattern.main:
         counts[symbol] += 1
     for symbol in model.mtp_pattern:
         counts[symbol] += model.mtp_depth

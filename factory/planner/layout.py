@@ -62,11 +62,11 @@ class Layout:
 
 def _segments(bp: Blueprint) -> list[str]:
     """Pipeline segments: the '|' segments, or an even split of the stack into pp pieces."""
-    layout = bp.model.layout
+    parsed = bp.model.parsed_pattern
     pp = bp.parallelism.pp
-    if layout.has_pipes:
-        return list(layout.segments)
-    main = layout.main
+    if parsed.has_pipes:
+        return list(parsed.segments)
+    main = parsed.main
     per = -(-len(main) // pp)
     return [main[i * per : (i + 1) * per] for i in range(pp)]
 

@@ -232,7 +232,7 @@ def _activations(
     h = model.hidden_size
     quantized, kept = per_type
     layers = sum(
-        (kept if i in bf16_layers else quantized)[layer_type(model.layout.main[i]).name]
+        (kept if i in bf16_layers else quantized)[layer_type(model.parsed_pattern.main[i]).name]
         for i in layout.layer_indices_on_rank(rank)
     )
     embedding = INT64 * t.n + BF16 * t.replicated(h) if rank == 0 else 0
@@ -270,7 +270,7 @@ def memory_per_rank(bp: Blueprint, layout: Layout) -> MemoryPlan:
         sp=layout.sequence_parallel,
         etp=layout.etp,
     )
-    used = set(model.layout.main + model.mtp_pattern)
+    used = set(model.parsed_pattern.main + model.mtp_pattern)
     in_recipe = replace(tokens, gemm_input=recipe_named(bp.precision.recipe).saved_input_bytes)
     per_type = tuple(
         {

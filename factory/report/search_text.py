@@ -16,7 +16,7 @@ __all__ = ["search_records", "search_table"]
 
 def _layout(result: SearchResult) -> str:
     p = result.blueprint.parallelism
-    vpp = max(1, len(result.blueprint.model.layout.segments) // p.pp)
+    vpp = max(1, len(result.blueprint.model.parsed_pattern.segments) // p.pp)
     sp = " sp" if p.sequence_parallel else ""
     return (
         f"tp{p.tp} cp{p.cp} pp{p.pp} vpp{vpp} ep{p.ep} etp{p.expert_tp}{sp} "

@@ -195,7 +195,7 @@ class LayerType:
 
     def used_by(self, model: ModelConfig) -> bool:
         """The model builds this layer type: in its main stack or its MTP blocks."""
-        return self.symbol in model.layout.main or self.symbol in model.mtp_pattern
+        return self.symbol in model.parsed_pattern.main or self.symbol in model.mtp_pattern
 
     def config(self, model: ModelConfig) -> Any:
         """This layer's config section (raises when the blueprint lacks it)."""
