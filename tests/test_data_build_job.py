@@ -212,6 +212,53 @@ def test_resume_after_sigkill_is_byte_identical(
     assert not [p for p in out.rglob("*.tmp*")]
 
 
+def test_a_build_killed_while_removing_its_work_folder_is_rebuilt_whole(
+    recipe_dir: Path, built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kill while the finished build removes ``.work`` leaves part of it: the units and
+    plans gone, ``dedup.json`` still there. The rerun must not trust what is left (it used
+    to skip the dedup and then miss a keep mask)."""
+    import shutil
+
+    from factory.data.build_job import build
+
+    out = tmp_path / "out"
+    real_rmtree = shutil.rmtree
+
+    def killed_midway(path: Path, ignore_errors: bool = False) -> None:
+        if Path(path).name != ".work":
+            return real_rmtree(path, ignore_errors=ignore_errors)
+        for part in ("units", "plan"):
+            real_rmtree(Path(path) / part)
+        raise KeyboardInterrupt  # where SIGKILL would have stopped it
+
+    with monkeypatch.context() as patch:
+        patch.setattr(shutil, "rmtree", killed_midway)
+        with pytest.raises(KeyboardInterrupt):
+            build(recipe_dir / "recipe.yaml", out)
+    assert (out / ".work" / "dedup.json").is_file()
+    build(recipe_dir / "recipe.yaml", out)
+    assert _snapshot(out) == _snapshot(built)
+
+
+def test_a_work_folder_of_another_format_is_removed_not_read(
+    recipe_dir: Path, built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``.work`` from a factory whose work files differ (format 1 held pickles) is removed
+    whole, so none of its files is ever read."""
+    import factory.data.build_job as build_job
+
+    out = tmp_path / "out"
+    with monkeypatch.context() as patch:
+        patch.setattr(build_job, "WORK_FORMAT", build_job.WORK_FORMAT - 1)
+        build_job.build(recipe_dir / "recipe.yaml", out, keep_work=True)
+    planted = out / ".work" / "units" / "web" / "planted"
+    planted.write_bytes(b"left by the other format")
+    build_job.build(recipe_dir / "recipe.yaml", out, keep_work=True)
+    assert not planted.exists()
+    assert _snapshot(out) == _snapshot(built)
+
+
 def test_verify_catches_a_flipped_byte(built: Path, tmp_path: Path) -> None:
     import shutil
 

@@ -11,12 +11,15 @@ weight for weight.
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import shutil
 import signal
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from runtime_helpers import tiny_blueprint
 from train_cli_helpers import (
     STEPS,
@@ -164,6 +167,43 @@ def test_no_readable_checkpoint_is_one_line_and_exit_2(
     assert last.count("cannot be read") == 3 and last.endswith("no checkpoint left to resume from")
     _clean(rerun.stderr)
     assert len(list((run_dir / "checkpoints").glob("step_*[0-9]"))) == 3  # none moved aside
+
+
+class _RunsCode:
+    """Unpickled, it makes the folder ``marker``: proof that the pickle's code ran."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return (os.mkdir, (str(self.marker),))
+
+
+def test_checkpoints_whose_pickles_would_run_code_are_passed_over_and_none_runs(
+    inputs: tuple[Path, Path], reference: Path, tmp_path: Path
+) -> None:
+    """A run folder someone else could write: the newest checkpoint's rank file and the next
+    one's DCP metadata are replaced by pickles that would run code. Each is a checkpoint that
+    cannot be read, refused unread; the run resumes from the third, bit for bit."""
+    run_dir = _unfinished_copy(reference, tmp_path)
+    marker = tmp_path / "code-ran"
+    newest, before = (run_dir / "checkpoints" / f"step_{s:08d}" for s in (STEPS, STEPS - 4))
+    with open(newest / "rank0.pt", "wb") as handle:
+        torch.save({"rng": _RunsCode(marker)}, handle)
+    (before / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    rerun = run(train_args(inputs, run_dir))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert not marker.exists()
+    said = [line for line in rerun.stderr.splitlines() if "cannot be read" in line]
+    assert len(said) == 2, rerun.stderr
+    assert said[0].startswith(f"factory train: {newest}: cannot be read (UnpicklingError: ")
+    assert "rank0.pt holds more than tensors, numbers, strings, lists and dicts" in said[0]
+    assert said[1].startswith(f"factory train: {before}: cannot be read (UnpicklingError: ")
+    assert ".metadata names posix.mkdir, which no DCP metadata holds: refused unread" in said[1]
+    assert said[1].endswith(f"resuming from step_{STEPS - 8:08d}")
+    _clean(rerun.stderr)
+    assert losses(run_dir) == losses(reference)
+    assert same_weights(run_dir, reference)
 
 
 def test_a_torn_last_line_of_the_metrics_is_cut_before_the_rerun_appends(

@@ -54,6 +54,14 @@ __all__ = ["EXECUTORS", "build"]
 EXECUTORS = ("local", "ray")
 """Where the stages run: worker processes on this machine, or Ray tasks."""
 
+_STAMP = "recipe.sha256"
+"""The file in ``.work`` naming the recipe, inputs and format it was made for."""
+
+WORK_FORMAT = 2
+"""The format of ``.work``'s files; part of its stamp, so a ``.work`` of another format is
+removed, never read. Format 1 held pickles, which run code when read (``docs/reliability.md``,
+"What a folder is trusted with")."""
+
 
 def _tasks(loaded: LoadedRecipe, work: Path) -> list[UnitTask]:
     recipe = loaded.recipe
@@ -68,8 +76,9 @@ def _tasks(loaded: LoadedRecipe, work: Path) -> list[UnitTask]:
 
 
 def _work_stamp(digest: str, tasks: list[UnitTask]) -> str:
-    """The recipe hash plus every input's size and mtime: changed inputs invalidate ``.work``."""
-    h = hashlib.sha256(digest.encode())
+    """The recipe hash plus every input's size and mtime and the work format: changed inputs
+    invalidate ``.work``."""
+    h = hashlib.sha256(f"{digest}:work-format-{WORK_FORMAT}".encode())
     for task in tasks:
         stat = task.input_path.stat()
         h.update(f"{task.input_path}:{stat.st_size}:{stat.st_mtime_ns}".encode())
@@ -79,7 +88,7 @@ def _work_stamp(digest: str, tasks: list[UnitTask]) -> str:
 def _prepare_work(out: Path, digest: str) -> Path:
     """Reuse ``.work`` only if it was made by this exact recipe and inputs; otherwise start clean."""
     work = out / ".work"
-    stamp = work / "recipe.sha256"
+    stamp = work / _STAMP
     if work.exists() and (not stamp.is_file() or stamp.read_text() != digest):
         shutil.rmtree(work)
         for stale in ("shards", ".nv-meta", "megatron", "manifest.json", "quarantine.jsonl"):
@@ -147,8 +156,16 @@ def build(
                 loaded, out, workers, progress or silent, executor, address, allow_empty
             )
         if not keep_work:
-            shutil.rmtree(out / ".work", ignore_errors=True)
+            _remove_work(out / ".work")
     return manifest
+
+
+def _remove_work(work: Path) -> None:
+    """Remove a finished build's ``.work``, its stamp first: a removal cut short (SIGKILL)
+    leaves no stamp, so the next build starts clean instead of trusting what is left (units
+    gone, ``dedup.json`` kept: a keep mask missing)."""
+    (work / _STAMP).unlink(missing_ok=True)
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def _build(

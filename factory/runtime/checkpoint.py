@@ -7,8 +7,9 @@ Layout of ``RUN_DIR/checkpoints/step_00000100/`` (the step is the next one to ru
   read them back;
 * ``rank0.pt`` (and ``rankN.pt`` for every other rank of a distributed run):
   what is private to a process: RNG states and the precision runtime's state
-  (stochastic-rounding generators, FP8 amax histories, the BF16 switch). A run
-  resumed on more ranks than wrote the checkpoint gives the new ranks rank 0's;
+  (stochastic-rounding generators, FP8 amax histories, the BF16 switch), as
+  tensors, numbers, strings, lists and dicts only. A run resumed on more ranks
+  than wrote the checkpoint gives the new ranks rank 0's;
 * ``meta.json``, written last: the step, the data position, the monitors, the
   learning-rate annealing, and the fingerprint of the model it belongs to.
 
@@ -18,7 +19,8 @@ which is never read and is removed by the next run. A write that fails (a full
 disk) removes its temporary folder and raises :class:`CheckpointWriteError`
 naming it and the cause; the checkpoints before it stay as they were. A
 checkpoint that cannot be read raises :class:`CheckpointDamaged` with a one-line
-reason (the trainer then resumes from an older one). With ``async_save`` the
+reason (the trainer then resumes from an older one); one whose pickles would run
+code is such a checkpoint (``checkpoint_trust``). With ``async_save`` the
 DCP write runs in a background thread on a copy of the state while training
 goes on; the rename happens when it has finished.
 
@@ -54,6 +56,12 @@ from factory.runtime.checkpoint_errors import (
     CheckpointDamaged,
     CheckpointError,
     CheckpointWriteError,
+)
+from factory.runtime.checkpoint_trust import (
+    MetadataReader,
+    TensorsOnlyPlanner,
+    check_local,
+    load_local,
 )
 from factory.runtime.ranks import Ranks, SingleProcess
 
@@ -242,10 +250,19 @@ def read_checkpoint(
             f"{fingerprint[:12]}"
         )
     try:
+        reader = MetadataReader(path)
+        # Read here first: a refusal inside DCP's load is logged with its traceback.
+        reader.read_metadata()
         with single_process_quiet():
-            dcp.load(state, checkpoint_id=str(path), no_dist=_no_dist())
+            dcp.load(
+                state,
+                checkpoint_id=str(path),
+                storage_reader=reader,
+                planner=TensorsOnlyPlanner(),
+                no_dist=_no_dist(),
+            )
         own = path / _local_file(rank)
-        local = torch.load(own if own.is_file() else path / _local_file(0), weights_only=False)
+        local = load_local(own if own.is_file() else path / _local_file(0))
     # DCP reports a damaged file as CheckpointException, a BaseException, besides the usual kinds.
     except (Exception, CheckpointException) as exc:
         _raise_if_the_machine(exc, path)
@@ -311,6 +328,7 @@ def _write_local(local: dict[str, Any], path: Path) -> None:
     reported as the OSError it is (torch's file writer hides the errno)."""
     buffer = io.BytesIO()
     torch.save(local, buffer)
+    check_local(buffer)
     with open(path, "wb") as handle:
         handle.write(buffer.getbuffer())
 

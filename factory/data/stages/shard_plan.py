@@ -3,7 +3,7 @@
 One call runs the mixed stream (``mixed_stream``) and the packer (``packing``)
 over :class:`DocRef` s, a key, a length and where the record lies, read from
 the units' sidecars; no token is read. Each shard's plan, the pieces
-of each of its samples, goes to ``.work/plan/shard-NNNNNN.pkl``. Mixing and
+of each of its samples, goes to ``.work/plan/shard-NNNNNN.json``. Mixing and
 packing are sequential by nature (a weighted round robin and windows of
 documents in stream order); they touch only metadata, so this pass is cheap.
 ``write_shards`` then writes the shards from their plans, side by side.
@@ -12,7 +12,6 @@ documents in stream order); they touch only metadata, so this pass is cheap.
 from __future__ import annotations
 
 import json
-import pickle
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from factory.data.stages.packing import PIECE_SEPARATOR, PackingStats, pack_bins
 from factory.data.stages.unit_files import read_sidecar
 from factory.io import atomic_write_bytes
 
-__all__ = ["DocRef", "PlannedPiece", "plan_path", "plan_shards"]
+__all__ = ["DocRef", "PlannedPiece", "plan_path", "plan_shards", "read_plan"]
 
 PlannedPiece = tuple[str, int, int, int, int]
 """One piece of a planned sample: (key, unit index, record offset, first token, end token)."""
@@ -54,8 +53,22 @@ class DocRef:
 
 
 def plan_path(work: Path, index: int) -> Path:
-    """Where shard ``index``'s plan is kept: a pickled list of samples, each a list of pieces."""
-    return work / "plan" / f"shard-{index:06d}.pkl"
+    """Where shard ``index``'s plan is kept: a JSON list of samples, each a list of pieces."""
+    return work / "plan" / f"shard-{index:06d}.json"
+
+
+def _write_plan(work: Path, index: int, samples: list[list[PlannedPiece]]) -> None:
+    # ensure_ascii: a key's lone surrogate (JSON input may hold one) is written escaped.
+    atomic_write_bytes(plan_path(work, index), json.dumps(samples).encode())
+
+
+def read_plan(work: Path, index: int) -> list[list[PlannedPiece]]:
+    """Shard ``index``'s plan, as :func:`plan_shards` wrote it."""
+    samples = json.loads(plan_path(work, index).read_text(encoding="utf-8"))
+    return [
+        [(key, unit, offset, start, end) for key, unit, offset, start, end in sample]
+        for sample in samples
+    ]
 
 
 def plan_shards(
@@ -90,11 +103,11 @@ def plan_shards(
         stats.add_bin(len(bin_docs), sum(len(d) for d in bin_docs))
         shard.append([(d.key, d.unit, d.offset, d.start, d.end) for d in bin_docs])
         if len(shard) == samples_per_shard:
-            atomic_write_bytes(plan_path(work, len(samples_per)), pickle.dumps(shard))
+            _write_plan(work, len(samples_per), shard)
             samples_per.append(len(shard))
             shard = []
     if shard:
-        atomic_write_bytes(plan_path(work, len(samples_per)), pickle.dumps(shard))
+        _write_plan(work, len(samples_per), shard)
         samples_per.append(len(shard))
     summary = {"samples": samples_per, "emitted": stream.emitted, "packing": asdict(stats)}
     atomic_write_bytes(summary_path, json.dumps(summary, sort_keys=True).encode())

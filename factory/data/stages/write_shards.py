@@ -9,7 +9,6 @@ writes the tar, so shards are written in any order, on any node.
 from __future__ import annotations
 
 import json
-import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from factory.data.stages.mixed_stream import MixedStream
 from factory.data.stages.mixing import SourcePlan
 from factory.data.stages.packing import PackingStats, TokenizedDoc, packed_sample
 from factory.data.stages.runner import Runner
-from factory.data.stages.shard_plan import PlannedPiece, plan_path, plan_shards
+from factory.data.stages.shard_plan import plan_shards, read_plan
 from factory.data.stages.stage_inputs import StageInputs
 from factory.data.stages.unit_files import read_records
 from factory.io import atomic_write_bytes
@@ -67,7 +66,7 @@ def write_planned_shard(
     receipt = _intact_receipt(out / name, receipt_path)
     if receipt is not None:
         return receipt
-    planned: list[list[PlannedPiece]] = pickle.loads(plan_path(work, index).read_bytes())
+    planned = read_plan(work, index)
     wanted: dict[int, set[int]] = {}
     for sample in planned:
         for _, unit, offset, _, _ in sample:
