@@ -21,8 +21,9 @@ import factory
 from factory.runtime.batches import build_shards
 from factory.runtime.checkpoint import CheckpointDamaged, Checkpointer, read_checkpoint
 from factory.runtime.checkpoint_trust import load_local
+from factory.runtime.fit import fit
 from factory.runtime.loader import ShardLoader
-from factory.runtime.trainer import RunOptions, fit
+from factory.runtime.run_options import RunOptions
 
 
 class _RunsCode:
