@@ -141,40 +141,41 @@ class Mamba2Mixer(nn.Module):
     def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
         cfg, heads, groups = self.cfg, self.heads, self.groups
         d_inner, group_width = heads * cfg.head_dim, groups * cfg.state_size
-        z, xs, B, C, dt = self.in_proj(x).split(
-            [d_inner, d_inner, group_width, group_width, heads], dim=-1
-        )
+        # x, B and C sit side by side in in_proj's output, in the conv's channel order: the
+        # conv reads them as one slice (splitting them and concatenating them back was one
+        # more copy of the conv's input, and its backward, per layer).
+        z, xbc, dt = self.in_proj(x).split([d_inner, d_inner + 2 * group_width, heads], dim=-1)
         if self.sequence_split is None:
-            y = self._mix(xs, B, C, dt, document_ids, slice(0, heads), slice(0, groups))
+            y = self._mix(xbc, dt, document_ids, slice(0, heads), slice(0, groups))
         else:
-            y = self._mix_head_shard(xs, B, C, dt, document_ids, self.sequence_split)
+            y = self._mix_head_shard(xbc, dt, document_ids, self.sequence_split)
         y = self.norm(y, z)
         return self.out_proj(y.to(x.dtype))
 
     def _mix(
         self,
-        xs: torch.Tensor,
-        B: torch.Tensor,
-        C: torch.Tensor,
+        xbc: torch.Tensor,
         dt: torch.Tensor,
         document_ids: torch.Tensor | None,
         heads: slice,
         groups: slice,
     ) -> torch.Tensor:
         """Conv, dt and the SSD scan over the whole sequence of the heads ``heads`` and their
-        groups ``groups`` (of this module's); -> [B, S, those heads * head_dim]."""
+        groups ``groups`` (of this module's); ``xbc`` holds their x, B and C channels, in that
+        order; -> [B, S, those heads * head_dim]."""
         cfg = self.cfg
-        b, s = xs.shape[:2]
+        b, s = xbc.shape[:2]
         n_heads, n_groups = heads.stop - heads.start, groups.stop - groups.start
         weight, bias = self._conv_rows(heads, groups)
-        conv = _causal_depthwise_conv(torch.cat([xs, B, C], -1), weight, bias, document_ids)
+        conv = _causal_depthwise_conv(xbc, weight, bias, document_ids)
         xs, B, C = F.silu(conv).split(
             [n_heads * cfg.head_dim, n_groups * cfg.state_size, n_groups * cfg.state_size], -1
         )
-        dt = F.softplus(dt.float() + self.dt_bias[heads].float())
+        dt_bias, A_log, D = (self._head_rows(p, heads) for p in (self.dt_bias, self.A_log, self.D))
+        dt = F.softplus(dt.float() + dt_bias.float())
         upper = cfg.dt_limit_max if cfg.dt_limit_max is not None else float("inf")
         dt = dt.clamp(min=cfg.dt_limit_min, max=upper)
-        A = -torch.exp(self.A_log[heads].float())
+        A = -torch.exp(A_log.float())
         y = ssd_chunked_scan(
             xs.view(b, s, n_heads, cfg.head_dim),
             dt,
@@ -182,10 +183,15 @@ class Mamba2Mixer(nn.Module):
             B.view(b, s, n_groups, cfg.state_size),
             C.view(b, s, n_groups, cfg.state_size),
             cfg.chunk_size,
-            D=self.D[heads],
+            D=D,
             seq_idx=document_ids,
         )
         return y.reshape(b, s, n_heads * cfg.head_dim)
+
+    def _head_rows(self, parameter: torch.Tensor, heads: slice) -> torch.Tensor:
+        """``parameter`` [heads]'s entries of ``heads``: the parameter itself for all of them
+        (a slice would add a zero-filled gradient and a copy to every backward)."""
+        return parameter if heads == slice(0, self.heads) else parameter[heads]
 
     def _conv_rows(self, heads: slice, groups: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The conv's weight and bias rows of ``heads``' x channels and ``groups``' B and C."""
@@ -203,9 +209,7 @@ class Mamba2Mixer(nn.Module):
 
     def _mix_head_shard(
         self,
-        xs: torch.Tensor,
-        B: torch.Tensor,
-        C: torch.Tensor,
+        xbc: torch.Tensor,
         dt: torch.Tensor,
         document_ids: torch.Tensor | None,
         split: SequenceSplit,
@@ -217,6 +221,7 @@ class Mamba2Mixer(nn.Module):
         per_rank = self.heads // cp
         group_count = max(self.groups // cp, 1)
         repeats = max(cp // self.groups, 1)  # ranks that share a group when groups < cp
+        xs, B, C = xbc.split([self.heads * hd, self.groups * n, self.groups * n], -1)
 
         def piece(rank: int) -> torch.Tensor:
             h, g = rank * per_rank, rank // repeats * group_count
@@ -228,12 +233,12 @@ class Mamba2Mixer(nn.Module):
             ], -1)  # fmt: skip
 
         whole = split.to_heads(torch.stack([piece(rank) for rank in range(cp)]))
-        xs, B, C, dt = whole.split([per_rank * hd, group_count * n, group_count * n, per_rank], -1)
+        xbc, dt = whole.split([per_rank * hd + 2 * group_count * n, per_rank], -1)
         first_head = split.rank * per_rank
         first_group = split.rank // repeats * group_count
         heads = slice(first_head, first_head + per_rank)
         groups = slice(first_group, first_group + group_count)
-        y = self._mix(xs, B, C, dt, document_ids, heads, groups)
+        y = self._mix(xbc, dt, document_ids, heads, groups)
         return split.to_sequence(y)
 
 
