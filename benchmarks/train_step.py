@@ -46,7 +46,19 @@ BLUEPRINT = {
         "vocab_size": 4096,
         "max_seq_len": 4096,
         "attention": {"heads": 8, "kv_heads": 2, "head_dim": 64},
-        "mamba": {"heads": 16, "head_dim": 64, "state_size": 64, "groups": 2, "conv_kernel": 4},
+        # transformers clamps dt from below at time_step_min, which exports carry as dt_min
+        # (0.001, as released configs do); training clamps at dt_limit_min (0, Megatron's).
+        # Equal clamps make both models compute the same function (docs/architecture.md,
+        # "dt clamp and init"): at 0, these random weights reach dt < 0.001 and the logits
+        # differ by ~2e-3. The clamp is one op either way, so the timing is unchanged.
+        "mamba": {
+            "heads": 16,
+            "head_dim": 64,
+            "state_size": 64,
+            "groups": 2,
+            "conv_kernel": 4,
+            "dt_limit_min": 0.001,
+        },
         "moe": {
             "num_experts": 16,
             "top_k": 4,

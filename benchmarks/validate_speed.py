@@ -1,8 +1,8 @@
 """How long ``factory validate`` takes on every preset, against ``python -c "import torch"``.
 
 Both are timed as fresh processes, interleaved, in the same run, so machine
-noise hits both alike. The goal is a ratio below 0.25: validating
-every preset must cost well under what merely importing torch costs.
+noise hits both alike. The goal is a ratio below 0.15 (issue 36; it was 0.25):
+validating every preset must cost well under what merely importing torch costs.
 """
 
 from __future__ import annotations
@@ -63,5 +63,5 @@ def main(argv: list[str]) -> int:
     what = f"{len(preset_names())} presets, {recipes} recipes"
     print(f"factory validate ({what}, one process): median {ours_s:.3f} s")
     print(f"python -c 'import torch':                 median {theirs_s:.3f} s")
-    print(f"ratio: {ours_s / theirs_s:.3f} (goal < 0.25), {args.repeats} repeats each")
+    print(f"ratio: {ours_s / theirs_s:.3f} (goal < 0.15), {args.repeats} repeats each")
     return 0

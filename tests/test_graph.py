@@ -47,6 +47,26 @@ def test_ultra_on_meta_stays_under_two_gigabytes() -> None:
     assert int(result.stdout.strip()) < 2 * 1024 * 1024  # kB
 
 
+def test_building_a_model_imports_no_compiler() -> None:
+    """Every compile builds on the meta device first; an init there that goes through torch's
+    Python decompositions (normal_ does) imports torch._dynamo with sympy and triton: 150 MiB
+    and about a second that nobody asked for (the meta build's peak RSS was 392 MiB, not 241).
+    On the CPU, to_empty's empty_like still imports sympy (torch's, not ours to change)."""
+    script = (
+        "import sys, factory\n"
+        "def loaded(): return [m for m in ('torch._dynamo', 'triton', 'sympy') if m in sys.modules]\n"
+        "factory.compile(factory.load_blueprint('nano'), device='meta')\n"
+        "print(loaded())\n"
+        "factory.compile(factory.load_blueprint('nano'), proxy=True)\n"
+        "print(loaded())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    on_meta, on_cpu = result.stdout.splitlines()[:2]
+    assert on_meta == "[]"
+    assert "_dynamo" not in on_cpu and "triton" not in on_cpu
+
+
 def test_precision_table_names_are_graph_names() -> None:
     compiled = factory.compile(factory.load_blueprint("super"), proxy=True)
     model = compiled.model

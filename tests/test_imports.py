@@ -34,11 +34,13 @@ PACKAGES = {
 HEAVY = {
     "torch", "transformers", "transformer_engine", "mamba_ssm", "triton", "matplotlib", "numpy",
     "tokenizers", "safetensors", "webdataset", "pyarrow", "datasets", "ray", "megatron",
-    "megatron_energon", "xxhash", "jsonschema", "hypothesis", "numba",
+    "megatron_energon", "xxhash", "jsonschema", "hypothesis", "numba", "omegaconf",
 } | {entry.package for entry in TRACKERS.values() if entry.package}  # fmt: skip
-"""Third-party packages worth deferring: torch and the optional extras, the experiment
-trackers' from their registry. The core dependencies (pydantic, omegaconf, PyYAML, typer,
-rich) are imported at the top: ``import factory`` and ``factory validate`` load them anyway."""
+"""Third-party packages worth deferring: torch, the optional extras, the experiment trackers'
+(from their registry), and OmegaConf, which only a blueprint that interpolates or takes
+``--set`` overrides needs (``factory/loading/compose.py``; no preset does, and importing it
+cost ``factory validate`` a sixth of its time). The other core dependencies (pydantic, PyYAML,
+typer, rich) are imported at the top: ``import factory`` and the commands load them anyway."""
 
 
 def _modules() -> dict[str, Path]:

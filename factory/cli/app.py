@@ -1,8 +1,8 @@
 """The ``factory`` command.
 
 Each subcommand lives in its own module and registers on :data:`app`
-(``factory.cli.root``); importing this module imports every command module, so
-they are all registered. Bad input never shows a traceback: it prints
+(``factory.cli.root``), which imports a command's module only when that command
+runs or ``--help`` lists it. Bad input never shows a traceback: it prints
 ``file:line: path: message`` lines and exits with status 2.
 """
 
@@ -11,20 +11,8 @@ from __future__ import annotations
 import os
 import sys
 
-import click
 import typer
 
-# Importing a command module registers its command on `app`; the order is --help's.
-from factory.cli import (  # noqa: F401
-    build_cmd,
-    data_cmd,
-    export_cmd,
-    plan_cmd,
-    report_cmd,
-    schema_cmd,
-    train_cmd,
-    validate_cmd,
-)
 from factory.cli.output import print_diagnostics
 from factory.cli.root import app
 from factory.errors import BlueprintError
@@ -38,9 +26,14 @@ EXIT_USAGE = 2
 
 
 def _click_errors() -> tuple[type[Exception], ...]:
-    """Click's exception base, and Typer's where Typer vendors its own copy of click."""
+    """Click's exception base, and Typer's where Typer vendors its own copy of click.
+
+    Click itself is looked up, not imported: recent Typer releases never load it, and an
+    error can only be click's where something did (importing it costs validate 10 ms).
+    """
+    click = sys.modules.get("click")
     vendored = getattr(getattr(typer, "exceptions", None), "TyperException", None)
-    return (click.ClickException, vendored) if vendored else (click.ClickException,)
+    return tuple(base for base in (getattr(click, "ClickException", None), vendored) if base)
 
 
 def _show_click_error(exc: Exception) -> int:

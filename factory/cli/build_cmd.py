@@ -10,12 +10,8 @@ from rich.text import Text
 
 import factory
 from factory.checks.validate import load
-from factory.cli.output import (
-    EXIT_INVALID,
-    LogFormatOption,
-    print_diagnostics,
-    progress_console,
-)
+from factory.cli.output import EXIT_INVALID, print_diagnostics
+from factory.cli.progress_output import LogFormatOption, progress_console
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.errors import BlueprintError

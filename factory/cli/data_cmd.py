@@ -13,7 +13,8 @@ from rich.table import Table
 from rich.text import Text
 
 import factory
-from factory.cli.output import EXIT_INVALID, LogFormatOption, progress_console
+from factory.cli.output import EXIT_INVALID
+from factory.cli.progress_output import LogFormatOption, progress_console
 from factory.cli.root import app
 from factory.data.build_refusals import BuildRefused, nothing_survived
 from factory.data.shards.energon_index import META_DIR, check_energon_index

@@ -2,7 +2,7 @@
 
 ``factory validate`` also speaks to CI: JSON on stdout, or GitHub Actions
 annotations on stdout (the stream the runner reads workflow commands from).
-The commands that show progress share ``--log-format`` (:data:`LogFormatOption`).
+The commands that show progress share ``--log-format`` (``factory.cli.progress_output``).
 """
 
 from __future__ import annotations
@@ -11,23 +11,18 @@ import json
 import sys
 from collections.abc import Iterable
 from enum import StrEnum
-from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from factory.diagnostic_formats import as_record, github_annotation
 from factory.errors import BlueprintError, Diagnostic
-from factory.progress import LogFormat
 
 __all__ = [
     "EXIT_INVALID",
     "DiagnosticFormat",
-    "LogFormatOption",
     "fail",
     "print_diagnostics",
     "print_json",
-    "progress_console",
 ]
 
 EXIT_INVALID = 2
@@ -39,21 +34,6 @@ class DiagnosticFormat(StrEnum):
     text = "text"
     json = "json"
     github = "github"
-
-
-LogFormatOption = Annotated[
-    LogFormat,
-    typer.Option(
-        "--log-format",
-        help="Progress as a live display (rich), as timestamped log lines (plain), or rich "
-        "in a terminal and plain elsewhere (auto).",
-    ),
-]
-
-
-def progress_console(log_format: LogFormat) -> Console:
-    """stderr, where progress goes; with ``rich`` it draws even where it is not a terminal."""
-    return Console(stderr=True, force_terminal=True if log_format is LogFormat.rich else None)
 
 
 def print_diagnostics(

@@ -26,12 +26,8 @@ from rich.console import Console
 from rich.text import Text
 
 from factory.checks.validate import load
-from factory.cli.output import (
-    EXIT_INVALID,
-    LogFormatOption,
-    print_diagnostics,
-    progress_console,
-)
+from factory.cli.output import EXIT_INVALID, print_diagnostics
+from factory.cli.progress_output import LogFormatOption, progress_console
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.data.build_refusals import BuildRefused

@@ -30,7 +30,11 @@ class SpecMismatch(RuntimeError):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, spec: ModelSpec) -> None:
         super().__init__()
-        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Given its (empty) weight, nn.Embedding skips its own N(0, 1) draw: the spec's init
+        # rule sets the values (factory.graph.init), and on the meta device, where every model
+        # is first built, torch's normal_ imports torch._dynamo, sympy and triton (~150 MiB).
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(Block(cfg, layer) for layer in spec.main_layers)
         self.norm_f = RMSNorm(cfg.hidden_size, cfg.norm_eps)
 

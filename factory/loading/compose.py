@@ -18,8 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from factory.dotted_paths import join_path
 from factory.errors import BlueprintError, Diagnostic, SourceMap
@@ -101,34 +99,6 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _apply_overrides(data: dict[str, Any], source_map: SourceMap, overrides: Sequence[str]) -> Any:
-    cfg = OmegaConf.create(data)
-    for index, item in enumerate(overrides, start=1):
-        key, sep, _ = item.partition("=")
-        if not sep or not key.strip():
-            raise BlueprintError(
-                [Diagnostic("", f"override {item!r} is not key=value", OVERRIDE_FILE, index)]
-            )
-        try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
-        except _omegaconf_errors() as exc:
-            message = f"bad override: {first_line(exc)}"
-            raise BlueprintError([Diagnostic(key, message, OVERRIDE_FILE, index)]) from None
-        # Sections the override creates are its too: a finding on them points here.
-        parts = key.strip().split(".")
-        for end in range(1, len(parts)):
-            if ".".join(parts[:end]) not in source_map:
-                source_map.record(".".join(parts[:end]), OVERRIDE_FILE, index)
-        source_map.record(key.strip(), OVERRIDE_FILE, index)
-    return cfg  # type: ignore[return-value]
-
-
-def _omegaconf_errors() -> tuple[type[BaseException], ...]:
-    # OmegaConf parses override values with PyYAML ('a==' is a YAMLError); ValueError: an
-    # integer too long to convert; RecursionError: '[[[...]]]' 3000 deep in an override.
-    return (OmegaConfBaseException, yaml.YAMLError, ValueError, RecursionError)
-
-
 def _has_interpolation(node: Any) -> bool:
     if isinstance(node, dict):
         return any(_has_interpolation(v) for v in node.values())
@@ -143,13 +113,47 @@ def compose(path: Path, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], 
     data, source_map = _load_tree(path, (path,))
     if not overrides and not _has_interpolation(data):
         return data, source_map  # nothing for OmegaConf to do
-    cfg = _apply_overrides(data, source_map, overrides)
+    return _override_and_resolve(data, source_map, overrides), source_map
+
+
+def _override_and_resolve(
+    data: dict[str, Any], source_map: SourceMap, overrides: Sequence[str]
+) -> dict[str, Any]:
+    """``overrides`` applied, then every interpolation resolved, by OmegaConf.
+
+    Imported here: no preset interpolates, and importing OmegaConf (with attrs and its ANTLR
+    parser) was a sixth of ``factory validate``'s time.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    # OmegaConf parses override values with PyYAML ('a==' is a YAMLError); ValueError: an
+    # integer too long to convert; RecursionError: '[[[...]]]' 3000 deep in an override.
+    errors = (OmegaConfBaseException, yaml.YAMLError, ValueError, RecursionError)
+    cfg = OmegaConf.create(data)
+    for index, item in enumerate(overrides, start=1):
+        key, sep, _ = item.partition("=")
+        if not sep or not key.strip():
+            raise BlueprintError(
+                [Diagnostic("", f"override {item!r} is not key=value", OVERRIDE_FILE, index)]
+            )
+        try:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        except errors as exc:
+            message = f"bad override: {first_line(exc)}"
+            raise BlueprintError([Diagnostic(key, message, OVERRIDE_FILE, index)]) from None
+        # Sections the override creates are its too: a finding on them points here.
+        parts = key.strip().split(".")
+        for end in range(1, len(parts)):
+            if ".".join(parts[:end]) not in source_map:
+                source_map.record(".".join(parts[:end]), OVERRIDE_FILE, index)
+        source_map.record(key.strip(), OVERRIDE_FILE, index)
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    except _omegaconf_errors() as exc:
+    except errors as exc:
         key = str(getattr(exc, "full_key", "") or "")
         message = first_line(exc)
         raise BlueprintError(
             [source_map.diagnostic(key, f"interpolation failed: {message}")]
         ) from None
-    return resolved, source_map  # type: ignore[return-value]
+    return resolved  # type: ignore[return-value]

@@ -167,21 +167,27 @@ class Mamba2Mixer(nn.Module):
         xbc, dt = mixer_input.split([sum(widths), n_heads], dim=-1)
         weight, bias = self._conv_rows(heads, groups)
         xs, B, C = F.silu(_causal_depthwise_conv(xbc, weight, bias, document_ids)).split(widths, -1)
-        dt = F.softplus(dt.float() + self.dt_bias[heads].float())
+        dt_bias, A_log, D = (self._head_rows(p, heads) for p in (self.dt_bias, self.A_log, self.D))
+        dt = F.softplus(dt.float() + dt_bias.float())
         upper = cfg.dt_limit_max if cfg.dt_limit_max is not None else float("inf")
         dt = dt.clamp(min=cfg.dt_limit_min, max=upper)
-        A = -torch.exp(self.A_log[heads].float())
+        A = -torch.exp(A_log.float())
         inputs = ScanInputs(
             xs.view(b, s, n_heads, cfg.head_dim),
             dt,
             A,
             B.view(b, s, n_groups, cfg.state_size),
             C.view(b, s, n_groups, cfg.state_size),
-            D=self.D[heads],
+            D=D,
             seq_idx=document_ids,
         )
         y = ssd_chunked_scan(inputs, cfg.chunk_size)
         return y.reshape(b, s, n_heads * cfg.head_dim)
+
+    def _head_rows(self, parameter: torch.Tensor, heads: slice) -> torch.Tensor:
+        """``parameter`` [heads]'s entries of ``heads``: the parameter itself for all of them
+        (a slice would add a zero-filled gradient and a copy to every backward)."""
+        return parameter if heads == slice(0, self.heads) else parameter[heads]
 
     def _conv_rows(self, heads: slice, groups: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The conv's weight and bias rows of ``heads``' x channels and ``groups``' B and C."""
