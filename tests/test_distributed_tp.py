@@ -46,7 +46,8 @@ FULL = {"pattern": "M*-ME", "mlp": {"intermediate_size": 64}, "tie_embeddings": 
 
 def _build(model: dict[str, Any], seed: int = 0) -> HybridLM:
     """``factory.compile(bp, precision="off", seed=seed)``'s model, built on the CPU: compile
-    builds on the meta device, whose first init imports torch._dynamo (5 s per process)."""
+    builds on the meta device and then moves it, whose ``to_empty`` imports sympy in each
+    spawned process."""
     cfg = tiny_blueprint(model=model).model
     net = HybridLM(cfg)
     initialize(net, model_spec(cfg), seed)
