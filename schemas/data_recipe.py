@@ -114,10 +114,14 @@ class ReasoningConfig(Section):
     """Fraction of samples with reasoning removed (reasoning off); disjoint from truncate_fraction,
     so strip_fraction + truncate_fraction is at most 1."""
     truncate_fraction: Fraction = 0.0
-    """Fraction of samples whose reasoning is cut to a random budget (answer kept, </think> not
-    trained)."""
+    """Fraction of samples whose reasoning is cut to a random budget (answer kept; ``</think>``
+    as ``truncated_close`` says)."""
     truncate_max_chars: Annotated[int, Field(ge=1, le=10**7)] = 512
     """Largest kept reasoning prefix, in characters, for truncated samples (1..1e7)."""
+    truncated_close: Literal["mask", "train"] = "mask"
+    """After a truncated trace, ``</think>`` is in context and: mask, not trained (the model must
+    not learn to stop thinking there; Nemotron 3 Ultra's change); train, trained like the rest of
+    the trace (Nemotron 3 Nano and Super)."""
 
     @model_validator(mode="after")
     def _disjoint_shares(self) -> ReasoningConfig:

@@ -36,7 +36,8 @@ Reasoning handling follows the open Nemotron SFT recipe (docs/data.md,
 Reasoning): history reasoning is dropped, conversations with reasoning can be split
 into one document per user turn, and a few percent of documents get their
 reasoning stripped ("reasoning off") or truncated to a random budget with the
-answer kept and ``</think>`` masked (budget control, as in Ultra). Every random
+answer kept and ``</think>`` masked (budget control, as in Ultra) or trained
+(as in Nano and Super; ``truncated_close``). Every random
 choice is a hash of ``(seed, rng_key)``, so the same record gets the same
 treatment however many workers run and in whatever order.
 """
@@ -337,7 +338,8 @@ def _render(
             add((EMPTY_THINK, think_trains))
         elif budget is not None and len(reasoning) > budget:
             add((f"{THINK_OPEN}{reasoning[:budget]}\n", think_trains))
-            add((THINK_CLOSE, False))  # the model must not learn to stop here
+            # masked, the model does not learn to stop thinking where the budget cut the trace
+            add((THINK_CLOSE, think_trains and policy.truncated_close == "train"))
             add(("\n", think_trains))
         else:
             add((f"{THINK_OPEN}{reasoning}\n{THINK_CLOSE}\n", think_trains))
