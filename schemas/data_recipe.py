@@ -364,3 +364,12 @@ class DataRecipe(Section):
         if duplicates:
             raise ValueError(f"source names must be unique: {', '.join(duplicates)}")
         return self
+
+    @model_validator(mode="after")
+    def _pool_has_weighted_sources(self) -> DataRecipe:
+        if self.total_tokens is not None and all(s.weight is None for s in self.sources):
+            raise ValueError(
+                "total_tokens is shared by the weighted sources and no source has a weight: "
+                "drop it (each source's tokens or epochs set its target alone)"
+            )
+        return self

@@ -85,6 +85,18 @@ def test_epochs_set_the_target_from_the_source_alone() -> None:
     assert plans["half"].ratio == 0.5
 
 
+def test_epochs_sources_stay_outside_the_weighted_pool() -> None:
+    recipe = _recipe({"web": {"weight": 3}, "code": {"weight": 1}, "chat": {"epochs": 2}}, 8_000)
+    plans = plan_mixture(recipe, {"web": 1_000, "code": 1_000, "chat": 500})
+    assert [plans[n].target_tokens for n in ("web", "code", "chat")] == [6_000, 2_000, 1_000]
+
+
+def test_total_tokens_without_a_weighted_source_is_refused(tmp_path: Path) -> None:
+    errors = _errors(tmp_path, HEAD + "    epochs: 2\n" + CHAT + "total_tokens: 1M\n")
+    assert len(errors) == 1, errors
+    assert "total_tokens is shared by the weighted sources and no source has a weight" in errors[0]
+
+
 def test_repeat_counts_for_one_three_and_half_an_epoch() -> None:
     keys = [f"doc-{i}" for i in range(4_000)]
     assert {repeats(1.0, 7, key) for key in keys} == {1}
