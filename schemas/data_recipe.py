@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from factory.schemas.base import Section, Seed, SeqLen, TokenCount
 
@@ -345,12 +345,12 @@ class DataRecipe(Section):
     seed: Seed = 0
     """Drives mixing and the reasoning augmentations; shards are a function of recipe and seed
     (0..2^63-1)."""
+    sources: list[SourceConfig] = Field(min_length=1, max_length=10_000)
+    """The inputs (at most 10,000)."""
     total_tokens: TokenCount | None = None
     """Tokens of the weighted part of the mixture (up to 1e16); null: as many as the weighted
     sources hold after curation (each source then up- or down-sampled to its weight's share).
     Sources with ``tokens`` or ``epochs`` are outside this pool."""
-    sources: list[SourceConfig] = Field(min_length=1, max_length=10_000)
-    """The inputs (at most 10,000)."""
     dedup: DedupConfig = DedupConfig()
     decontam: DecontamConfig = DecontamConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
@@ -365,11 +365,14 @@ class DataRecipe(Section):
             raise ValueError(f"source names must be unique: {', '.join(duplicates)}")
         return self
 
-    @model_validator(mode="after")
-    def _pool_has_weighted_sources(self) -> DataRecipe:
-        if self.total_tokens is not None and all(s.weight is None for s in self.sources):
+    @field_validator("total_tokens")
+    @classmethod
+    def _pool_has_weighted_sources(cls, total: int | None, info: ValidationInfo) -> int | None:
+        # declared after sources, so a valid sources list is in info.data
+        sources = info.data.get("sources")
+        if total is not None and sources and all(s.weight is None for s in sources):
             raise ValueError(
-                "total_tokens is shared by the weighted sources and no source has a weight: "
-                "drop it (each source's tokens or epochs set its target alone)"
+                "the weighted sources share total_tokens and no source has a weight: drop it "
+                "(each source's tokens or epochs set its target alone)"
             )
-        return self
+        return total

@@ -94,7 +94,7 @@ def test_epochs_sources_stay_outside_the_weighted_pool() -> None:
 def test_total_tokens_without_a_weighted_source_is_refused(tmp_path: Path) -> None:
     errors = _errors(tmp_path, HEAD + "    epochs: 2\n" + CHAT + "total_tokens: 1M\n")
     assert len(errors) == 1, errors
-    assert "total_tokens is shared by the weighted sources and no source has a weight" in errors[0]
+    assert errors[0].startswith(f"{tmp_path}/r.yaml:8: total_tokens: the weighted sources share ")
 
 
 def test_repeat_counts_for_one_three_and_half_an_epoch() -> None:
