@@ -71,7 +71,18 @@ def _tasks(loaded: LoadedRecipe, work: Path) -> list[UnitTask]:
     for s_index, source in enumerate(recipe.sources):
         for f_index, path in enumerate(expand_source_paths(loaded.resolve(source.path))):
             output = work / "units" / source.name / f"{f_index:05d}.bin"
-            tasks.append(UnitTask(recipe, s_index, f_index, path, output, tokenizer, benchmarks))
+            tasks.append(
+                UnitTask(
+                    recipe,
+                    s_index,
+                    f_index,
+                    path,
+                    output,
+                    tokenizer,
+                    benchmarks,
+                    loaded.chat_template,
+                )
+            )
     return tasks
 
 
