@@ -307,3 +307,21 @@ def test_a_build_with_the_chatml_template_equals_the_builtin_whatever_the_worker
     assert any(name.endswith(".tar") for name in shards)
     assert _published(tmp_path / "one") == shards
     assert _published(tmp_path / "two") == shards
+
+
+def test_a_record_the_template_cannot_mask_stops_the_build_naming_it(tmp_path: Path, cli) -> None:
+    """Validate's small conversations pass (they carry no tool_call_id); the first sample
+    record whose tool result is followed by an answer does not."""
+    text = (
+        "{% for m in messages %}[{{ m.role }}]"
+        "{% if m.tool_call_id is defined and loop.last %}X{% endif %}{{ m.content }}"
+        "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+    )
+    recipe = _recipe(tmp_path, f"tokenizer: {{chat_template: {json.dumps(text)}}}\n")
+    load_recipe(recipe)
+    status, _, err = cli("data", "build", str(recipe), "--out", str(tmp_path / "out"))
+    assert status == 2
+    assert f"factory: {recipe}: record chat:0:" in err
+    assert "(source chat): chat template tokenizer.chat_template: rendering messages[:" in err
+    assert "is not a prefix of rendering" in err
+    assert not (tmp_path / "out" / "manifest.json").exists()

@@ -66,7 +66,7 @@ def _chat_template(loaded: LoadedRecipe) -> tuple[ChatTemplate | None, list[Diag
     config, source_map = loaded.recipe.tokenizer, loaded.source_map
     if config.chat_template is not None:
         where = "tokenizer.chat_template"
-        template = ChatTemplate(config.chat_template, f"{where} of {loaded.source}")
+        template = ChatTemplate(config.chat_template, where)
     elif config.chat_template_file is not None:
         where = "tokenizer.chat_template_file"
         path = loaded.resolve(config.chat_template_file)
