@@ -166,6 +166,14 @@ def test_truncated_budget_masks_the_templates_close_tag() -> None:
     masked = format_chat(record, ReasoningConfig(trace="mask"), "k", 0, template)
     assert isinstance(masked, list) and _trained(masked[0]) == ["Four.[end]"]
 
+    # A trace closed by another tag cannot be masked: refused, not trained unmasked.
+    other = ChatTemplate(text.replace("</think>", "</reasoning>"), "other.jinja")
+    with pytest.raises(ChatTemplateError, match="renders message 1's reasoning without it"):
+        format_chat(record, policy, "k", 0, other)
+    # Under a policy that masks nothing of the trace, the tag does not matter.
+    (full,) = format_chat(record, ReasoningConfig(), "k", 0, other)
+    assert _trained(full) == ["<think>" + "x" * 100 + "</reasoning>\nFour.[end]"]
+
 
 def test_a_template_that_rewrites_history_is_refused_naming_the_record() -> None:
     """Reasoning shown on the last assistant turn only (Qwen3's rule, by position): rendering

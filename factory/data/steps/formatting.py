@@ -453,6 +453,13 @@ def _render_template(
         end = start + len(text[start:end].rstrip())
         hidden = start, start  # the part of the span that does not train
         close = text.find(THINK_CLOSE, start, end)
+        needs_close = policy.trace == "mask" or truncated[index]
+        if needs_close and close < 0 and shown[index] and shown[index] in text[start:end]:
+            # The trace is rendered, but not closed where this policy can find it.
+            raise ChatTemplateError(
+                f"the reasoning policy (trace {policy.trace!r}, truncation) masks through "
+                f"{THINK_CLOSE}, but the template renders message {index}'s reasoning without it"
+            )
         if close >= 0 and policy.trace == "mask":
             stop = close + len(THINK_CLOSE)
             hidden = start, stop + 1 if text.startswith("\n", stop) and stop < end else stop
