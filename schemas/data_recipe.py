@@ -316,10 +316,32 @@ class DecontamConfig(Section):
 
 
 class TokenizerConfig(Section):
+    """The tokenizer, and the chat template that renders conversations for it.
+
+    The template sits here, beside the tokenizer, as Hugging Face keeps it in
+    ``tokenizer_config.json``: it names the tokenizer's special tokens, and one
+    model reads every conversation of its recipe one way (a template per
+    source would train it on several formats).
+    """
+
     path: str | None = None
     """A tokenizer.json; null uses the tokenizer shipped in data_recipes/tokenizer/."""
     eos: bool = True
     """Append the end-of-text token to every document."""
+    chat_template: str | None = Field(default=None, max_length=1_000_000)
+    """Jinja text that renders the chat sources' turns, as a tokenizer's chat_template
+    (docs/data.md, Chat templates); the loss mask follows the roles. Null, with no
+    chat_template_file: factory's built-in ChatML-like format."""
+    chat_template_file: str | None = None
+    """The template from a file, relative to the recipe: a .jinja file, or a
+    tokenizer_config.json whose chat_template (and special tokens) are taken.
+    data_recipes/templates/chatml.jinja is the built-in format."""
+
+    @model_validator(mode="after")
+    def _one_template(self) -> TokenizerConfig:
+        if self.chat_template is not None and self.chat_template_file is not None:
+            raise ValueError("give at most one of chat_template and chat_template_file")
+        return self
 
 
 class PackingConfig(Section):
