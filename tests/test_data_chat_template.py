@@ -48,6 +48,7 @@ POLICIES = (
     ReasoningConfig(strip_fraction=0.3, truncate_fraction=0.3, truncate_max_chars=40),
     ReasoningConfig(trace="mask", drop_previous_turns=False, truncate_fraction=0.5),
     ReasoningConfig(split_turns=True, truncate_fraction=0.4),
+    ReasoningConfig(strip_fraction=0.1, truncate_fraction=0.5, truncated_close="train"),
 )
 
 LLAMA3 = (
@@ -163,6 +164,13 @@ def test_truncated_budget_masks_the_templates_close_tag() -> None:
     assert _trained(doc) == ["<think>" + "x" * budget, "\nFour.[end]"]
     assert "</think>" in doc.text
 
+    # Nano's and Super's policy: </think> trains after a truncated trace too.
+    trains_close = ReasoningConfig(
+        truncate_fraction=1.0, truncate_max_chars=10, truncated_close="train"
+    )
+    (closed,) = format_chat(record, trains_close, "k", 0, template)
+    assert _trained(closed) == ["<think>" + "x" * budget + "</think>\nFour.[end]"]
+
     masked = format_chat(record, ReasoningConfig(trace="mask"), "k", 0, template)
     assert isinstance(masked, list) and _trained(masked[0]) == ["Four.[end]"]
 
@@ -173,6 +181,8 @@ def test_truncated_budget_masks_the_templates_close_tag() -> None:
     # Under a policy that masks nothing of the trace, the tag does not matter.
     (full,) = format_chat(record, ReasoningConfig(), "k", 0, other)
     assert _trained(full) == ["<think>" + "x" * 100 + "</reasoning>\nFour.[end]"]
+    (cut,) = format_chat(record, trains_close, "k", 0, other)
+    assert _trained(cut) == ["<think>" + "x" * budget + "</reasoning>\nFour.[end]"]
 
 
 def test_a_template_that_rewrites_history_is_refused_naming_the_record() -> None:

@@ -47,7 +47,8 @@ Reasoning handling follows the open Nemotron SFT recipe (docs/data.md,
 Reasoning): history reasoning is dropped, conversations with reasoning can be split
 into one document per user turn, and a few percent of documents get their
 reasoning stripped ("reasoning off") or truncated to a random budget with the
-answer kept and ``</think>`` masked (budget control, as in Ultra). Every random
+answer kept and ``</think>`` masked (budget control, as in Ultra) or trained
+(as in Nano and Super; ``truncated_close``). Every random
 choice is a hash of ``(seed, rng_key)``, so the same record gets the same
 treatment however many workers run and in whatever order.
 """
@@ -409,7 +410,8 @@ def _render(
             add((EMPTY_THINK, think_trains))
         elif budget is not None and len(reasoning[i]) > budget:
             add((f"{THINK_OPEN}{reasoning[i][:budget]}\n", think_trains))
-            add((THINK_CLOSE, False))  # the model must not learn to stop here
+            # masked, the model does not learn to stop thinking where the budget cut the trace
+            add((THINK_CLOSE, think_trains and policy.truncated_close == "train"))
             add(("\n", think_trains))
         else:
             add((f"{THINK_OPEN}{reasoning[i]}\n{THINK_CLOSE}\n", think_trains))
@@ -453,7 +455,8 @@ def _render_template(
         end = start + len(text[start:end].rstrip())
         hidden = start, start  # the part of the span that does not train
         close = text.find(THINK_CLOSE, start, end)
-        needs_close = policy.trace == "mask" or truncated[index]
+        masks_close = truncated[index] and policy.truncated_close == "mask"
+        needs_close = policy.trace == "mask" or masks_close
         if needs_close and close < 0 and shown[index] and shown[index] in text[start:end]:
             # The trace is rendered, but not closed where this policy can find it.
             raise ChatTemplateError(
@@ -463,7 +466,7 @@ def _render_template(
         if close >= 0 and policy.trace == "mask":
             stop = close + len(THINK_CLOSE)
             hidden = start, stop + 1 if text.startswith("\n", stop) and stop < end else stop
-        elif close >= 0 and truncated[index]:
+        elif close >= 0 and masks_close:
             hidden = close, close + len(THINK_CLOSE)
         pieces += [
             (text[done:start], False),
