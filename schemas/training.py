@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from factory.schemas.base import Section, Seed, StepCount, TokenCount
 from factory.schemas.cluster import ClusterConfig
@@ -108,16 +108,18 @@ class ObjectiveConfig(Section):
     as two. Both hold over micro-batches, data-parallel replicas and context-parallel
     ranks, and for each MTP depth over its own targets."""
 
-    @model_validator(mode="after")
-    def _conversation_needs_sft(self) -> ObjectiveConfig:
-        if self.kind == "pretrain" and self.loss_average == "conversation":
+    @field_validator("loss_average")
+    @classmethod
+    def _conversation_needs_sft(cls, average: LossAverage, info: ValidationInfo) -> LossAverage:
+        # Checked on loss_average (kind is validated first), so the error names this field.
+        if average == "conversation" and info.data.get("kind") == "pretrain":
             raise ValueError(
                 "loss_average 'conversation' needs kind 'sft': a pretraining sequence packs "
                 "documents cut at arbitrary points, not conversations, and averaging per "
                 "document would weigh a short fragment's tokens above a long document's "
                 "(Nemotron uses the per-conversation average only in SFT)"
             )
-        return self
+        return average
 
 
 class ScheduleConfig(Section):

@@ -1,4 +1,4 @@
-"""Rules on the ``data`` section: the recipe it names must exist."""
+"""Rules on the ``data`` section: the recipe it names must exist, and suit the objective."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from factory.checks.registry import Finding, rule
-from factory.errors import did_you_mean
+from factory.errors import BlueprintError, did_you_mean
+from factory.loading.recipe import read_recipe, resolve_recipe
 from factory.loading.shipped import shipped_names
 from factory.schemas.blueprint import Blueprint
 
@@ -26,4 +27,24 @@ def recipe_exists(bp: Blueprint) -> Iterator[Finding]:
             "data.recipe",
             f"no shipped recipe named {name!r}{did_you_mean(name, shipped)}; "
             f"recipes: {', '.join(shipped)}",
+        )
+
+
+@rule("data.sft_loss_masks")
+def sft_loss_masks(bp: Blueprint) -> Iterator[Finding]:
+    """An sft objective trains on assistant turns: every source of its recipe masks prompts."""
+    if bp.training.objective.kind != "sft":
+        return
+    try:
+        recipe, _ = read_recipe(resolve_recipe(bp.data.recipe))
+    except (BlueprintError, OSError):
+        return  # a missing recipe is data.recipe_exists's; a broken one fails its own load
+    unmasked = [src for src in recipe.sources if not src.steps[0].masks_prompts]
+    if unmasked:
+        named = ", ".join(f"{src.name} ({src.steps[0].kind})" for src in unmasked)
+        yield Finding(
+            "training.objective.kind",
+            f"an sft objective trains only on the tokens a loss mask marks, but recipe "
+            f"{recipe.name!r} has sources whose format step trains on every token: {named}; "
+            "format them as chat, or give them to a pretraining stage",
         )

@@ -88,11 +88,11 @@ def target_weights(
 def micro_batch_share(
     loss_mask: torch.Tensor, document_ids: torch.Tensor | None, average: LossAverage = "token"
 ) -> int:
-    """What one micro-batch adds to its step's loss denominator: its main-head targets
-    (``token``) or its documents with targets (``conversation``). A step weights each
-    micro-batch's loss by its share over the step's sum (``factory.runtime.step``)."""
-    if average == "token":
-        return int(loss_mask[:, 1:].sum())
+    """What one micro-batch adds to its step's loss denominator: the main head's
+    denominator, its kept targets (``token``) or its documents with kept targets
+    (``conversation``). A step weights each micro-batch's loss by its share over the step's
+    sum (``factory.runtime.step``). A target across a document boundary is not kept, so it
+    has no share (a packed document's first token, marked in its own mask, is one)."""
     return int(target_weights(loss_mask.bool(), document_ids, 1, average)[1])
 
 
