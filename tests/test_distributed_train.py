@@ -207,7 +207,9 @@ def test_the_per_conversation_average_trains_as_one_process_does(
         json.loads((run / "train.json").read_text())["records"][0]["lm_loss"]
         for run in (reference, reference_per_conversation)
     )
-    assert per_conversation != pytest.approx(token, rel=1e-4)
+    # Near the uniform loss at initialisation the averages differ by ~3e-5: twice the
+    # tolerance the comparison above holds the runs to, so it tells the two apart.
+    assert per_conversation != pytest.approx(token, rel=2 * LOSS_RTOL)
 
 
 @pytest.mark.parametrize(
