@@ -142,17 +142,26 @@ def test_one_micro_batch_every_depth_is_the_direct_average(
 def test_two_micro_batches_give_the_step_average_and_its_gradients(
     data: st.DataObject, average: str
 ) -> None:
-    """Over grad accumulation the step's loss and gradients are the direct average's over
-    both micro-batches' targets (documents for the conversation average)."""
+    """Over grad accumulation the main head's loss, and the gradients, are the direct
+    average's over both micro-batches' targets (documents for the conversation average).
+    Each MTP depth averages its own targets within a micro-batch and enters with the
+    micro-batch's share of the main head's denominator."""
     micro = data.draw(micro_batches(2))
-    model = TableModel(micro[0].input_ids.shape[1], depths=0, seed=1)
-    outcome = forward_backward(model, micro, 0.0, loss_average=average)
+    model = TableModel(micro[0].input_ids.shape[1], depths=2, seed=1)
+    outcome = forward_backward(model, micro, MTP_SCALE, loss_average=average)
     got = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
-    expected = _direct(model, micro, 1, average)
+    lm = _direct(model, micro, 1, average)
+    shares = [micro_batch_share(b.loss_mask, b.document_ids, average) for b in micro]
+    weights = [share / max(1, sum(shares)) for share in shares]
+    depths = [
+        sum(w * _direct(model, [b], shift, average) for w, b in zip(weights, micro, strict=True))
+        for shift in (2, 3)
+    ]
+    expected = lm + MTP_SCALE * torch.stack([torch.as_tensor(d) for d in depths]).mean()
     if expected.requires_grad:
         expected.backward()
-    assert outcome.lm_loss == pytest.approx(expected.item(), abs=1e-5)
+    assert outcome.lm_loss == pytest.approx(lm.item(), abs=1e-5)
     assert outcome.loss == pytest.approx(expected.item(), abs=1e-5)
     for name, param in model.named_parameters():
         want = param.grad if param.grad is not None else torch.zeros_like(param)
