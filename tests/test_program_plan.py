@@ -145,3 +145,50 @@ assert not heavy, heavy
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def _built(folder: Path, samples: int, seq_len: int) -> None:
+    """A data build's manifest as far as the plan reads it (``packing``, as
+    ``factory.data.build_manifest`` writes it)."""
+    folder.mkdir(parents=True)
+    packing = {"samples": samples, "tokens": samples * seq_len * 9 // 10, "seq_len": seq_len}
+    (folder / "manifest.json").write_text(json.dumps({"packing": packing}))
+
+
+def test_each_stage_says_its_epochs_over_its_built_data(cli, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    _built(data / "phase1", 480, 1024)  # 60 steps x 16 sequences: 2 epochs
+    _built(data / "phase2", 1280, 1024)  # 40 x 16: half an epoch
+    _built(data / "sft", 60, 4096)  # 30 x 8 = 240 samples, but packed at another length
+    path = str(write(tmp_path, program_document()))
+    status, out, err = cli("plan", path, "--data", str(data), "--json")
+    assert status == 0, err
+    curated = [stage["curated"] for stage in json.loads(out)["stages"]]
+    assert [c["epochs"] for c in curated] == [2.0, 0.5, 4.0]
+    assert curated[0] == {"samples": 480, "tokens": 442368, "seq_len": 1024, "epochs": 2.0}
+    status, out, err = cli("plan", path, "--data", str(data))
+    assert status == 0, err
+    text = " ".join(out.split())
+    assert "stage 'phase1': 2 epochs over its curated data (480 samples of 1,024 tokens" in text
+    assert "packed at 4,096, but it trains at 2,048: rebuild it" in text
+
+
+def test_a_stage_without_built_data_is_named(cli, tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    _built(data / "phase1", 480, 1024)
+    path = str(write(tmp_path, program_document()))
+    status, out, err = cli("plan", path, "--data", str(data))
+    assert status == 2 and out == ""
+    assert f"--data: {data / 'phase2'}: no such folder" in err
+
+
+def test_a_blueprint_without_stages_reads_its_data_folder_itself(cli, tmp_path: Path) -> None:
+    _built(tmp_path / "data", 400, 1024)  # 100 steps x 16 sequences: 4 epochs
+    path = str(write(tmp_path, program_document(None)))
+    status, out, err = cli("plan", path, "--data", str(tmp_path / "data"), "--json")
+    assert status == 0, err
+    doc = json.loads(out)
+    assert doc["curated"]["epochs"] == 4.0
+    assert {k: v for k, v in doc.items() if k != "curated"} == plan(
+        Blueprint.model_validate(program_document(None))
+    ).to_dict()

@@ -4,9 +4,10 @@ and of each stage of a program with the program's totals."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 import yaml
@@ -18,15 +19,16 @@ from factory.checks.validate import LoadedBlueprint, load
 from factory.cli.output import EXIT_INVALID, print_diagnostics
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
+from factory.data.shards.manifest import ManifestError
 from factory.errors import did_you_mean
 from factory.io import atomic_write_text
 from factory.layout_search import search_layouts
-from factory.planner.plan import plan as make_plan
-from factory.planner.program_plan import plan_program
+from factory.planner.program_plan import plan_program, plan_stage
 from factory.precision.policy import flops_share, resolve_policy
 from factory.proxy import derive_proxy
 from factory.report.plan_text import (
     cost_summary,
+    curated_line,
     program_summary,
     program_table,
     rich_tables,
@@ -68,6 +70,14 @@ def plan(
         Path | None,
         typer.Option("--out", help="With --search: write the fastest layout's blueprint here."),
     ] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            "--data",
+            help="Built data (factory train --data's folder, or a run's data/; a program's "
+            "stages under <stage>/): each stage's epochs over it.",
+        ),
+    ] = None,
     stage: Annotated[
         str | None,
         typer.Option(
@@ -94,8 +104,10 @@ def plan(
             f"{what} works on one stage of a program; name it with --stage "
             f"({', '.join(program.names)})"
         )
+    shrink = derive_proxy if proxy else None
     if stage is None and program.declared:
-        _print_program(loaded, program, proxy, as_json)
+        planned = _reading_data(lambda: plan_program(program, shrink, data).to_dict())
+        _print_program(loaded, planned, proxy, as_json)
         return
     chosen = _stage(program, stage) if stage is not None else program.final
     blueprint = chosen.blueprint
@@ -108,7 +120,7 @@ def plan(
         where = chosen if program.declared else None
         _search(blueprint, where, search, gpus, gpu.value if gpu else None, out, as_json)
         return
-    result = make_plan(blueprint).to_dict()
+    result = _reading_data(lambda: plan_stage(chosen, shrink, data).alone_dict())
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return
@@ -118,6 +130,10 @@ def plan(
     for table in rich_tables(result, cpu_proxy=proxy):
         console.print(table)
     console.print(cost_summary(result, cpu_proxy=proxy), highlight=False)
+    if "curated" in result:
+        console.print(
+            curated_line(result["curated"], chosen.blueprint.data.seq_len), highlight=False
+        )
 
 
 def _stage(program: Program, name: str) -> ProgramStage:
@@ -132,10 +148,20 @@ def _stage(program: Program, name: str) -> ProgramStage:
     raise typer.Exit(EXIT_INVALID)
 
 
-def _print_program(loaded: LoadedBlueprint, program: Program, proxy: bool, as_json: bool) -> None:
+def _reading_data(make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A plan document; exit 2 where ``--data`` lacks a stage's manifest."""
+    try:
+        return make()
+    except ManifestError as exc:
+        typer.echo(f"factory: --data: {exc}", err=True)
+        raise typer.Exit(EXIT_INVALID) from None
+
+
+def _print_program(
+    loaded: LoadedBlueprint, planned: dict[str, Any], proxy: bool, as_json: bool
+) -> None:
     """Each stage planned alone and the program's totals; the shared model's parameters once
     (FLOPs per token depend on each stage's sequence length: ``--stage NAME`` shows them)."""
-    planned = plan_program(program, derive_proxy if proxy else None).to_dict()
     if as_json:
         typer.echo(json.dumps(planned, indent=2))
         return
@@ -146,6 +172,10 @@ def _print_program(loaded: LoadedBlueprint, program: Program, proxy: bool, as_js
     console.print(parameters)
     console.print(program_table(planned, cpu_proxy=proxy))
     console.print(program_summary(planned, cpu_proxy=proxy), highlight=False)
+    for stage in planned["stages"]:
+        if "curated" in stage:
+            line = curated_line(stage["curated"], stage["seq_len"], stage["name"])
+            console.print(line, highlight=False)
     console.print("each stage's whole plan: factory plan BLUEPRINT --stage NAME", highlight=False)
 
 

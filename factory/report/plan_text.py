@@ -23,7 +23,8 @@ from factory.report.units import (
 )
 
 __all__ = [
-    "PROGRAM_COLUMNS", "PlanTable", "cost_summary", "cost_tables", "flatten", "markdown_report",
+    "PROGRAM_COLUMNS", "PlanTable", "cost_summary", "cost_tables", "curated_line", "flatten",
+    "markdown_report",
     "model_tables", "performance_tables", "plan_tables", "program_rows", "program_summary",
     "program_table", "rich_tables",
 ]  # fmt: skip
@@ -447,3 +448,16 @@ def program_summary(program: dict[str, Any], cpu_proxy: bool = False) -> str:
         f"wall-clock, {human_energy(totals['energy_mwh'])} at TDP (GPU boards only); "
         f"{format_number(totals['expected_interruptions'])} interruptions expected"
     )
+
+
+def curated_line(curated: dict[str, Any], seq_len: int, stage: str | None = None) -> str:
+    """What a stage's steps make of its built data (``StagePlan.curated_dict()``), in epochs."""
+    who = f"stage {stage!r}" if stage else "the run"
+    line = (
+        f"{who}: {format_number(curated['epochs'])} epochs over its curated data "
+        f"({curated['samples']:,} samples of {curated['seq_len']:,} tokens, "
+        f"{human_count(curated['tokens'])} real tokens)"
+    )
+    if curated["seq_len"] != seq_len:
+        line += f"; packed at {curated['seq_len']:,}, but it trains at {seq_len:,}: rebuild it"
+    return line
