@@ -16,11 +16,13 @@ import yaml
 from blueprint_factory import assert_fires, findings, make
 from test_program import THREE_STAGES, line_of, program_document, write
 
+from factory.checks import PROGRAM_RULES
 from factory.checks.data_rules import stated_tokens
 from factory.checks.validate import load
 from factory.errors import BlueprintError
 from factory.loading.recipe import DEFAULT_TOKENIZER, tokenizer_vocab_size
 from factory.schemas.data_recipe import DataRecipe
+from factory.schemas.program import resolve_program
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -167,16 +169,22 @@ def test_the_tokens_a_recipe_states() -> None:
     assert stated_tokens(recipe(None, {"weight": 1}, {"tokens": 500})) is None  # after curation
 
 
+def _epochs(bp: Any) -> list[tuple[int, Any]]:
+    return list(PROGRAM_RULES["data.recipe_epochs"].check(resolve_program(bp)))
+
+
 def test_training_past_the_recipe_tokens_warns_with_the_epochs(tmp_path: Path) -> None:
     recipe = _recipe(tmp_path, total_tokens=1_000_000)
-    bp = make(**{"data.recipe": str(recipe)})  # 100 steps of 16 x 1024 tokens
-    assert_fires(
-        "data.recipe_epochs", bp, "data.recipe", "1.64 epochs", "1,638,400", "1,000,000",
-        severity="warning",
-    )  # fmt: skip
+    (found,) = _epochs(make(**{"data.recipe": str(recipe)}))  # 100 steps of 16 x 1024 tokens
+    index, finding = found
+    assert index == 0 and finding.path == "data.recipe" and finding.severity == "warning"
+    assert finding.message.startswith("1.64 epochs over the curated mixture: 100 steps of 16,384")
+    assert (
+        "1,638,400 tokens from it and recipe" in finding.message and "1,000,000" in finding.message
+    )
     enough = make(**{"data.recipe": str(_recipe(tmp_path, "big", total_tokens=2_000_000))})
-    assert findings("data.recipe_epochs", enough) == []
-    assert findings("data.recipe_epochs", make()) == []  # the shipped recipe states no total
+    assert _epochs(enough) == []
+    assert _epochs(make()) == []  # the shipped recipe states no total
 
 
 def test_a_stage_repeating_its_data_warns_at_the_stage(tmp_path: Path) -> None:
@@ -186,6 +194,20 @@ def test_a_stage_repeating_its_data_warns_at_the_stage(tmp_path: Path) -> None:
     (warning,) = _warnings(path, "data.recipe_epochs")
     # 30 steps of 8 sequences of 2048 tokens
     assert "stages[2].data.recipe: warning: stage 'sft': 4.92 epochs over the curated" in warning
+
+
+def test_a_stage_reading_on_counts_what_the_stage_before_read(tmp_path: Path) -> None:
+    """Phase 2 carries phase 1's data position: 60 + 40 steps of 16 x 1024 tokens together
+    read 1,638,400 tokens of a 1,000,000-token mixture; phase 1 alone reads 983,040."""
+    stages = copy.deepcopy(THREE_STAGES)
+    recipe = str(_recipe(tmp_path, total_tokens=1_000_000))
+    stages[0]["data"] = {"recipe": recipe}
+    del stages[1]["data"]
+    stages[1]["carry"] = {"data_position": True}
+    path = write(tmp_path, program_document(stages))
+    (warning,) = _warnings(path, "data.recipe_epochs")
+    assert "stage 'phase2': 1.64 epochs over the curated mixture: 40 steps of 16,384" in warning
+    assert "after 983,040 read by the stages before read 1,638,400 tokens" in warning
 
 
 # -- a long sequence without context parallelism ---------------------------------------------

@@ -1,5 +1,6 @@
 """Rules on the ``data`` section and the recipe it names: the recipe exists and type-checks,
-its tokenizer's ids fit the model's embedding, and what the stage trains on it in epochs.
+and its tokenizer's ids fit the model's embedding (what a stage trains on it in epochs is a
+program rule, ``program_rules``: a stage may read on where the one before stopped).
 
 The recipe is read once per file version (``recipe_of``), the tokenizer's size from its
 ``tokenizer.json`` as JSON (``factory.loading.recipe``): validate imports neither
@@ -122,23 +123,3 @@ def stated_tokens(recipe: DataRecipe) -> int | None:
     if weighted and recipe.total_tokens is not None:
         budgets += recipe.total_tokens
     return budgets
-
-
-@rule("data.recipe_epochs")
-def recipe_epochs(bp: Blueprint) -> Iterator[Finding]:
-    """A stage training on more tokens than its recipe's mixture holds repeats it: say how
-    often."""
-    read = recipe_of(bp)
-    if read is None or read.recipe is None:
-        return
-    holds = stated_tokens(read.recipe)
-    trained = bp.training_steps * bp.tokens_per_step
-    if holds and trained > holds:
-        yield Finding(
-            "data.recipe",
-            f"{trained / holds:.2f} epochs over the curated mixture: the run trains "
-            f"{trained:,} tokens ({bp.training_steps:,} steps of {bp.tokens_per_step:,}) and "
-            f"recipe {bp.data.recipe!r} states {holds:,} (total_tokens and the sources' "
-            "tokens); more data, or fewer steps, if repeating it is not the intent",
-            "warning",
-        )

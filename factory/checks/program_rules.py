@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from factory.checks.data_rules import recipe_of
+from factory.checks.data_rules import recipe_of, stated_tokens
 from factory.checks.registry import Finding, StageFinding, program_rule
 from factory.schemas.program import Program
 
@@ -39,6 +39,35 @@ def recipe_packs_to_the_stage(program: Program) -> Iterator[StageFinding]:
                 f"tokens ({file}:{line}: packing.seq_len) but this stage trains at "
                 f"data.seq_len {seq_len:,}: the build packs the stage's data at {seq_len:,}; "
                 "name a recipe written for this stage, or make the two agree",
+                "warning",
+            ),
+        )
+
+
+@program_rule("data.recipe_epochs")
+def recipe_epochs(program: Program) -> Iterator[StageFinding]:
+    """A stage training on more tokens than its recipe's mixture holds repeats it: say how
+    often (counting the stages before it whose data position it carries on from)."""
+    read_so_far = 0  # tokens read from the mixture up to this stage, from its first reader
+    for stage in program:
+        bp = stage.blueprint
+        trained = bp.training_steps * bp.tokens_per_step
+        carried = read_so_far if stage.index and stage.carry.data_position else 0
+        read_so_far = carried + trained
+        read = recipe_of(bp)
+        holds = None if read is None or read.recipe is None else stated_tokens(read.recipe)
+        if not holds or read_so_far <= holds:
+            continue
+        before = f", after {carried:,} read by the stages before" if carried else ""
+        yield (
+            stage.index,
+            Finding(
+                "data.recipe",
+                f"{read_so_far / holds:.2f} epochs over the curated mixture: "
+                f"{bp.training_steps:,} steps of {bp.tokens_per_step:,} tokens{before} read "
+                f"{read_so_far:,} tokens from it and recipe {bp.data.recipe!r} states "
+                f"{holds:,} (total_tokens and the sources' tokens); more data, or fewer steps, "
+                "if repeating it is not the intent",
                 "warning",
             ),
         )
