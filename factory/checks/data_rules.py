@@ -113,7 +113,7 @@ def tokenizer_fits_vocab(bp: Blueprint) -> Iterator[Finding]:
 def stated_tokens(recipe: DataRecipe) -> int | None:
     """Tokens of the curated mixture as the recipe states them: ``total_tokens`` for the
     weighted sources plus every source's own ``tokens``; None where a source's share is
-    only known once curated (weighted sources without ``total_tokens``, or neither given)."""
+    only known once curated (weighted sources without ``total_tokens``, or in ``epochs``)."""
     weighted = [s for s in recipe.sources if s.weight is not None]
     if weighted and recipe.total_tokens is None:
         return None
