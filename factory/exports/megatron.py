@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,6 +44,7 @@ __all__ = [
     "DATA_FORMATS",
     "EXTRA_KEYWORDS",
     "MegatronExportError",
+    "RecipeShape",
     "export_megatron",
     "recipe_source",
 ]
@@ -185,11 +187,62 @@ def _provider_import(bp: Blueprint) -> str:
     )
 
 
-def recipe_source(bp: Blueprint) -> str:
-    """The text of ``recipe.py``."""
-    fields = megatron_fields(bp)
+@dataclass(frozen=True)
+class RecipeShape:
+    """What ``recipe.py`` holds around the field values: the one-stage recipe's (``single``),
+    or a stage's of a program (``factory.exports.megatron_program``)."""
+
+    func_name: str
+    summary: str
+    """The module docstring's first line, after "Megatron-Bridge "."""
+    fields: dict[str, dict[str, Any]]
+    keywords: dict[str, dict[str, str]]
+    """Per section, the keywords no blueprint field decides (source text)."""
+    classes: dict[str, tuple[str, str]]
+    """Per ConfigContainer section, the class it is built from (module, class)."""
+    params: tuple[str, ...]
+    """The config function's parameters (source text)."""
+    prologue: str
+    doc: str
+    helpers: str = ""
+    """Functions written after ``_mixed_precision`` (source text)."""
+    imports: tuple[tuple[str, str], ...] = ()
+    """Names beyond the section classes' (module, name)."""
+    entry: Literal["pretrain", "finetune"] = "pretrain"
+    """Bridge's entry point that ``python recipe.py`` runs."""
+
+    @classmethod
+    def single(cls, bp: Blueprint) -> RecipeShape:
+        """The recipe of a blueprint trained in one run."""
+        return cls(
+            func_name=_func_name(bp),
+            summary=f"pretraining recipe for {bp.meta.name}",
+            fields=megatron_fields(bp),
+            keywords=EXTRA_KEYWORDS,
+            classes={**SECTIONS, **_EXTRA_CLASSES},
+            params=(
+                "data_paths: list[str] | None = None",
+                f'checkpoint_dir: str = "checkpoints/{bp.meta.name}"',
+                f"tokenizer: str = {bp.meta.hf_id or 'tokenizer'!r}",
+            ),
+            prologue=f"data_paths = data_paths or [{_data_path(bp)!r}]",
+            doc=f"The ConfigContainer of blueprint {bp.meta.name!r}; data_paths are "
+            "indexed-dataset prefixes.",
+        )
+
+
+_ENTRY_MODULES = {
+    "pretrain": "megatron.bridge.training.pretrain",
+    "finetune": "megatron.bridge.training.finetune",
+}
+
+
+def recipe_source(bp: Blueprint, shape: RecipeShape | None = None) -> str:
+    """The text of ``recipe.py`` (``shape``: the one-stage recipe's unless given)."""
+    shape = shape or RecipeShape.single(bp)
+    fields = shape.fields
     imports: dict[str, set[str]] = {}
-    for section, (module, cls) in {**SECTIONS, **_EXTRA_CLASSES}.items():
+    for section, (module, cls) in shape.classes.items():
         if section != "model":  # _provider_import chooses the provider's module
             imports.setdefault(module, set()).add(cls)
     imports.setdefault("dataclasses", set())
@@ -197,6 +250,8 @@ def recipe_source(bp: Blueprint) -> str:
     imports.setdefault("typing", set()).add("Any")
     imports.setdefault("megatron.bridge.training.config", set()).add("ConfigContainer")
     imports[SECTIONS["mixed_precision"][0]].add("get_mixed_precision_config")
+    for module, name in shape.imports:
+        imports.setdefault(module, set()).add(name)
     for value in fields["model"].values():
         if isinstance(value, Call):
             imports.setdefault("pathlib", set()).add("Path")
@@ -212,17 +267,19 @@ def recipe_source(bp: Blueprint) -> str:
     )
     head += "\n\n" + _provider_import(bp)
     sections = []
-    for section, (_, cls) in {**SECTIONS, **_EXTRA_CLASSES}.items():
+    for section, (_, cls) in shape.classes.items():
         if section == "mixed_precision":
             sections.append("        mixed_precision=_mixed_precision(),")
             continue
         kwargs = {k: _py(v) for k, v in fields.get(section, {}).items()}
-        kwargs |= EXTRA_KEYWORDS.get(section, {})
+        kwargs |= shape.keywords.get(section, {})
         sections.append(f"        {section}={_call(cls, kwargs, '        ')},")
-    name = _func_name(bp)
+    name = shape.func_name
     precision = fields["mixed_precision"]
     sets = "".join(f"    cfg.{k} = {_py(v)}\n" for k, v in precision.items() if k != "name")
-    return f'''"""Megatron-Bridge pretraining recipe for {bp.meta.name}, written by `factory export megatron`.
+    params = "".join(f"    {param},\n" for param in shape.params)
+    entry = shape.entry
+    return f'''"""Megatron-Bridge {shape.summary}, written by `factory export megatron`.
 
 Every value comes from the blueprint (mapping: docs/megatron.md in nemotron-factory).
 Checked against megatron-core {MEGATRON_CORE_VERSION} and Megatron-Bridge {BRIDGE_COMMIT[:7]}.
@@ -238,15 +295,12 @@ def _mixed_precision() -> MixedPrecisionConfig:
     """
     cfg = get_mixed_precision_config({precision["name"]!r})
 {sets}    return cfg
-
+{shape.helpers}
 
 def {name}(
-    data_paths: list[str] | None = None,
-    checkpoint_dir: str = "checkpoints/{bp.meta.name}",
-    tokenizer: str = {bp.meta.hf_id or "tokenizer"!r},
-) -> ConfigContainer:
-    """The ConfigContainer of blueprint {bp.meta.name!r}; data_paths are indexed-dataset prefixes."""
-    data_paths = data_paths or [{_data_path(bp)!r}]
+{params}) -> ConfigContainer:
+    """{shape.doc}"""
+    {shape.prologue}
     return ConfigContainer(
 {chr(10).join(sections)}
     )
@@ -261,15 +315,16 @@ if __name__ == "__main__":
         sys.exit(f"{{__file__}}: {{exc}}")
 
     from megatron.bridge.training.gpt_step import forward_step
-    from megatron.bridge.training.pretrain import pretrain
+    from {_ENTRY_MODULES[entry]} import {entry}
 
-    pretrain(config, forward_step)
+    {entry}(config, forward_step)
 '''
 
 
-def overrides_yaml(bp: Blueprint) -> str:
-    """``overrides.yaml``: the recipe's blueprint-derived values as OmegaConf YAML."""
-    fields = megatron_fields(bp)
+def overrides_yaml(bp: Blueprint, fields: dict[str, dict[str, Any]] | None = None) -> str:
+    """``overrides.yaml``: the recipe's blueprint-derived values (``fields``: those of
+    :func:`megatron_fields` unless given) as OmegaConf YAML."""
+    fields = fields or megatron_fields(bp)
     doc: dict[str, Any] = {}
     for section, values in fields.items():
         # The preset name is no MixedPrecisionConfig field: it is recipe.py's starting point.
