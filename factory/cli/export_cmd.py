@@ -13,7 +13,8 @@ from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.exports.hf_config import ExportError
 from factory.exports.hf_import import blueprint_yaml_from_hf, has_weights
-from factory.exports.megatron import MegatronExportError, export_megatron
+from factory.exports.megatron import MegatronExportError
+from factory.exports.megatron_program import export_megatron_program
 from factory.io import atomic_write_text
 from factory.proxy import derive_proxy
 
@@ -74,17 +75,22 @@ def export_megatron_cmd(
     """Write a Megatron-Bridge training recipe.
 
     recipe.py, overrides.yaml, launch.sh, hf/, README.md and, for per-module formats,
-    quant_recipe.yaml.
+    quant_recipe.yaml; for a blueprint with stages, one such folder per stage, chained by
+    checkpoint, with README.md and launch.sh for the chain.
     """
     bp = factory.load_blueprint(target, overrides or [])
     try:
-        export_megatron(bp, out, allow_unexpressed=allow_unexpressed, data_format=data)
+        export_megatron_program(bp, out, allow_unexpressed=allow_unexpressed, data_format=data)
     except MegatronExportError as exc:
         typer.echo(f"{target}: cannot export to Megatron-Bridge:", err=True)
         for path, why in exc.fields:
             typer.echo(f"  {path}: {why}", err=True)
         raise typer.Exit(EXIT_INVALID) from None
-    typer.echo(f"wrote {out}/recipe.py, overrides.yaml, launch.sh, README.md")
+    if bp.stages is None:
+        typer.echo(f"wrote {out}/recipe.py, overrides.yaml, launch.sh, README.md")
+    else:
+        names = ", ".join(stage.name for stage in bp.stages)
+        typer.echo(f"wrote {out}/README.md, launch.sh and a recipe folder per stage: {names}")
 
 
 @import_app.command("hf")

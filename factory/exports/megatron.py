@@ -202,7 +202,8 @@ class RecipeShape:
     """Per ConfigContainer section, the class it is built from (module, class)."""
     params: tuple[str, ...]
     """The config function's parameters (source text)."""
-    prologue: str
+    prologue: tuple[str, ...]
+    """The config function's first lines (source text)."""
     doc: str
     helpers: str = ""
     """Functions written after ``_mixed_precision`` (source text)."""
@@ -225,7 +226,7 @@ class RecipeShape:
                 f'checkpoint_dir: str = "checkpoints/{bp.meta.name}"',
                 f"tokenizer: str = {bp.meta.hf_id or 'tokenizer'!r}",
             ),
-            prologue=f"data_paths = data_paths or [{_data_path(bp)!r}]",
+            prologue=(f"data_paths = data_paths or [{_data_path(bp)!r}]",),
             doc=f"The ConfigContainer of blueprint {bp.meta.name!r}; data_paths are "
             "indexed-dataset prefixes.",
         )
@@ -278,6 +279,7 @@ def recipe_source(bp: Blueprint, shape: RecipeShape | None = None) -> str:
     precision = fields["mixed_precision"]
     sets = "".join(f"    cfg.{k} = {_py(v)}\n" for k, v in precision.items() if k != "name")
     params = "".join(f"    {param},\n" for param in shape.params)
+    prologue = "".join(f"    {line}\n" for line in shape.prologue)
     entry = shape.entry
     return f'''"""Megatron-Bridge {shape.summary}, written by `factory export megatron`.
 
@@ -300,8 +302,7 @@ def _mixed_precision() -> MixedPrecisionConfig:
 def {name}(
 {params}) -> ConfigContainer:
     """{shape.doc}"""
-    {shape.prologue}
-    return ConfigContainer(
+{prologue}    return ConfigContainer(
 {chr(10).join(sections)}
     )
 
@@ -403,6 +404,11 @@ def export_megatron(
         raise ValueError(f"data_format must be one of {DATA_FORMATS}, not {data_format!r}")
     if data_format == "energon":
         raise MegatronExportError([("data_format", ENERGON_REFUSAL)])
+    if bp.stages is not None:  # this writes one run; a program is one run per stage
+        raise ValueError(
+            f"{bp.meta.name} declares stages: export it with "
+            "factory.exports.megatron_program.export_megatron_program"
+        )
     unexpressed = refusals(bp)
     if unexpressed and not allow_unexpressed:
         raise MegatronExportError(unexpressed)
