@@ -140,7 +140,7 @@ def stage_recipe_shape(bp: Blueprint, program: Program, stage: ProgramStage) -> 
             "do_test": "False",
         }
         imports.append(PACKED_SPECS)
-        data_param = f"dataset_root: str = {f'data/{stage.name}/sft'!r}"
+        data_param = f"dataset_root: str = {f'data/{stage.name}/bridge'!r}"
         prologue: tuple[str, ...] = ()
         data_doc = "dataset_root holds Bridge's training.jsonl"
     else:
