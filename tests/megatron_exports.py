@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import factory
-from factory.exports.megatron import RecipeShape
-from factory.exports.megatron_program import export_megatron_program, stage_recipe_shape
+from factory.exports.megatron import RecipeShape, export_megatron
+from factory.exports.megatron_program import stage_recipe_shape
 from factory.schemas import Blueprint
 from factory.schemas.program import resolve_program
 
@@ -33,7 +33,7 @@ class ExportedRecipe:
 def export_preset(name: str, out: Path) -> list[ExportedRecipe]:
     """Export preset ``name`` into ``out`` (allowing what Megatron cannot express)."""
     bp = factory.load_blueprint(name, [])
-    export_megatron_program(bp, out, allow_unexpressed=True)
+    export_megatron(bp, out, allow_unexpressed=True)
     program = resolve_program(bp)
     if not program.declared:
         return [ExportedRecipe(name, bp, out, RecipeShape.single(bp))]

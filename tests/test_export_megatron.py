@@ -27,9 +27,6 @@ from megatron_exports import export_preset
 import factory
 import factory.exports.megatron as megatron_export
 from factory.checks import run_rules
-from factory.exports.megatron import (
-    _EXTRA_CLASSES,
-)
 from factory.exports.megatron_fields import (
     SECTIONS,
     Call,
@@ -38,6 +35,7 @@ from factory.exports.megatron_fields import (
     megatron_fields,
     pipeline_stage_sizes,
 )
+from factory.exports.megatron_recipe import _EXTRA_CLASSES
 from factory.exports.megatron_refusals import refusals
 from factory.layers.mamba.spec import MEGATRON_MIXER_DEFAULTS
 from factory.schemas.model import MambaConfig

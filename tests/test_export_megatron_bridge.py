@@ -23,13 +23,13 @@ from megatron_exports import export_preset
 from program_blueprints import STAGES, program
 
 from factory.exports import megatron_bridge_source
-from factory.exports.megatron import _EXTRA_CLASSES, MegatronExportError, export_megatron
+from factory.exports.megatron import MegatronExportError, export_megatron
 from factory.exports.megatron_fields import (
     BRIDGE_COMMIT,
     MEGATRON_LM_COMMIT,
     SECTIONS,
 )
-from factory.exports.megatron_program import export_megatron_program
+from factory.exports.megatron_recipe import _EXTRA_CLASSES
 
 BRIDGE = json.loads((REPO / "factory/exports/megatron_bridge_fields.json").read_text())
 NAMES = sorted(p.stem for p in PRESETS.glob("*.yaml"))
@@ -116,7 +116,7 @@ def bridge_problems(recipe: str, overrides: dict[str, Any]) -> tuple[list[str], 
 def test_every_bridge_name_is_in_bridge_source(name, tmp_path: Path):
     """Every recipe of the preset (one per stage for a program). An SFT stage's dataset
     (FinetuningDatasetConfig, PackedSequenceSpecs) is outside the checked-in JSON: the
-    installed Bridge builds and validates it (test_export_megatron_program)."""
+    installed Bridge builds and validates it (test_export_megatron_program.py)."""
     for exported in export_preset(name, tmp_path / name):
         if exported.shape.entry == "finetune":
             continue
@@ -131,7 +131,7 @@ def test_a_program_chain_uses_only_bridge_names(tmp_path: Path):
     """The chain's keywords (pretrained_checkpoint, a resumed load, the scheduler override,
     a fully reshardable optimizer) are Bridge's own."""
     bp = program([STAGES[0], {**STAGES[1], "carry": {"optimizer": True}}, STAGES[2]])
-    out = export_megatron_program(bp, tmp_path / "p")
+    out = export_megatron(bp, tmp_path / "p")
     for stage in ("phase1", "phase2"):
         overrides = yaml.safe_load((out / stage / "overrides.yaml").read_text())
         recipe = (out / stage / "recipe.py").read_text()

@@ -18,13 +18,12 @@ from typing import Any
 
 import pytest
 import yaml
-from blueprint_factory import BASE, make
+from blueprint_factory import BASE
 from conftest import REPO
 from program_blueprints import STAGES, needs_objective, program, with_stage
 
 from factory.checks.validate import load_blueprint
 from factory.exports.megatron import MegatronExportError, export_megatron
-from factory.exports.megatron_program import export_megatron_program
 from factory.schemas import Blueprint
 from factory.schemas.program import resolve_program
 
@@ -42,14 +41,14 @@ needs_bridge = pytest.mark.skipif(not _bridge_installed(), reason="megatron-brid
 
 def refused(bp: Blueprint, tmp_path: Path) -> dict[str, str]:
     with pytest.raises(MegatronExportError) as caught:
-        export_megatron_program(bp, tmp_path / "out")
+        export_megatron(bp, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     return dict(caught.value.fields)
 
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return export_megatron_program(program(), tmp_path_factory.mktemp("program") / "out")
+    return export_megatron(program(), tmp_path_factory.mktemp("program") / "out")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +58,7 @@ def bridge(exported: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
         pytest.skip("megatron-bridge not installed")
     resumed = tmp_path_factory.mktemp("resumed")
     (resumed / "latest_train_state.pt").write_bytes(b"")  # a tracker Bridge resumes from
-    mbs = export_megatron_program(
+    mbs = export_megatron(
         program(with_stage(2, parallelism={"micro_batch_size": 2, "global_batch_size": 8})),
         tmp_path_factory.mktemp("mbs") / "out",
         allow_unexpressed=True,
@@ -83,21 +82,6 @@ def bridge(exported: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1]) | {"resumed": str(resumed)}
-
-
-def test_a_blueprint_without_stages_exports_exactly_as_before(tmp_path: Path):
-    bp = make(**{"precision.recipe": "fp8"})
-    one = export_megatron(bp, tmp_path / "one")
-    other = export_megatron_program(bp, tmp_path / "other")
-    files = sorted(p.relative_to(one) for p in one.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(other) for p in other.rglob("*") if p.is_file())
-    assert all((one / f).read_bytes() == (other / f).read_bytes() for f in files)
-
-
-def test_export_megatron_refuses_a_program(tmp_path: Path):
-    """The one-run writer never exports a program's base as if it were one run."""
-    with pytest.raises(ValueError, match="declares stages"):
-        export_megatron(program(), tmp_path / "x")
 
 
 def test_one_recipe_folder_per_stage_and_an_index(exported: Path):
@@ -212,7 +196,7 @@ def test_a_constant_schedule_may_start_inside_a_resumed_run(tmp_path: Path):
             "schedule": {"kind": "constant", "warmup_fraction": 0.0},
         },
     }
-    out = export_megatron_program(program([STAGES[0], long_context]), tmp_path / "out")
+    out = export_megatron(program([STAGES[0], long_context]), tmp_path / "out")
     recipe = (out / "long" / "recipe.py").read_text()
     assert "train_iters=80," in recipe and "lr_warmup_iters=0," in recipe
     assert "load=checkpoint_dir if _resumes(checkpoint_dir) else previous_checkpoint" in recipe

@@ -14,8 +14,7 @@ from factory.cli.validate_cmd import SetOption
 from factory.exports.hf_config import ExportError
 from factory.exports.hf_import import blueprint_yaml_from_hf, has_weights
 from factory.exports.hf_stage import UnknownStage, copy_run_model, is_run_folder, stage_of
-from factory.exports.megatron import MegatronExportError
-from factory.exports.megatron_program import export_megatron_program
+from factory.exports.megatron import MegatronExportError, export_megatron
 from factory.io import atomic_write_text
 from factory.proxy import derive_proxy
 
@@ -111,7 +110,7 @@ def export_megatron_cmd(
     """
     bp = factory.load_blueprint(target, overrides or [])
     try:
-        export_megatron_program(bp, out, allow_unexpressed=allow_unexpressed, data_format=data)
+        export_megatron(bp, out, allow_unexpressed=allow_unexpressed, data_format=data)
     except MegatronExportError as exc:
         typer.echo(f"{target}: cannot export to Megatron-Bridge:", err=True)
         for path, why in exc.fields:

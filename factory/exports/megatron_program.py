@@ -3,8 +3,9 @@ checkpoint, torch-free.
 
 ``OUT/<stage>/`` holds what the one-stage export writes (``recipe.py``, ``overrides.yaml``,
 ``launch.sh``, ``README.md``, ``hf/``, ``quant_recipe.yaml`` where the stage needs it);
-``OUT/README.md`` lists the chain and ``OUT/launch.sh`` runs the stages in order. A blueprint
-without ``stages`` exports exactly as :func:`factory.exports.megatron.export_megatron` does.
+``OUT/README.md`` lists the chain and ``OUT/launch.sh`` runs the stages in order.
+``factory.exports.megatron.export_megatron`` writes this for a blueprint with ``stages``; one
+without exports exactly as before.
 
 Why one recipe per stage and not one recipe with phase transitions: Megatron-LM's
 ``--phase-transition-iterations`` (``megatron/training``, which neither megatron-core 0.16.1's
@@ -40,18 +41,6 @@ from typing import Literal
 import yaml
 
 from factory.exports.hf_config import ExportError, hf_config
-from factory.exports.megatron import (
-    _EXTRA_CLASSES,
-    DATA_FORMATS,
-    ENERGON_REFUSAL,
-    EXTRA_KEYWORDS,
-    MegatronExportError,
-    RecipeShape,
-    export_megatron,
-    launch_sh,
-    overrides_yaml,
-    recipe_source,
-)
 from factory.exports.megatron_fields import (
     BRIDGE_COMMIT,
     MEGATRON_CORE_VERSION,
@@ -61,13 +50,26 @@ from factory.exports.megatron_fields import (
     run_starts,
     stage_fields,
 )
-from factory.exports.megatron_refusals import not_carried, program_refusals, stage_refusals
+from factory.exports.megatron_recipe import (
+    _EXTRA_CLASSES,
+    EXTRA_KEYWORDS,
+    RecipeShape,
+    launch_sh,
+    overrides_yaml,
+    recipe_source,
+)
+from factory.exports.megatron_refusals import (
+    MegatronExportError,
+    not_carried,
+    program_refusals,
+    stage_refusals,
+)
 from factory.exports.quant_recipe import QUANT_RECIPE_FILE, megatron_quant_recipe
 from factory.io import staged_directory
 from factory.schemas.blueprint import Blueprint
-from factory.schemas.program import Program, ProgramStage, resolve_program
+from factory.schemas.program import Program, ProgramStage
 
-__all__ = ["export_megatron_program", "stage_recipe_shape"]
+__all__ = ["stage_recipe_shape", "write_program"]
 
 FINETUNE_DATASET = ("megatron.bridge.training.config", "FinetuningDatasetConfig")
 PACKED_SPECS = ("megatron.bridge.data.datasets.packed_sequence", "PackedSequenceSpecs")
@@ -300,22 +302,11 @@ HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 {runs}"""
 
 
-def export_megatron_program(
-    bp: Blueprint,
-    out: Path,
-    allow_unexpressed: bool = False,
-    data_format: Literal["megatron", "energon"] = "megatron",
-) -> Path:
-    """Write ``out`` atomically: one recipe folder per stage of ``bp``'s program (or, for a
-    blueprint without stages, :func:`export_megatron`'s folder); raises MegatronExportError
-    for refusals, each at the path the blueprint file writes it."""
-    program = resolve_program(bp)
-    if not program.declared:
-        return export_megatron(bp, out, allow_unexpressed, data_format)
-    if data_format not in DATA_FORMATS:
-        raise ValueError(f"data_format must be one of {DATA_FORMATS}, not {data_format!r}")
-    if data_format == "energon":
-        raise MegatronExportError([("data_format", ENERGON_REFUSAL)])
+def write_program(bp: Blueprint, program: Program, out: Path, allow_unexpressed: bool) -> Path:
+    """Write ``out`` atomically: one recipe folder per stage of ``bp``'s ``program``, the
+    chain's README and launch.sh (``factory.exports.megatron.export_megatron`` calls this for
+    a blueprint with ``stages``); raises MegatronExportError for refusals, each at the path
+    the blueprint file writes it."""
     unexpressed = program_refusals(program)
     if unexpressed and not allow_unexpressed:
         raise MegatronExportError(unexpressed)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+from factory.exports.hf_config import ExportError
 from factory.exports.megatron_fields import (
     objective,
     pipeline_stage_sizes,
@@ -24,7 +25,22 @@ from factory.schemas.precision_recipes import HIGH_PRECISION, recipe_named
 from factory.schemas.program import Program, ProgramStage
 from factory.spec.layer_type import LAYER_TYPES
 
-__all__ = ["not_carried", "program_refusals", "refusals", "stage_refusals"]
+__all__ = [
+    "MegatronExportError",
+    "not_carried",
+    "program_refusals",
+    "refusals",
+    "stage_refusals",
+]
+
+
+class MegatronExportError(ExportError):
+    """The blueprint has fields a Megatron recipe cannot express; ``fields`` names them."""
+
+    def __init__(self, fields: list[tuple[str, str]]) -> None:
+        self.fields = fields
+        lines = "\n".join(f"  {path}: {why}" for path, why in fields)
+        super().__init__(f"cannot export to Megatron-Bridge:\n{lines}")
 
 
 def _megatron_cuts(sizes: list[int], total: int) -> list[int]:
