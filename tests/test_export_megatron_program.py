@@ -94,6 +94,9 @@ def test_one_recipe_folder_per_stage_and_an_index(exported: Path):
     index = (exported / "README.md").read_text()
     rows = [line for line in index.splitlines() if line.startswith("| ") and "`" in line]
     assert [row.split("`")[1] for row in rows] == names
+    # Bridge resumes phase 1's consumed samples (60 steps of 16); SFT starts a fine-tune.
+    assert "from sample 960 on" in (exported / "phase2" / "README.md").read_text()
+    assert "a fresh optimizer at iteration 0" in (exported / "sft" / "README.md").read_text()
     launch = (exported / "launch.sh").read_text()
     assert [launch.index(f"/{name}/launch.sh") for name in names] == sorted(
         launch.index(f"/{name}/launch.sh") for name in names

@@ -194,6 +194,20 @@ def _consumed(program: Program, stage: ProgramStage) -> int:
     return count
 
 
+def _data_position(program: Program, stage: ProgramStage) -> str:
+    consumed = _consumed(program, stage)
+    if stage.carry.data_position:
+        return (
+            f"- the data position carries: Bridge resumes the consumed-sample count and reads "
+            f"on from sample {consumed}."
+        )
+    return (
+        "- Bridge resumes the consumed-sample count with it, so the stage reads its own "
+        f"mixture from sample {consumed} on, not from its start (Megatron-LM's phase "
+        "transitions restart it at 0; Bridge has none)."
+    )
+
+
 def _how_it_starts(program: Program, stage: ProgramStage, start: int) -> list[str]:
     if stage.index == 0:
         return ["- from initialised weights (the program's first stage)."]
@@ -208,9 +222,7 @@ def _how_it_starts(program: Program, stage: ProgramStage, start: int) -> list[st
             f"- from the whole checkpoint of stage `{before.name}` (`previous_checkpoint`): "
             f"optimizer, scheduler and RNG state; Megatron's iteration goes on from {start} to "
             f"{start + stage.steps}.",
-            "- Bridge resumes the consumed-sample count with it, so the stage reads its own "
-            f"mixture from sample {_consumed(program, stage)} on "
-            "(Megatron-LM's phase transitions restart it at 0; Bridge has none).",
+            _data_position(program, stage),
         ]
     lines.append("- once its own `checkpoint_dir` holds a checkpoint, Bridge resumes that one.")
     return lines
