@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Annotated
+
+from pydantic import AfterValidator, Field
 
 from factory.schemas.base import Section
 from factory.schemas.data import DataConfig
 from factory.schemas.model import ModelConfig
 from factory.schemas.parallelism import ParallelismConfig
 from factory.schemas.precision import PrecisionConfig
+from factory.schemas.stage import StageConfig
 from factory.schemas.training import TrainingConfig
 
 __all__ = ["Blueprint", "Meta"]
@@ -28,8 +31,29 @@ class Meta(Section):
     """Where the numbers come from."""
 
 
+MAX_STAGES = 64
+"""Stages one program may have (Nemotron 3's have five or six)."""
+
+
+def _a_program(stages: list[StageConfig]) -> list[StageConfig]:
+    if not stages:
+        raise ValueError("an empty program: list at least one stage, or leave `stages` out")
+    names = [stage.name for stage in stages]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"each stage name once; {', '.join(repeated)} given more than once")
+    return stages
+
+
+Stages = Annotated[list[StageConfig], Field(max_length=MAX_STAGES), AfterValidator(_a_program)]
+
+
 class Blueprint(Section):
-    """A model blueprint: architecture, precision, parallel layout, data and training."""
+    """A model blueprint: architecture, precision, parallel layout, data and training.
+
+    With ``stages`` it is a program: each stage is this blueprint with the stage's changes
+    (``factory.schemas.program``); without, it is one stage.
+    """
 
     meta: Meta
     model: ModelConfig
@@ -37,6 +61,8 @@ class Blueprint(Section):
     parallelism: ParallelismConfig
     data: DataConfig
     training: TrainingConfig
+    stages: Stages | None = None
+    """The program's stages in order (``factory.schemas.stage``); absent: one stage."""
 
     @property
     def tokens_per_step(self) -> int:

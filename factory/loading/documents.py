@@ -26,7 +26,7 @@ RECIPE: Kind = "data recipe"
 
 
 _BLUEPRINT_ONLY = frozenset(
-    ("extends", "meta", "model", "precision", "parallelism", "data", "training")
+    ("extends", "meta", "model", "precision", "parallelism", "data", "training", "stages")
 )
 """Blueprint's top-level keys (tests pin them to the schema's)."""
 

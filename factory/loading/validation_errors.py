@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -118,11 +118,16 @@ def _shown(value: str | int | float | bool | None) -> str:
 
 
 def diagnostics_from_validation_error(
-    exc: ValidationError, root: type[BaseModel], source_map: SourceMap
+    exc: ValidationError,
+    root: type[BaseModel],
+    source_map: SourceMap,
+    document_path: Callable[[str], str] = str,
 ) -> list[Diagnostic]:
+    """One diagnostic per error; ``document_path`` maps an error's path to where the document
+    writes it (a program stage's blueprint is merged from several places)."""
     out: list[Diagnostic] = []
     for error in exc.errors():
-        path = path_from_loc(_resolve(root, error["loc"])[0])
+        path = document_path(path_from_loc(_resolve(root, error["loc"])[0]))
         message = _message(error, root)
         if error["type"] == "missing":
             file, line = source_map.locate_missing(path)

@@ -16,20 +16,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-import factory.data_recipes
 from factory.data.steps.records import Document
+from factory.loading.recipe import DEFAULT_TOKENIZER
 
 __all__ = ["DEFAULT_TOKENIZER", "DocumentTokenizer", "Encoded"]
 
 EOS = "<|endoftext|>"
 PAD = "<pad>"
-
-
-def _default_tokenizer() -> Path:
-    return Path(factory.data_recipes.__file__).parent / "tokenizer" / "tokenizer.json"
-
-
-DEFAULT_TOKENIZER = _default_tokenizer()
 
 
 class Encoded(NamedTuple):
