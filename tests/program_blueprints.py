@@ -20,7 +20,7 @@ SFT = {"objective": {"kind": "sft"}} if HAS_OBJECTIVE else {}
 
 
 # Phase 1 -> phase 2 (one WSD schedule over both, TP changes with the optimizer carried) ->
-# SFT (fresh optimizer and schedule, longer sequences, a smaller world).
+# SFT (fresh optimizer and schedule, a chat recipe, longer sequences, a smaller world).
 STAGES: list[dict[str, Any]] = [
     {"name": "phase1", "training": {"steps": 60}},
     {
@@ -33,7 +33,7 @@ STAGES: list[dict[str, Any]] = [
     {
         "name": "sft",
         "carry": {"optimizer": False},
-        "data": {"seq_len": 2048},
+        "data": {"recipe": "super_sft", "seq_len": 2048},
         "parallelism": {"world_size": 4, "global_batch_size": 8},
         "training": {
             "steps": 30,

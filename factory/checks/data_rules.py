@@ -1,6 +1,7 @@
 """Rules on the ``data`` section and the recipe it names: the recipe exists and type-checks,
-and its tokenizer's ids fit the model's embedding (what a stage trains on it in epochs is a
-program rule, ``program_rules``: a stage may read on where the one before stopped).
+its tokenizer's ids fit the model's embedding, and an sft objective's sources mask their
+prompts (what a stage trains on it in epochs is a program rule, ``program_rules``: a stage
+may read on where the one before stopped).
 
 The recipe is read once per file version (``recipe_of``), the tokenizer's size from its
 ``tokenizer.json`` as JSON (``factory.loading.recipe``): validate imports neither
@@ -107,6 +108,26 @@ def tokenizer_fits_vocab(bp: Blueprint) -> Iterator[Finding]:
             f"vocab_size ({bp.model.vocab_size:,}) is smaller than the {ids:,} ids of the "
             f"tokenizer of recipe {bp.data.recipe!r} ({path}): a token id past the embedding "
             f"fails the first step; set model.vocab_size to at least {ids:,}",
+        )
+
+
+@rule("data.sft_loss_masks")
+def sft_loss_masks(bp: Blueprint) -> Iterator[Finding]:
+    """An sft objective trains on assistant turns: every source of its recipe masks prompts."""
+    if bp.training.objective.kind != "sft":
+        return
+    read = recipe_of(bp)
+    if read is None or read.recipe is None:
+        return  # data.recipe_exists or data.recipe_valid says why
+    recipe = read.recipe
+    unmasked = [src for src in recipe.sources if not src.steps[0].masks_prompts]
+    if unmasked:
+        named = ", ".join(f"{src.name} ({src.steps[0].kind})" for src in unmasked)
+        yield Finding(
+            "training.objective.kind",
+            f"an sft objective trains only on the tokens a loss mask marks, but recipe "
+            f"{recipe.name!r} has sources whose format step trains on every token: {named}; "
+            "format them as chat, or give them to a pretraining stage",
         )
 
 
