@@ -64,7 +64,9 @@ def test_super_decays_across_phase_two_and_averages_sft_loss_per_conversation_la
         "long_context_mixed",
         "sft",
         "sft_per_conversation",
+        "sft_budget",
     ]
+    assert stages.stage("sft_budget").steps == 350
     phase1, phase2 = stages.stages[:2]
     total = phase1.steps + phase2.steps
     training = phase2.blueprint.training
@@ -98,7 +100,7 @@ def test_ultra_sft_is_packed_to_294912_with_its_cosine_schedule() -> None:
     assert (tuned.data.seq_len, tuned.parallelism.global_batch_size) == (294912, 64)
     assert tuned.training_steps * 64 == 204_800  # samples
     assert round(tuned.training.schedule.warmup_fraction * tuned.training_steps) * 64 == 9600
-    assert learning_rate(149, sft.steps, tuned.training) == 1.5e-5
+    assert learning_rate(149, sft.steps, tuned.training) == pytest.approx(1.5e-5)
     assert learning_rate(sft.steps - 1, sft.steps, tuned.training) == pytest.approx(1e-6)
 
 
