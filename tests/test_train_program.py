@@ -224,3 +224,26 @@ def test_stage_refuses_a_name_the_program_lacks_and_a_stage_out_of_order(
     flat.write_text(json.dumps(tiny_blueprint().model_dump(mode="json")))
     single = _cli(*_args((flat, data / "phase1"), run, "--stage", "phase1"))
     assert single.returncode == 2 and "has no stages" in single.stderr
+
+
+def test_a_stage_carrying_the_data_position_reads_on_in_the_shards_before(
+    inputs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """With ``carry.data_position`` stage 2 trains on stage 1's shards from where stage 1
+    stopped (its boundary's position), not from their start."""
+    data = program_blueprint().model_dump(mode="json", exclude_unset=True)
+    data["stages"] = [
+        {"name": "phase1", "training": {"steps": 2}},
+        {"name": "phase2", "carry": {"data_position": True}, "training": {"steps": 2}},
+    ]
+    run = tmp_path / "run"
+    factory.train(Blueprint.model_validate(data), out=run, data=inputs[1], precision="off")
+    per_stage = 2 * tiny_blueprint().parallelism.global_batch_size  # samples of 2 steps
+
+    def consumed(stage: str) -> int:
+        meta = json.loads((run / stage / "checkpoints" / "step_00000002" / "meta.json").read_text())
+        return meta["data"]["consumed"]
+
+    assert (consumed("phase1"), consumed("phase2")) == (per_stage, 2 * per_stage)
+    phase2 = json.loads((run / "phase2" / "train.json").read_text())
+    assert phase2["data"] == str(inputs[1] / "phase1")  # the shards it read on in
