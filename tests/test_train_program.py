@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from runtime_helpers import tiny_blueprint
-from train_cli_helpers import ENV, TIMEOUT, losses, records, same_weights, signalled
+from train_cli_helpers import ENV, TIMEOUT, TWO_RANKS, losses, records, same_weights, signalled
 
 import factory
 from factory.runtime.batches import build_shards
@@ -200,6 +200,21 @@ def test_a_sigterm_in_stage_2_stops_there_and_the_rerun_ends_the_same(
     rerun = subprocess.run(args, capture_output=True, text=True, timeout=TIMEOUT, env=ENV)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     _same_program(run, reference)
+
+
+def test_one_launch_of_two_ranks_trains_every_stage(
+    inputs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The stages of one ``--nproc 2`` launch share its process group (torch names a group
+    made again after one was destroyed as the first, and the new one hung on the old one's
+    keys in torchrun's store)."""
+    run = tmp_path / "run"
+    done = _cli(*_args(inputs, run, *TWO_RANKS))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [s["status"] for s in _program(run)["stages"]] == ["completed"] * 3
+    for name in STAGES:
+        assert sorted(losses(run / name)) == list(range(STEPS[name]))
+        assert (run / name / "ranks" / "rank_00001.jsonl").is_file()
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -254,20 +254,23 @@ def run_program(request: ProgramRequest) -> ProgramResult:
     """
     # This rank's share of the work imports torch: ``factory.train`` resolves without it.
     from factory.jobs.train_rank import run_rank
+    from factory.runtime.ranks import joined_process_group
 
     results: list[TrainResult] = []
     main = os.environ.get("RANK", "0") == "0"
-    for stage in request.stages:
-        assert stage.stage is not None
-        if main:
-            _record(request, stage.stage.name, "running")
-        result = run_rank(stage)
-        results.append(result)
-        end = result.history.end
-        if main:
-            _record(request, stage.stage.name, end, boundary=end == "completed")
-        if end != "completed":
-            break
+    # One launch, one world size (the launch checks) and one process group for every stage.
+    with joined_process_group(request.stages[0].blueprint.parallelism.world_size):
+        for stage in request.stages:
+            assert stage.stage is not None
+            if main:
+                _record(request, stage.stage.name, "running")
+            result = run_rank(stage)
+            results.append(result)
+            end = result.history.end
+            if main:
+                _record(request, stage.stage.name, end, boundary=end == "completed")
+            if end != "completed":
+                break
     return ProgramResult(request.out, tuple(results))
 
 
