@@ -188,11 +188,11 @@ def plan_stages(
     ``resume`` with no checkpoint in any stage.
     """
     program = resolve_program(blueprint)
-    out = (settings.out or Path("runs") / blueprint.meta.name).resolve()
     selected = _select(program, stage)
     trained = [s.blueprint for s in program]
     if proxy:
         trained = derive_program_proxy(trained)
+    out = (settings.out or Path("runs") / trained[0].meta.name).resolve()  # NAME(-proxy)
     steps = [settings.steps or bp.training_steps for bp in trained]
     windows = _windows(program, steps)
     policy = settings.checkpoints
