@@ -11,7 +11,7 @@ import factory
 from factory.checks import run_rules
 from factory.jobs.train import prepare_program
 from factory.jobs.train_request import TrainSettings
-from factory.proxy import derive_program_proxy, proxy_stage_seq_lens
+from factory.proxy import derive_program_proxy, derive_proxy, proxy_stage_seq_lens
 from factory.proxy_layout import derive_proxy_layout
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.program import resolve_program
@@ -75,3 +75,8 @@ def test_the_proxy_program_trains_each_stage_into_its_folder_on_its_schedule(
         assert one.out == tmp_path / "run" / name
         assert one.settings.data == tmp_path / "data" / name
         assert one.blueprint.model == request.stages[0].blueprint.model
+
+
+def test_the_proxy_of_a_program_blueprint_alone_is_its_base_without_stages() -> None:
+    proxy = derive_proxy(nano_program())
+    assert proxy.stages is None and proxy.data.seq_len == 256
