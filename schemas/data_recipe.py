@@ -14,7 +14,7 @@ typo such as ``10**400`` fails validation instead of a worker process later.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
@@ -92,6 +92,9 @@ NgramThresholds = Annotated[
 class TextFormat(Section):
     """Plain text: the whole field trains."""
 
+    masks_prompts: ClassVar[bool] = False
+    """Whether the format's loss mask leaves the prompt out (an ``sft`` objective needs it:
+    ``training.objective``); text trains on every token."""
     kind: Literal["text"] = "text"
     field: str = "text"
     """Record field holding the text."""
@@ -138,6 +141,8 @@ class ReasoningConfig(Section):
 class ChatFormat(Section):
     """Chat records (messages, tools, reasoning_content, tool_calls); assistant tokens train."""
 
+    masks_prompts: ClassVar[bool] = True
+    """System, user and tool turns and the assistant header are context, never targets."""
     kind: Literal["chat"] = "chat"
     reasoning: ReasoningConfig = ReasoningConfig()
 
