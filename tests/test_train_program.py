@@ -229,7 +229,7 @@ def test_stage_refuses_a_name_the_program_lacks_and_a_stage_out_of_order(
     unknown = _cli(*_args(inputs, run, "--stage", "phase-2"))
     assert unknown.returncode == 2, unknown.stderr
     assert "--stage phase-2: no such stage; the program has phase1, phase2, sft" in unknown.stderr
-    assert "did you mean 'phase2'?" in unknown.stderr
+    assert "(did you mean 'phase2'?)" in unknown.stderr
     early = _cli(*_args(inputs, run, "--stage", "sft"))
     assert early.returncode == 2, early.stderr
     assert "stage 'phase2' before it has no boundary checkpoint yet" in early.stderr

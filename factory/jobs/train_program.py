@@ -33,13 +33,13 @@ Torch-free; :func:`run_program` imports the rank's share of the work when it run
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from factory.errors import did_you_mean
 from factory.io import atomic_write_text
 from factory.jobs.train_errors import CannotResume, TrainRefused
 from factory.jobs.train_request import StageRun, TrainRequest, TrainResult, TrainSettings
@@ -164,10 +164,9 @@ def _select(program: Program, stage: str | None) -> list[int]:
     if stage is None:
         return list(range(len(program)))
     if stage not in program.names:
-        close = difflib.get_close_matches(stage, program.names, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
         raise StageRefused(
-            f"--stage {stage}: no such stage; the program has {', '.join(program.names)}{hint}"
+            f"--stage {stage}: no such stage; the program has {', '.join(program.names)}"
+            + did_you_mean(stage, program.names)
         )
     return [program.names.index(stage)]
 
