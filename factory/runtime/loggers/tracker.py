@@ -72,6 +72,9 @@ class Tracker(Callback):
 
     def pre_train(self, trainer: TrainerView) -> None:
         self.open(trainer)
+        stage = getattr(trainer.options, "stage", None)  # views made by hand may lack it
+        if stage is not None:
+            self.note(trainer.position.step, "run", f"stage {stage}")
         if trainer.position.step:
             self.note(trainer.position.step, "run", f"resumed at step {trainer.position.step}")
 
