@@ -1,0 +1,194 @@
+"""What ``factory build`` needs of a program (a blueprint with ``stages``): the planned
+program as the page draws it, the curations its stages share, and the smoke run's verdict
+per stage.
+
+The planned program is the full-size one, every number from the stages' resolved
+blueprints (:func:`factory.schemas.program.resolve_program`): tokens, steps, sequence
+length, batch, layout, and the learning rate at points of every stage, from the torch-free
+:func:`factory.runtime.schedule.learning_rate` at ``schedule_offset + step`` of the
+schedule the stage belongs to (so a decay spanning two stages is drawn as one curve).
+
+The smoke run trains each stage's proxy (:func:`factory.proxy.derive_program_proxy`: one
+proxy model for every stage, each stage at its own proxy sequence length) on that stage's
+recipe packed to that length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from factory.proxy import derive_program_proxy
+from factory.runtime.schedule import learning_rate
+
+if TYPE_CHECKING:
+    from factory.schemas.blueprint import Blueprint
+    from factory.schemas.program import Program, ProgramStage
+
+__all__ = [
+    "LR_POINTS",
+    "MAX_RISE",
+    "MIN_BELOW_START",
+    "Curation",
+    "StageFall",
+    "curations",
+    "program_plan",
+    "stage_fall",
+    "stage_proxies",
+]
+
+LR_POINTS = 96
+"""Learning-rate samples per stage in the planned program: enough for a smooth curve on a
+page; the first and last step of the stage are always among them."""
+
+LAYOUT_FIELDS = ("world_size", "tp", "cp", "ep", "pp")
+
+
+def _lr_samples(stage: ProgramStage) -> list[tuple[int, float]]:
+    steps, training = stage.steps, stage.blueprint.training
+    if steps <= 0:
+        return []
+    count = min(steps, LR_POINTS)
+    picked = sorted({round(i * (steps - 1) / max(1, count - 1)) for i in range(count)})
+    # The schedule's own turning points (end of warmup, start of decay) as exact samples.
+    window = range(stage.schedule_offset, stage.schedule_offset + steps)
+    sched, total = training.schedule, stage.schedule_steps
+    turns = {round(sched.warmup_fraction * total) - 1, round(sched.warmup_fraction * total)}
+    if sched.kind == "wsd":
+        decay = max(1, round(sched.decay_fraction * total))
+        turns |= {total - decay - 1, total - decay}
+    picked = sorted(set(picked) | {t - stage.schedule_offset for t in turns if t in window})
+    return [(s, learning_rate(stage.schedule_offset + s, total, training)) for s in picked]
+
+
+def stage_proxies(program: Program) -> list[Blueprint]:
+    """Each program stage's proxy, in order, as the smoke run trains it."""
+    return derive_program_proxy([stage.blueprint for stage in program])
+
+
+def _stage_record(stage: ProgramStage, proxy: Blueprint) -> dict[str, Any]:
+    bp = stage.blueprint
+    par, schedule, optimizer = bp.parallelism, bp.training.schedule, bp.training.optimizer
+    return {
+        "name": stage.name,
+        "index": stage.index,
+        "recipe": bp.data.recipe,
+        "seq_len": bp.data.seq_len,
+        "proxy_seq_len": proxy.data.seq_len,
+        "global_batch_size": par.global_batch_size,
+        "steps": stage.steps,
+        "tokens": stage.steps * bp.tokens_per_step,
+        "layout": {name: getattr(par, name) for name in LAYOUT_FIELDS},
+        "gpu": par.gpu,
+        "precision": bp.precision.recipe,
+        "carry": stage.carry.model_dump(mode="json"),
+        "schedule": {
+            "kind": schedule.kind,
+            "lr": optimizer.lr,
+            "min_lr": optimizer.min_lr,
+            "offset": stage.schedule_offset,
+            "steps": stage.schedule_steps,
+        },
+        "lr": [[step, rate] for step, rate in _lr_samples(stage)],
+    }
+
+
+def program_plan(blueprint: Blueprint, program: Program) -> dict[str, Any]:
+    """The planned program: every stage's full-size numbers, in order (``program_plan.json``)."""
+    written = {stage.name: stage.description for stage in blueprint.stages or []}
+    stages = [
+        {**_stage_record(stage, proxy), "description": written.get(stage.name, "")}
+        for stage, proxy in zip(program, stage_proxies(program), strict=True)
+    ]
+    return {
+        "name": blueprint.meta.name,
+        "stages": stages,
+        "tokens": sum(s["tokens"] for s in stages),
+        "steps": sum(s["steps"] for s in stages),
+    }
+
+
+@dataclass(frozen=True)
+class Curation:
+    """One curation of the data stage: a recipe at a sequence length, and the stages that
+    train on it (the first names the folder it is built in; the others get linked copies)."""
+
+    recipe: str
+    seq_len: int
+    stages: tuple[str, ...]
+
+
+def curations(program: Program) -> list[Curation]:
+    """The curations a program's smoke run needs, in stage order: one per distinct recipe and
+    proxy sequence length, since a curation is a function of those two alone."""
+    found: dict[tuple[str, int], list[str]] = {}
+    for stage, proxy in zip(program, stage_proxies(program), strict=True):
+        key = (stage.blueprint.data.recipe, proxy.data.seq_len)
+        found.setdefault(key, []).append(stage.name)
+    return [Curation(recipe, seq_len, tuple(names)) for (recipe, seq_len), names in found.items()]
+
+
+MIN_FALL = 0.05
+"""The first stage starts from initialised weights: its last quarter's mean LM loss must be
+at least 5% below its first quarter's (the single-stage build's criterion)."""
+
+MIN_BELOW_START = 0.10
+"""A later stage starts from the weights the stages before trained: its first quarter's mean
+LM loss must be at least 10% below the program's first step, or the weights were not
+carried (a model starting over is back at the untrained loss, about ln(vocab))."""
+
+MAX_RISE = 0.05
+"""A later stage on new data (a phase-2 blend, chat data with loss masks, a fresh optimizer
+warming up) need not fall measurably in a few steps, but it must not blow up: its last
+quarter's mean LM loss may be at most 5% above its first quarter's."""
+
+
+@dataclass(frozen=True)
+class StageFall:
+    """The smoke run's verdict on one stage."""
+
+    stage: str
+    first: float
+    """Mean LM loss of the stage's first quarter of steps."""
+    last: float
+    """Mean LM loss of its last quarter."""
+    start: float | None
+    """The program's first LM loss, for a later stage; None for the first stage."""
+
+    @property
+    def fraction(self) -> float:
+        return 1 - self.last / self.first if self.first else 0.0
+
+    @property
+    def below_start(self) -> float:
+        return 1 - self.first / self.start if self.start else 0.0
+
+    @property
+    def passed(self) -> bool:
+        if self.start is None:
+            return self.fraction >= MIN_FALL
+        return self.below_start >= MIN_BELOW_START and self.fraction >= -MAX_RISE
+
+    def describe(self) -> str:
+        change = f"LM loss {self.first:.3f} -> {self.last:.3f} ({-self.fraction:+.0%}"
+        if self.start is None:
+            return f"{change}; falls {MIN_FALL:.0%} or more from initialised weights)"
+        return (
+            f"{change}, rises {MAX_RISE:.0%} at most; starts {self.below_start:.0%} below the "
+            f"program's first loss {self.start:.3f}, {MIN_BELOW_START:.0%} needed)"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"first": self.first, "last": self.last, "start": self.start,
+                "passed": self.passed, "verdict": self.describe()}  # fmt: skip
+
+
+def stage_fall(stage: str, losses: list[float], start: float | None) -> StageFall:
+    """The verdict on a stage's ``losses`` (first and last quarter, one step at least each);
+    ``start`` is the program's first LM loss for every stage but the first."""
+    if len(losses) < 2:
+        raise ValueError(f"stage {stage}: a verdict needs at least 2 steps, got {len(losses)}")
+    quarter = max(1, len(losses) // 4)
+    first = sum(losses[:quarter]) / quarter
+    last = sum(losses[-quarter:]) / quarter
+    return StageFall(stage, first, last, start)
