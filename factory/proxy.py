@@ -44,6 +44,14 @@ passes every rule of ``factory.checks`` without a finding. The rule:
   proxy hold about 12 GB of activations per CP=2 rank, measured).
   Training: 300 steps, checkpoints every 100, optimizer, schedule and seed kept.
   Meta: ``{name}-proxy``, "CPU proxy of ..." and no hf_id.
+* **Programs.** Every stage of a blueprint with ``stages`` trains one model, so its
+  proxies share one (:func:`derive_program_proxy`): each stage's proxy is derived as
+  above, then all take the model of the first stage that quantizes (the proxy's Mamba
+  widths are aligned for it; else of the first stage). Sequence lengths keep the stages'
+  ratio to the power of two nearest it: the shortest stage trains at 256, a stage 2**k
+  times longer at 256 * 2**k, capped at 1024 (a 512k long-context stage after 8k
+  pretraining trains at 1024, four times the pretraining proxy's, and stays fast on a
+  CPU); ``max_seq_len`` covers the longest. A stage's micro-batch is 1 above 256.
 
 Why 32 experts: with 64 of width 176 the Nano proxy has 40M parameters; 32 keep it
 near 23M, small enough for CPU training. Why at least top-2: with one expert per
@@ -67,6 +75,8 @@ parameters         22,871,792                  14,132,768
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 from factory.precision.policy import uses_low_precision
@@ -74,10 +84,12 @@ from factory.schemas.blueprint import Blueprint
 from factory.spec.layer_type import LAYER_TYPES, ProxyScale, layer_type
 from factory.spec.rounding import half_up
 
-__all__ = ["derive_proxy", "proxy_pattern"]
+__all__ = ["derive_program_proxy", "derive_proxy", "proxy_pattern", "proxy_stage_seq_lens"]
 
 PROXY_STEPS, PROXY_GLOBAL_BATCH, PROXY_MICRO_BATCH, PROXY_SEQ_LEN = 300, 8, 2, 256
 PROXY_VOCAB, PROXY_MAX_SEQ_LEN, PROXY_CHECKPOINT_INTERVAL = 4096, 4096, 100
+PROXY_STAGE_MAX_SEQ_LEN = 1024
+"""The longest sequence a program stage's proxy trains on (a long-context stage's)."""
 
 
 def proxy_pattern(main: str) -> str:
@@ -155,3 +167,34 @@ def derive_proxy(bp: Blueprint, width: int = 256) -> Blueprint:
     meta["description"] = f"CPU proxy of {bp.meta.description or bp.meta.name}"
     meta.pop("hf_id", None)
     return Blueprint.model_validate(data)
+
+
+def proxy_stage_seq_lens(seq_lens: Sequence[int]) -> list[int]:
+    """The proxy's sequence length for stages of ``seq_lens``: the shortest at 256, the
+    others by the power of two nearest their ratio to it, at most 1024."""
+    shortest = min(seq_lens)
+    return [
+        min(PROXY_STAGE_MAX_SEQ_LEN, PROXY_SEQ_LEN * 2 ** max(0, round(math.log2(n / shortest))))
+        for n in seq_lens
+    ]
+
+
+def derive_program_proxy(stages: Sequence[Blueprint], width: int = 256) -> list[Blueprint]:
+    """The proxy of each of a program's stage blueprints (``ProgramStage.blueprint``, in
+    order): one model for all, each stage's own data, layout, precision and training, at
+    the sequence lengths of :func:`proxy_stage_seq_lens` (the module docstring's rule)."""
+    proxies = [derive_proxy(bp, width) for bp in stages]
+    seq_lens = proxy_stage_seq_lens([bp.data.seq_len for bp in stages])
+    source = next((i for i, bp in enumerate(stages) if uses_low_precision(bp)), 0)
+    model = proxies[source].model_dump(exclude_unset=True)["model"]
+    model["max_seq_len"] = max(min(model["max_seq_len"], PROXY_MAX_SEQ_LEN), *seq_lens)
+    out = []
+    for proxy, seq_len in zip(proxies, seq_lens, strict=True):
+        data = proxy.model_dump(exclude_unset=True)
+        data["model"] = model
+        batch = proxy.parallelism.global_batch_size
+        data["data"].update(seq_len=seq_len, tokens=proxy.training_steps * batch * seq_len)
+        micro = PROXY_MICRO_BATCH if seq_len == PROXY_SEQ_LEN else 1
+        data["parallelism"]["micro_batch_size"] = micro
+        out.append(Blueprint.model_validate(data))
+    return out

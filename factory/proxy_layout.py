@@ -68,9 +68,13 @@ def proxy_with_layout(proxy: Blueprint, world: int, degrees: dict[str, Any]) -> 
     return None if errors or runtime_refusals(candidate) else candidate
 
 
-def derive_proxy_layout(bp: Blueprint, world_size: int, width: int = 256) -> ProxyLayout:
-    """``bp``'s proxy laid out on ``world_size`` ranks, and the changes made to the layout."""
-    proxy = derive_proxy(bp, width)
+def derive_proxy_layout(
+    bp: Blueprint, world_size: int, width: int = 256, proxy: Blueprint | None = None
+) -> ProxyLayout:
+    """``bp``'s proxy (``proxy`` where the caller derived it: a program's stage,
+    ``factory.proxy.derive_program_proxy``) laid out on ``world_size`` ranks, and the changes
+    made to the layout."""
+    proxy = derive_proxy(bp, width) if proxy is None else proxy
     if world_size == 1:
         return ProxyLayout((proxy, []))
     par = bp.parallelism

@@ -38,8 +38,9 @@ from factory.jobs.launch import (
     torchrun_args,
 )
 from factory.jobs.run_lock import HELD_BY_LAUNCHER, RunFolderBusy, held_run_folder
-from factory.jobs.train import prepare_training, run_training
+from factory.jobs.train import prepare_program, prepare_training, run_training
 from factory.jobs.train_errors import CannotLaunch, RankLost, TrainRefused
+from factory.jobs.train_program import ProgramRequest, ProgramResult, run_program
 from factory.jobs.train_request import CheckpointPolicy, TrainRequest, TrainResult, TrainSettings
 from factory.precision.backends import PrecisionBackend
 from factory.progress import LogFormat, RichProgress
@@ -111,13 +112,25 @@ def train(
             "'torchrun --nproc-per-node N -m factory train ...').",
         ),
     ] = None,
+    stage: Annotated[
+        str | None,
+        typer.Option(
+            "--stage",
+            metavar="NAME",
+            help="Train (or resume) this stage of the blueprint's program alone; its "
+            "predecessor must have finished (default: every stage, resuming where the "
+            "program stopped).",
+        ),
+    ] = None,
     overrides: SetOption = None,
     log_format: LogFormatOption = LogFormat.auto,
 ) -> None:
     """Train a blueprint (or its CPU proxy) on its data recipe.
 
     With checkpoints and stability monitors; writes data/, checkpoints/, metrics.jsonl, and
-    at the end train.json, model/ and report/.
+    at the end train.json, model/ and report/. A blueprint with stages trains them in order,
+    one such folder per stage under --out, with program.json (--steps and --data then apply
+    per stage: N steps each, DATA/<stage>/).
     """
     console = progress_console(log_format)
     loaded = load(target, overrides or [])
@@ -135,10 +148,19 @@ def train(
         checkpoints=CheckpointPolicy(checkpoint_every, keep, async_checkpoint, resume),
         notice=_notices(console, main_rank),
     )
+    request: TrainRequest | ProgramRequest
     try:
-        request = prepare_training(
-            loaded.blueprint, settings, proxy=proxy, precision=precision, world_size=world
-        )  # type: ignore[arg-type]  # parse_precision checked it
+        if loaded.blueprint.stages is not None:
+            request = prepare_program(
+                loaded.blueprint, settings, proxy=proxy, precision=precision,  # type: ignore[arg-type]
+                world_size=world, stage=stage,
+            )  # fmt: skip
+        elif stage is not None:
+            raise TrainRefused(f"--stage {stage}: {loaded.blueprint.meta.name} has no stages")
+        else:
+            request = prepare_training(
+                loaded.blueprint, settings, proxy=proxy, precision=precision, world_size=world
+            )  # type: ignore[arg-type]  # parse_precision checked it
     except CannotLaunch as exc:
         diagnostic = loaded.source_map.diagnostic(exc.path, str(exc), rule=exc.rule)
         _refuse(diagnostic.format(), main_rank)
@@ -148,18 +170,30 @@ def train(
         print_diagnostics(loaded.warnings)
     if relaunch:
         raise typer.Exit(_launch(request, world, console))
-    if request.layout_changes and main_rank:
-        changes = "; ".join(request.layout_changes)
-        console.print(f"proxy layout: {changes}", markup=False, highlight=False)
+    if main_rank:
+        _say_layout_changes(request, console)
     try:
         with progress:
-            result = run_training(request)
+            if isinstance(request, ProgramRequest):
+                result: TrainResult | ProgramResult = run_program(request)
+            else:
+                result = run_training(request)
     except (TrainRefused, BuildRefused) as exc:  # BuildRefused: the recipe curated to nothing
         _refuse(f"factory train: {exc}", main_rank)
     except (RankLost, CheckpointWriteError) as exc:  # each rank says what it saw
         console.print(f"factory train: {exc}", markup=False, soft_wrap=True)
         raise typer.Exit(EXIT_RANK_LOST if isinstance(exc, RankLost) else 1) from None
     _say_how_it_ended(result, console, main_rank)
+
+
+def _say_layout_changes(request: TrainRequest | ProgramRequest, console: Console) -> None:
+    """What the proxy's layout changed to fit the launch (per stage of a program)."""
+    stages = request.stages if isinstance(request, ProgramRequest) else (request,)
+    for one in stages:
+        if one.layout_changes:
+            where = f" of stage {one.stage.name}" if one.stage is not None else ""
+            changes = "; ".join(one.layout_changes)
+            console.print(f"proxy layout{where}: {changes}", markup=False, highlight=False)
 
 
 def _refuse(line: str, main_rank: bool) -> NoReturn:
@@ -178,7 +212,7 @@ def _notices(console: Console, main_rank: bool) -> Callable[[str], None]:
     return notice
 
 
-def _launch(request: TrainRequest, world: int, console: Console) -> int:
+def _launch(request: TrainRequest | ProgramRequest, world: int, console: Console) -> int:
     """``--nproc``: hold the run folder, then run torchrun here; its ranks know it is held."""
     folder = request.out
     try:
@@ -193,8 +227,14 @@ def _launch(request: TrainRequest, world: int, console: Console) -> int:
         return EXIT_INVALID
 
 
-def _say_how_it_ended(result: TrainResult, console: Console, main_rank: bool) -> None:
+def _say_how_it_ended(
+    result: TrainResult | ProgramResult, console: Console, main_rank: bool
+) -> None:
+    """One line for how the run (a program's: its last stage) ended, and the exit status."""
     name, records, history = result.blueprint.meta.name, result.records, result.history
+    last = result.last if isinstance(result, ProgramResult) else result
+    if isinstance(result, ProgramResult):
+        name = f"{name}, stage {last.out.name}"
     if result.found_complete_at is not None:
         if main_rank:
             console.print(f"factory train: {name} already complete at step "
@@ -215,7 +255,7 @@ def _say_how_it_ended(result: TrainResult, console: Console, main_rank: bool) ->
     if records:
         line = f" {name}: {len(records)} steps, loss {records[-1].lm_loss:.4f} -> {result.out}"
         console.print(Text.assemble(("trained", "green"), line), highlight=False)
-    report = result.out / "report" / "report.html"
+    report = last.out / "report" / "report.html"
     if report.is_file():
         console.print(f"report: {report}", markup=False, highlight=False)
 

@@ -43,8 +43,10 @@ from factory.jobs.train_errors import (
     CannotLaunch,
     ModelTooBig,
 )
+from factory.jobs.train_program import ProgramRequest, ProgramResult, plan_stages, run_program
 from factory.jobs.train_request import (
     CheckpointPolicy,
+    StageRun,
     StepsShown,
     TrainRequest,
     TrainResult,
@@ -59,7 +61,7 @@ from factory.proxy_layout import derive_proxy_layout
 from factory.runtime.loggers import require_loggers
 from factory.schemas.blueprint import Blueprint
 
-__all__ = ["prepare_training", "run_training", "train"]
+__all__ = ["checked_request", "prepare_program", "prepare_training", "run_training", "train"]
 
 
 def prepare_training(
@@ -81,11 +83,31 @@ def prepare_training(
     them); on one, the model's size (a model too big for one process says to train its
     proxy).
     """
+    if blueprint.stages is not None:
+        raise ValueError(
+            f"{blueprint.meta.name} is a program of stages: factory.jobs.train_program's "
+            "prepare_program trains it"
+        )
     world = launched_world_size() if world_size is None else world_size
+    bp, changes = derive_proxy_layout(blueprint, world) if proxy else (blueprint, [])
+    return checked_request(bp, changes, settings, proxy=proxy, precision=precision, world=world)
+
+
+def checked_request(
+    bp: Blueprint,
+    changes: list[str],
+    settings: TrainSettings,
+    *,
+    proxy: bool,
+    precision: PrecisionBackend,
+    world: int,
+    stage: StageRun | None = None,
+) -> TrainRequest:
+    """The request to train ``bp`` (already the proxy's, laid out, where ``proxy``) on
+    ``world`` processes, or the refusal :func:`prepare_training` describes."""
     backends = typing.get_args(PrecisionBackend)
     if precision not in backends:
         raise ValueError(f"precision must be one of {', '.join(backends)}, not {precision!r}")
-    bp, changes = derive_proxy_layout(blueprint, world) if proxy else (blueprint, [])
     if world > 1:  # several processes were asked for: the layout must fit them first
         _check_launch(bp, world, precision)
     if bp.training.compile and precision != "off" and uses_low_precision(bp):
@@ -104,7 +126,41 @@ def prepare_training(
         raise ModelTooBig(bp.meta.name, params, have, proxy)
     if world == 1:  # after the size: a model too big for one process says to train its proxy
         _check_launch(bp, world, precision)
-    return TrainRequest(bp, precision, tuple(changes), settings)
+    return TrainRequest(bp, precision, tuple(changes), settings, stage)
+
+
+def prepare_program(
+    blueprint: Blueprint,
+    settings: TrainSettings,
+    *,
+    proxy: bool = False,
+    precision: PrecisionBackend = "auto",
+    world_size: int | None = None,
+    stage: str | None = None,
+) -> ProgramRequest:
+    """The training of ``blueprint``'s program of stages (``factory.jobs.train_program``),
+    every stage or ``stage`` alone, each checked as :func:`prepare_training` checks a
+    blueprint, before any of them runs.
+
+    Raises what :func:`prepare_training` raises (a :class:`CannotLaunch` placed where the
+    blueprint file writes the value: ``stages[i].parallelism...`` for a stage's own) and
+    :class:`~factory.jobs.train_program.StageRefused`.
+    """
+    world = launched_world_size() if world_size is None else world_size
+    plan = plan_stages(blueprint, settings, proxy=proxy, world=world, stage=stage)
+    program, out, steps, planned = plan
+    requests = []
+    for one in planned:
+        try:
+            request = checked_request(
+                one.blueprint, one.changes, one.settings,
+                proxy=proxy, precision=precision, world=world, stage=one.stage,
+            )  # fmt: skip
+        except CannotLaunch as exc:
+            where = one.source.document_path(exc.path)
+            raise CannotLaunch(f"stage {one.stage.name}: {exc}", where, exc.rule) from exc
+        requests.append(request)
+    return ProgramRequest(blueprint, out, tuple(program.names), tuple(steps), tuple(requests))
 
 
 def _check_launch(bp: Blueprint, world: int, precision: PrecisionBackend) -> None:
@@ -136,11 +192,15 @@ def train(
     show_steps: StepsShown = None,
     checkpoints: CheckpointPolicy | None = None,
     notice: Callable[[str], None] | None = None,
-) -> TrainResult:
+    stage: str | None = None,
+) -> TrainResult | ProgramResult:
     """Train ``blueprint`` (its CPU proxy with ``proxy=True``) and write ``out``.
 
-    :func:`prepare_training` then :func:`run_training`; the keywords besides ``proxy`` and
-    ``precision`` are :class:`~factory.jobs.train_request.TrainSettings`'.
+    :func:`prepare_training` then :func:`run_training`; the keywords besides ``proxy``,
+    ``precision`` and ``stage`` are :class:`~factory.jobs.train_request.TrainSettings`'. A
+    blueprint with ``stages`` trains its program (``factory.jobs.train_program``), every
+    stage or, with ``stage``, that one, and returns a
+    :class:`~factory.jobs.train_program.ProgramResult`.
     """
     settings = TrainSettings(
         out=out,
@@ -153,6 +213,13 @@ def train(
         checkpoints=checkpoints or CheckpointPolicy(),
         notice=notice or ignore_notice,
     )
+    if blueprint.stages is not None:
+        request = prepare_program(
+            blueprint, settings, proxy=proxy, precision=precision, stage=stage
+        )
+        return run_program(request)
+    if stage is not None:
+        raise ValueError(f"stage {stage!r}: {blueprint.meta.name} has no stages")
     return run_training(prepare_training(blueprint, settings, proxy=proxy, precision=precision))
 
 

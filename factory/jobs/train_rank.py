@@ -42,7 +42,7 @@ from factory.folder_lock import release
 from factory.io import atomic_write_text
 from factory.jobs.run_lock import RunFolderBusy, held_by_launcher, lock_run_folder
 from factory.jobs.train_errors import BadData, CannotResume, RankLost, TrainRefused
-from factory.jobs.train_request import TrainRequest, TrainResult
+from factory.jobs.train_request import StageRun, TrainRequest, TrainResult
 from factory.planner.layout import resolve_layout
 from factory.progress import PLAIN_EVERY_S, PLAIN_EVERY_STEPS
 from factory.report.run_metrics import ReportError
@@ -55,7 +55,7 @@ from factory.runtime.history import RunHistory, StepRecord
 from factory.runtime.loader import DataError, ShardLoader
 from factory.runtime.placement import full_weights, lay_out, materialize_shards
 from factory.runtime.ranks import Ranks, is_transport_failure, joined_ranks
-from factory.runtime.run_options import RunOptions
+from factory.runtime.run_options import RunOptions, StageStart
 
 __all__ = ["run_rank"]
 
@@ -90,7 +90,7 @@ def run_rank(request: TrainRequest) -> TrainResult:
                                  history)  # fmt: skip
             if weights is not None:  # rank 0, still holding the run folder
                 progress("export", 0, 1)
-                _write_summary(result, request.settings.data)
+                _write_summary(result, request.settings.data, request.stage)
                 write_hf_checkpoint(weights, bp, out / "model")
                 progress("export", 1, 1)
     except (dist.DistError, RuntimeError) as exc:
@@ -231,6 +231,18 @@ def _fit(compiled: Compiled, shards: Path, request: TrainRequest, ranks: Ranks) 
         stop_on_signals=True,
         notice=settings.notice,
     )
+    stage = request.stage
+    if stage is not None:
+        options.stage = stage.name
+        options.description = f"train {stage.name}"
+        options.schedule_offset, options.schedule_steps = (
+            stage.schedule_offset,
+            stage.schedule_steps,
+        )
+        if stage.previous is not None and not options.resume:
+            options.start_from = StageStart(
+                stage.previous, stage.carry_optimizer, stage.carry_data_position
+            )
     extra: list[Callback] = [] if show_steps else [StepProgress(settings.progress)]
     extra.append(RunReport(out))
     share = {"rank": ranks.data_rank, "world_size": ranks.data_size}
@@ -244,11 +256,12 @@ def _fit(compiled: Compiled, shards: Path, request: TrainRequest, ranks: Ranks) 
         raise CannotResume(str(exc)) from exc
 
 
-def _write_summary(result: TrainResult, data: Path | None) -> None:
+def _write_summary(result: TrainResult, data: Path | None, stage: StageRun | None) -> None:
     """``train.json``: what ran, and one record per step."""
     history = result.history
     summary = {
         "blueprint": result.blueprint.meta.name,
+        **({"stage": stage.name} if stage is not None else {}),
         "device": result.device,
         "precision": result.precision,
         "seed": result.seed,

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CheckpointPolicy",
+    "StageRun",
     "StepsShown",
     "TrainRequest",
     "TrainResult",
@@ -84,6 +85,24 @@ class TrainSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class StageRun:
+    """A training that is one stage of a program (``factory.jobs.train_program``): where it
+    sits in the program and in its learning-rate schedule, and where it starts."""
+
+    name: str
+    index: int
+    schedule_offset: int
+    """Steps of the schedule that earlier stages took (``ProgramStage.schedule_offset``)."""
+    schedule_steps: int
+    """Steps the schedule spans (``ProgramStage.schedule_steps``)."""
+    previous: Path | None
+    """The boundary checkpoint of the stage before (None: the first stage), which the stage
+    starts from when it has no checkpoint of its own."""
+    carry_optimizer: bool = True
+    carry_data_position: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainRequest:
     """A training that :func:`~factory.jobs.train.prepare_training` accepted."""
 
@@ -93,6 +112,8 @@ class TrainRequest:
     layout_changes: tuple[str, ...] = ()
     """What the proxy's layout changed to fit the launch (``factory.proxy_layout``)."""
     settings: TrainSettings = TrainSettings()
+    stage: StageRun | None = None
+    """The stage of a program this training is (None: a blueprint without stages)."""
 
     @property
     def out(self) -> Path:

@@ -3,7 +3,8 @@
 A killed run keeps everything up to its last step; ``factory report`` reads the
 file (``factory.report.run_metrics``) into the same record types that are
 written here (:data:`KINDS`): ``run`` (first), ``step``, ``event``,
-``checkpoint``, ``rollback`` and ``end``. A resumed run appends to the same
+``checkpoint``, ``rollback`` and ``end``; in a stage of a program every line also
+names the stage (``"stage"``). A resumed run appends to the same
 file, after cutting off a torn last line (a process killed mid-write), so the
 file stays one JSON object per line. Rank 0 writes ``metrics.jsonl``; every other rank of a distributed run its
 own ``ranks/rank_NNNNN.jsonl``. This module does not import torch.
@@ -180,14 +181,17 @@ class MetricsLog(Callback):
     def __init__(self, path: Path) -> None:
         self.path = path
         self._file: IO[str] | None = None
+        self._stage: dict[str, str] = {}
 
     def write(self, record: Any) -> None:
-        """One line for ``record`` (one of :data:`KINDS`' types), flushed."""
+        """One line for ``record`` (one of :data:`KINDS`' types), flushed; a stage of a
+        program adds its name as ``"stage"``."""
         if self._file is None:
             return
         kind = _KIND_OF[type(record)]
         fields = {JSON_KEYS.get(k, k): _finite(v) for k, v in asdict(record).items()}
-        self._file.write(json.dumps({"kind": kind, **fields}, sort_keys=False) + "\n")
+        line = {"kind": kind, **self._stage, **fields}
+        self._file.write(json.dumps(line, sort_keys=False) + "\n")
         self._file.flush()
 
     def pre_train(self, trainer: TrainerView) -> None:
@@ -199,6 +203,8 @@ class MetricsLog(Callback):
                 "writing it) before appending"
             )
         self._file = self.path.open("a", encoding="utf-8")
+        stage = trainer.options.stage
+        self._stage = {"stage": stage} if stage is not None else {}
         bp = trainer.compiled.blueprint
         self.write(
             RunInfo(

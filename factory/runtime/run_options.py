@@ -12,7 +12,19 @@ from pathlib import Path
 
 from factory.runtime.ranks import Ranks, SingleProcess
 
-__all__ = ["RunOptions"]
+__all__ = ["RunOptions", "StageStart"]
+
+
+@dataclass(frozen=True)
+class StageStart:
+    """Where a stage of a program starts when it has no checkpoint of its own: the final
+    checkpoint of the stage before (its boundary), and what of it the stage carries over."""
+
+    checkpoint: Path
+    optimizer: bool = True
+    """Take the fp32 masters' Adam moments and step count too (else a fresh optimizer)."""
+    data_position: bool = False
+    """Read on at the boundary's data position (else this stage's data from its start)."""
 
 
 @dataclass
@@ -43,6 +55,16 @@ class RunOptions:
     stop_on_signals: bool = False
     """Catch SIGTERM and SIGINT while training: checkpoint at the next step boundary and end
     the run ``interrupted`` (a second signal still ends the process at once)."""
+    stage: str | None = None
+    """The program stage this run is (``factory.schemas.program``): every record of
+    ``metrics.jsonl`` and the trackers carry it; None for a blueprint without stages."""
+    start_from: StageStart | None = None
+    """Without a checkpoint to resume from, begin from the stage before's boundary."""
+    schedule_offset: int = 0
+    """Steps of the learning-rate schedule that earlier stages of the program took: local
+    step ``s`` runs at ``learning_rate(schedule_offset + s, schedule_steps, ...)``."""
+    schedule_steps: int | None = None
+    """Steps the schedule spans (default: the run's own steps)."""
     notice: Callable[[str], None] = field(default=lambda line: None)
     """Told, one line each, what the run repaired or skipped on its way (a damaged
     checkpoint passed over, a torn line of metrics.jsonl removed); rank 0 only."""

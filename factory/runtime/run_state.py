@@ -23,7 +23,7 @@ from factory.layers.model_spec import model_spec
 from factory.runtime import checkpoint
 from factory.runtime.optimizer import MasterOptimizer
 
-__all__ = ["Anneal", "Position", "fingerprint", "restore", "snapshot"]
+__all__ = ["Anneal", "Position", "fingerprint", "restore", "restore_boundary", "snapshot"]
 
 
 @dataclass
@@ -119,3 +119,23 @@ def restore(
     anneal = raw.pop("anneal")
     position = Position(**raw, anneal=Anneal(**anneal) if anneal else None)
     return position, meta["data"], meta
+
+
+def restore_boundary(
+    path: Path, compiled: Compiled, optimizer: MasterOptimizer, with_optimizer: bool
+) -> dict[str, Any]:
+    """Load the weights of checkpoint ``path`` (a program stage's boundary) into ``compiled``
+    (the fp32 masters too: the model's own tensors may be of lower precision), and Adam's
+    moments and step count when ``with_optimizer``; return its data state. DCP reads every
+    tensor by its global name, so the checkpoint lands on whatever layout ``compiled`` has.
+    The process-local state (RNG, precision runtime) is not read: a stage starts those
+    afresh."""
+    empty = optimizer.empty_state_dict()
+    wanted = empty if with_optimizer else {"state": {}, "masters": empty["masters"]}
+    state = {"model": compiled.model.state_dict(), "optimizer": wanted}
+    meta, _ = checkpoint.read_checkpoint(path, state, fingerprint(compiled))
+    compiled.model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if compiled.precision is not None:
+        compiled.precision.weights_updated()
+    return meta["data"]

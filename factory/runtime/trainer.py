@@ -62,8 +62,8 @@ from factory.runtime.checkpoint import (
 from factory.runtime.gradients import clip_to_norm, norm_masters
 from factory.runtime.history import RunHistory, StepRecord
 from factory.runtime.optimizer import MasterOptimizer
-from factory.runtime.run_options import RunOptions
-from factory.runtime.run_state import Anneal, Position, restore, snapshot
+from factory.runtime.run_options import RunOptions, StageStart
+from factory.runtime.run_state import Anneal, Position, restore, restore_boundary, snapshot
 from factory.runtime.schedule import annealed_rate, learning_rate
 from factory.runtime.step import StepOutcome, forward_backward
 from factory.runtime.stop_signals import StopSignals, catching_stop_signals
@@ -90,10 +90,11 @@ class BatchSource(Protocol):
         """Resume a saved position; refuse one from another order."""
 
 
-def learning_rate_at(position: Position, steps: int, compiled: Compiled) -> float:
-    """The schedule's rate at ``position``, capped by a rollback's annealing."""
+def learning_rate_at(position: Position, steps: int, compiled: Compiled, offset: int = 0) -> float:
+    """The schedule's rate at ``position`` (``offset`` steps into a ``steps``-step schedule
+    when earlier stages of a program took those), capped by a rollback's annealing."""
     training = compiled.blueprint.training
-    rate = learning_rate(position.step, steps, training)
+    rate = learning_rate(offset + position.step, steps, training)
     a = position.anneal
     if a is not None:
         shape = training.stability.rollback.anneal_shape
@@ -142,6 +143,8 @@ class Trainer:
             self.checkpointer = Checkpointer(root, o.keep_checkpoints, o.async_checkpoint, o.ranks)
         if o.resume:
             self._resume()
+        elif o.start_from is not None:
+            self._start_from(o.start_from)
         else:
             self.batches.seek(0)
         self._stream = iter(self.batches)
@@ -193,6 +196,11 @@ class Trainer:
         newest = complete_checkpoints(self.checkpointer.root)[-1:]
         return bool(self.ranks.agree(bool(newest) and newest[0][0] == self.position.step))
 
+    @property
+    def schedule_steps(self) -> int:
+        """The length of the learning-rate schedule this run is part of."""
+        return self.options.schedule_steps or self.steps
+
     def _check_batch_split(self) -> None:
         par = self.compiled.blueprint.parallelism
         if par.global_batch_size % par.micro_batch_size:
@@ -214,7 +222,7 @@ class Trainer:
         assert self.optimizer is not None
         bp, model, p = self.compiled.blueprint, self.compiled.model, self.position
         start = time.perf_counter()
-        lr = learning_rate_at(p, self.steps, self.compiled)
+        lr = learning_rate_at(p, self.schedule_steps, self.compiled, self.options.schedule_offset)
         self.optimizer.set_lr(lr)
         self.optimizer.zero_grad()
         consumed_before = p.consumed
@@ -349,6 +357,25 @@ class Trainer:
         lines = "; ".join(line for _, line in damaged)
         raise CheckpointDamaged(f"{lines}; no checkpoint left to resume from")
 
+    def _start_from(self, start: StageStart) -> None:
+        """Begin a program's stage at the boundary of the stage before: its weights (read
+        onto this stage's layout), its optimizer state and data position as ``start`` says.
+        The position, RNG, precision runtime and callbacks start afresh, as in a new run, so
+        a stage begins the same whether its predecessor ran in this process or not."""
+        assert self.optimizer is not None
+        data_state = restore_boundary(
+            start.checkpoint, self.compiled, self.optimizer, start.optimizer
+        )
+        if not start.data_position:
+            self.batches.seek(0)
+            return
+        try:
+            self.batches.load_state_dict(data_state)
+        except ValueError as exc:
+            message = f"{start.checkpoint}: its data position does not fit this stage's data: {exc}"
+            raise CheckpointError(message) from exc
+        self.position.consumed = self.batches.position
+
     def _try_restore(self, path: Path) -> str | None:
         """Restore ``path`` and its data position; why it cannot be read (on any rank), or
         None. Another model's checkpoint, or another data order, is an error, not damage."""
@@ -384,7 +411,8 @@ class Trainer:
         # The refused attempt keeps its update number: updates count attempts, monotonically.
         position.consumed, position.update, position.rollbacks = consumed, update + 1, rollbacks + 1
         anneal_steps = max(1, round(cfg.anneal_fraction * self.steps))
-        rate = learning_rate_at(position, self.steps, self.compiled)
+        offset = self.options.schedule_offset
+        rate = learning_rate_at(position, self.schedule_steps, self.compiled, offset)
         position.anneal = Anneal(start=position.step, rate=rate, steps=anneal_steps)
         self.position = position
         self.batches.seek(consumed)  # the window that led to the trouble is skipped

@@ -72,6 +72,8 @@ class Tracker(Callback):
 
     def pre_train(self, trainer: TrainerView) -> None:
         self.open(trainer)
+        if trainer.options.stage is not None:
+            self.note(trainer.position.step, "run", f"stage {trainer.options.stage}")
         if trainer.position.step:
             self.note(trainer.position.step, "run", f"resumed at step {trainer.position.step}")
 
