@@ -15,6 +15,7 @@ recipe packed to that length.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LR_POINTS",
     "MAX_RISE",
-    "MIN_BELOW_START",
+    "MIN_FALL",
     "Curation",
     "StageFall",
     "curations",
@@ -132,15 +133,18 @@ MIN_FALL = 0.05
 """The first stage starts from initialised weights: its last quarter's mean LM loss must be
 at least 5% below its first quarter's (the single-stage build's criterion)."""
 
-MIN_BELOW_START = 0.10
-"""A later stage starts from the weights the stages before trained: its first quarter's mean
-LM loss must be at least 10% below the program's first step, or the weights were not
-carried (a model starting over is back at the untrained loss, about ln(vocab))."""
-
 MAX_RISE = 0.05
-"""A later stage on new data (a phase-2 blend, chat data with loss masks, a fresh optimizer
-warming up) need not fall measurably in a few steps, but it must not blow up: its last
-quarter's mean LM loss may be at most 5% above its first quarter's."""
+"""A later stage starts from the weights the stage before left, on new data, often at another
+sequence length and with another learning rate (a long-context stage's 1e-5, a fresh
+optimizer warming up): a few proxy steps need not lower its loss measurably, and a jump at
+the boundary says nothing wrong. Measured: a phase-2 stage of the Nano proxy ended at LM
+loss 5.49 and the long-context stage after it, at 4x the sequence length on the
+long-context mixture, started at 8.12 with the weights carried (they moved 0.15% over its
+4 steps at lr 1e-5). What a later stage must do is train stably from there: every loss
+finite and its last quarter's mean at most 5% above its first quarter's (step-to-step
+noise of a few steps stays within that; a stage whose optimizer state or learning rate is
+wrong climbs past it). That the weights do carry is the training's own contract, checked
+bit for bit by its tests."""
 
 
 @dataclass(frozen=True)
@@ -152,43 +156,45 @@ class StageFall:
     """Mean LM loss of the stage's first quarter of steps."""
     last: float
     """Mean LM loss of its last quarter."""
-    start: float | None
-    """The program's first LM loss, for a later stage; None for the first stage."""
+    fresh: bool
+    """The stage starts from initialised weights (the program's first stage)."""
+    finite: bool = True
+    """Every step's LM loss is finite."""
+    before: float | None = None
+    """The LM loss of the stage before's last step (shown, not judged)."""
 
     @property
     def fraction(self) -> float:
         return 1 - self.last / self.first if self.first else 0.0
 
     @property
-    def below_start(self) -> float:
-        return 1 - self.first / self.start if self.start else 0.0
-
-    @property
     def passed(self) -> bool:
-        if self.start is None:
-            return self.fraction >= MIN_FALL
-        return self.below_start >= MIN_BELOW_START and self.fraction >= -MAX_RISE
+        if not self.finite:
+            return False
+        return self.fraction >= MIN_FALL if self.fresh else self.fraction >= -MAX_RISE
 
     def describe(self) -> str:
-        change = f"LM loss {self.first:.3f} -> {self.last:.3f} ({-self.fraction:+.0%}"
-        if self.start is None:
-            return f"{change}; falls {MIN_FALL:.0%} or more from initialised weights)"
-        return (
-            f"{change}, rises {MAX_RISE:.0%} at most; starts {self.below_start:.0%} below the "
-            f"program's first loss {self.start:.3f}, {MIN_BELOW_START:.0%} needed)"
-        )
+        if not self.finite:
+            return f"LM loss not finite in stage {self.stage}"
+        change = f"LM loss {self.first:.3f} -> {self.last:.3f} ({-self.fraction:+.0%}; "
+        if self.fresh:
+            return f"{change}from initialised weights, falls {MIN_FALL:.0%} or more)"
+        boundary = f"; the stage before ended at {self.before:.3f}" if self.before else ""
+        return f"{change}from the stage before's weights, rises {MAX_RISE:.0%} at most{boundary})"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"first": self.first, "last": self.last, "start": self.start,
-                "passed": self.passed, "verdict": self.describe()}  # fmt: skip
+        return {"first": self.first, "last": self.last, "fresh": self.fresh,
+                "before": self.before, "passed": self.passed,
+                "verdict": self.describe()}  # fmt: skip
 
 
-def stage_fall(stage: str, losses: list[float], start: float | None) -> StageFall:
+def stage_fall(stage: str, losses: list[float], before: float | None) -> StageFall:
     """The verdict on a stage's ``losses`` (first and last quarter, one step at least each);
-    ``start`` is the program's first LM loss for every stage but the first."""
+    ``before`` is the stage before's last LM loss, None for the program's first stage."""
     if len(losses) < 2:
         raise ValueError(f"stage {stage}: a verdict needs at least 2 steps, got {len(losses)}")
     quarter = max(1, len(losses) // 4)
     first = sum(losses[:quarter]) / quarter
     last = sum(losses[-quarter:]) / quarter
-    return StageFall(stage, first, last, start)
+    finite = all(math.isfinite(loss) for loss in losses)
+    return StageFall(stage, first, last, fresh=before is None, finite=finite, before=before)

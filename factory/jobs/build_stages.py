@@ -297,12 +297,12 @@ def _program_smoke(ctx: BuildContext) -> Outcome:
         checkpoints=CheckpointPolicy(every=SMOKE_CHECKPOINT_EVERY, keep=1),
     )
     records: dict[str, Any] = {}
-    start: float | None = None
+    before: float | None = None
     failed = []
     for name in ctx.program.names:
         losses = run_losses(run / name)
-        verdict = stage_fall(name, losses, start)
-        start = losses[0] if start is None else start
+        verdict = stage_fall(name, losses, before)
+        before = losses[-1]
         records[name] = {"steps": len(losses), **verdict.to_dict()}
         if not verdict.passed:
             failed.append(f"{name}: {verdict.describe()}")

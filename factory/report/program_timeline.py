@@ -24,7 +24,7 @@ MIN_BAND = 132
 """The narrowest a stage's band is drawn in the tracks (its name and layout fit)."""
 SCALE_Y, SCALE_H = 6, 10
 HEAD_Y = 30
-LR_Y, LR_H = 74, 84
+LR_Y, LR_H = 80, 80
 SEQ_Y, SEQ_H = 196, 36
 LAYOUT_Y = 252
 LOSS_Y, LOSS_H = 306, 84
@@ -45,6 +45,7 @@ class Band:
     amount: float
     """Its length along x: tokens (the planned program) or steps (a run)."""
     amount_label: str
+    """Under the stage's name; each part separated by " · " on a line of its own."""
     lr: Sequence[tuple[float, float]]
     """(position within the stage, 0 to 1; learning rate)."""
     seq_len: int
@@ -257,9 +258,12 @@ def timeline_svg(
             f'fill="{stage_colour(i)}"/>'
             f'<text x="{left + 5:.1f}" y="{HEAD_Y + 12}" font-size="12" font-weight="700">'
             f"{escape(band.name)}</text>"
-            f'<text x="{left + 5:.1f}" y="{HEAD_Y + 27}" font-size="10" fill="#57606a">'
-            f"{escape(band.amount_label)}</text>"
         )
+        for line, text in enumerate(band.amount_label.split(" · ")):
+            parts.append(
+                f'<text x="{left + 5:.1f}" y="{HEAD_Y + 25 + 12 * line}" font-size="10" '
+                f'fill="#57606a">{escape(text)}</text>'
+            )
     parts += [_lr_track(bands, edges), _seq_track(bands, edges), _layout_track(bands, edges)]
     if has_loss:
         parts.append(_loss_track(bands, edges))
