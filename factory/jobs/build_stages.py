@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from factory.data.build_job import build as build_data
+from factory.data.build_lock import LOCK_NAME
 from factory.data.loaded_recipe import load_recipe
 from factory.exports.hf_config import hf_config
 from factory.exports.megatron import export_megatron
@@ -246,11 +247,13 @@ def _data_summary(manifest: dict[str, Any], recipe: str, seq_len: int) -> dict[s
 
 def _linked_copy(source: Path, target: Path) -> None:
     """``target`` as a copy of the finished folder ``source`` whose files are hard links (a
-    plain copy where the file system has none); a finished copy is kept."""
+    plain copy where the file system has none), without its build lock (the copy is no data
+    build's folder); a finished copy is kept."""
     if (target / "manifest.json").is_file():
         return
     with staged_directory(target) as staging:
-        shutil.copytree(source, staging, copy_function=_link_or_copy, dirs_exist_ok=True)
+        shutil.copytree(source, staging, copy_function=_link_or_copy, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(LOCK_NAME))  # fmt: skip
 
 
 def _link_or_copy(source: str, target: str) -> None:

@@ -180,7 +180,8 @@ def _distributed_html(folder: BuildFolder) -> str:
         check["losses"],
         check["smoke_losses"],
         float(check["tolerance"]),
-        "distributed vs smoke loss",
+        f"distributed vs {'one process' if check.get('stage') else 'smoke'} loss",
+        f"stage {check['stage']}, 1 process" if check.get("stage") else "smoke (1 process)",
     )
     facts = key_value_table([
         ("processes", str(check.get("world_size", "?"))),
