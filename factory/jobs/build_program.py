@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LR_POINTS",
-    "MAX_RISE",
     "MIN_FALL",
     "Curation",
     "StageFall",
@@ -133,35 +132,32 @@ MIN_FALL = 0.05
 """The first stage starts from initialised weights: its last quarter's mean LM loss must be
 at least 5% below its first quarter's (the single-stage build's criterion)."""
 
-MAX_RISE = 0.05
-"""A later stage starts from the weights the stage before left, on new data, often at another
-sequence length and with another learning rate (a long-context stage's 1e-5, a fresh
-optimizer warming up): a few proxy steps need not lower its loss measurably, and a jump at
-the boundary says nothing wrong. Measured: a phase-2 stage of the Nano proxy ended at LM
-loss 5.49 and the long-context stage after it, at 4x the sequence length on the
-long-context mixture, started at 8.12 with the weights carried (they moved 0.15% over its
-4 steps at lr 1e-5). What a later stage must do is train stably from there: every loss
-finite and its last quarter's mean at most 5% above its first quarter's (step-to-step
-noise of a few steps stays within that; a stage whose optimizer state or learning rate is
-wrong climbs past it). That the weights do carry is the training's own contract, checked
-bit for bit by its tests."""
-
 
 @dataclass(frozen=True)
 class StageFall:
-    """The smoke run's verdict on one stage."""
+    """The smoke run's verdict on one stage.
+
+    The first stage starts from initialised weights and must learn: its last quarter's mean
+    LM loss at least :data:`MIN_FALL` below its first quarter's. A later stage starts from
+    the weights the stage before left, on a new mixture, often at another length and a far
+    smaller learning rate, and a few steps of it say nothing about learning: its batches
+    differ in difficulty more than a few steps of training move the loss. Measured on the
+    Nano proxy's SFT stage (8 steps): trained at its learning rate its LM loss went 5.04 ->
+    6.19; with the learning rate at 1e-12, on the same batches, 5.04 -> 6.22. So a later
+    stage is judged on what a few steps can show: every loss finite, and its last quarter's
+    mean below the program's start (the first stage's first quarter: the untrained model's
+    loss, about ln(vocab)), which a stage that lost the weights, or diverged, is not.
+    """
 
     stage: str
     first: float
     """Mean LM loss of the stage's first quarter of steps."""
     last: float
     """Mean LM loss of its last quarter."""
-    fresh: bool
-    """The stage starts from initialised weights (the program's first stage)."""
+    start: float | None
+    """The program's first quarter's mean LM loss, for a later stage; None for the first."""
     finite: bool = True
     """Every step's LM loss is finite."""
-    before: float | None = None
-    """The LM loss of the stage before's last step (shown, not judged)."""
 
     @property
     def fraction(self) -> float:
@@ -171,30 +167,30 @@ class StageFall:
     def passed(self) -> bool:
         if not self.finite:
             return False
-        return self.fraction >= MIN_FALL if self.fresh else self.fraction >= -MAX_RISE
+        if self.start is None:
+            return self.fraction >= MIN_FALL
+        return self.last < self.start
 
     def describe(self) -> str:
         if not self.finite:
             return f"LM loss not finite in stage {self.stage}"
         change = f"LM loss {self.first:.3f} -> {self.last:.3f} ({-self.fraction:+.0%}; "
-        if self.fresh:
+        if self.start is None:
             return f"{change}from initialised weights, falls {MIN_FALL:.0%} or more)"
-        boundary = f"; the stage before ended at {self.before:.3f}" if self.before else ""
-        return f"{change}from the stage before's weights, rises {MAX_RISE:.0%} at most{boundary})"
+        return f"{change}from the stage before's weights, ends below the start {self.start:.3f})"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"first": self.first, "last": self.last, "fresh": self.fresh,
-                "before": self.before, "passed": self.passed,
-                "verdict": self.describe()}  # fmt: skip
+        return {"first": self.first, "last": self.last, "start": self.start,
+                "passed": self.passed, "verdict": self.describe()}  # fmt: skip
 
 
-def stage_fall(stage: str, losses: list[float], before: float | None) -> StageFall:
+def stage_fall(stage: str, losses: list[float], start: float | None) -> StageFall:
     """The verdict on a stage's ``losses`` (first and last quarter, one step at least each);
-    ``before`` is the stage before's last LM loss, None for the program's first stage."""
+    ``start`` is the program's first quarter's mean LM loss, None for the first stage."""
     if len(losses) < 2:
         raise ValueError(f"stage {stage}: a verdict needs at least 2 steps, got {len(losses)}")
     quarter = max(1, len(losses) // 4)
     first = sum(losses[:quarter]) / quarter
     last = sum(losses[-quarter:]) / quarter
     finite = all(math.isfinite(loss) for loss in losses)
-    return StageFall(stage, first, last, fresh=before is None, finite=finite, before=before)
+    return StageFall(stage, first, last, start, finite)

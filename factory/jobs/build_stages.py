@@ -300,12 +300,12 @@ def _program_smoke(ctx: BuildContext) -> Outcome:
         checkpoints=CheckpointPolicy(every=SMOKE_CHECKPOINT_EVERY, keep=1),
     )
     records: dict[str, Any] = {}
-    before: float | None = None
+    start: float | None = None
     failed = []
     for name in ctx.program.names:
         losses = run_losses(run / name)
-        verdict = stage_fall(name, losses, before)
-        before = losses[-1]
+        verdict = stage_fall(name, losses, start)
+        start = verdict.first if start is None else start
         records[name] = {"steps": len(losses), **verdict.to_dict()}
         if not verdict.passed:
             failed.append(f"{name}: {verdict.describe()}")
