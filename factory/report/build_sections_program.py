@@ -128,8 +128,9 @@ def _planned(folder: BuildFolder) -> str:
         f"The program as the blueprint plans it: {len(bands)} stages, "
         f"{human_count(plan['tokens'])} tokens in {plan['steps']:,} steps at full size. The "
         "strip on top is to scale in tokens; below, each stage is a band (short stages widened "
-        "to stay legible; the axis gives the tokens at each boundary) with its learning rate "
-        "(a schedule spanning stages continues across them), sequence length and layout."
+        "to stay legible; the axis gives the tokens at each boundary) with its learning rate on "
+        "a log scale, where a schedule spanning stages runs on across them, its sequence length "
+        "and its layout."
     )
     return (
         "<h3>Planned program</h3>"
@@ -146,8 +147,8 @@ def _smoke(folder: BuildFolder, names: list[str]) -> str:
     if bands:
         caption = (
             "The CPU proxy trained through every stage, each from the weights the one before "
-            "left: its learning rate and LM loss per step, and each stage's sequence length "
-            "on the proxy. ✓/✗: the stage's verdict (hover it)."
+            "left: its learning rate (log scale) and LM loss per step, and each stage's "
+            "sequence length on the proxy. ✓/✗: the stage's verdict (hover it)."
         )
         parts.append(figure_svg(timeline_svg(bands, "steps", lambda v: f"{v:,.0f}",
                                              "timeline smoke"), caption))  # fmt: skip

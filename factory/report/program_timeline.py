@@ -140,14 +140,21 @@ def _fmt_rate(rate: float) -> str:
 
 
 def _lr_track(bands: Sequence[Band], edges: Sequence[float]) -> str:
-    peak = max((rate for b in bands for _, rate in b.lr), default=0.0) or 1.0
-    parts = [_track_label(LR_Y, LR_H, "LR", _fmt_rate(peak), "0")]
+    """On a log scale: a program's rates span decades (pretraining's 1e-3, a long-context
+    stage's 1e-5, a warmup's first steps below that), and each must be seen."""
+    rates = [rate for b in bands for _, rate in b.lr if rate > 0]
+    high = math.log10(max(rates, default=1.0))
+    low = math.log10(min(rates, default=1.0))
+    span = (high - low) or 1.0
+
+    def y(rate: float) -> float:
+        return LR_Y + LR_H * (1 - (math.log10(rate) - low) / span) if rate > 0 else LR_Y + LR_H
+
+    parts = [_track_label(LR_Y, LR_H, "LR (log)", _fmt_rate(10**high), _fmt_rate(10**low))]
     for i, band in enumerate(bands):
         left, right = edges[i] + 3, edges[i + 1] - 3
-        points = [
-            (left + f * (right - left), LR_Y + LR_H * (1 - rate / peak)) for f, rate in band.lr
-        ]
-        parts.append(_polyline(points, LR_COLOUR))
+        parts.append(_polyline([(left + f * (right - left), y(rate)) for f, rate in band.lr],
+                               LR_COLOUR))  # fmt: skip
         if band.lr:
             first, last = band.lr[0][1], band.lr[-1][1]
             parts.append(
