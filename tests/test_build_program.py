@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from browser import chromium, render_page
 
 import factory
@@ -220,3 +221,18 @@ def test_the_program_page_renders_in_chromium(program_build: Path) -> None:
     for svg in page.svgs[:3]:
         assert svg["shapes"] > 10 and svg["bbox_width"] > 900 and svg["bbox_height"] > 150, svg
     assert page.width <= 1280
+
+
+def test_the_cli_builds_a_program_file(cli, tmp_path: Path) -> None:
+    """``factory build FILE`` of a program: one line per build stage naming the program's
+    stages, and the planned program beside the plan."""
+    source = tmp_path / "program.yaml"
+    document = small_program().model_dump(mode="json", exclude_none=True)
+    source.write_text(yaml.safe_dump(document), encoding="utf-8")
+    skips = [a for s in ("model", "data", "smoke", "distributed") for a in ("--skip", s)]
+    status, _, err = cli("build", str(source), "--out", str(tmp_path / "b"), *skips)
+    assert status == 0, err
+    text = " ".join(err.split())
+    assert "(program: pretrain, anneal, sft)" in text and "program of 3 stages" in text
+    planned = json.loads((tmp_path / "b" / "program_plan.json").read_text())
+    assert [s["name"] for s in planned["stages"]] == ["pretrain", "anneal", "sft"]
