@@ -285,6 +285,15 @@ def _smoke(ctx: BuildContext) -> str | Outcome:
     return f"proxy, {len(losses)} steps: {verdict.describe()}"
 
 
+def _curated(ctx: BuildContext) -> Path | None:
+    """The data stage's ``data/`` when it holds every program stage's shards; None (after
+    ``--skip data``): the smoke run curates each stage's into ``smoke/<stage>/data``, as a
+    single-stage smoke run curates its own."""
+    folder = ctx.out / "data"
+    whole = all((folder / name / "manifest.json").is_file() for name in ctx.program.names)
+    return folder if whole else None
+
+
 def _program_smoke(ctx: BuildContext) -> Outcome:
     """The proxy trained ``ctx.steps`` steps per program stage, through every stage, on
     ``data/<stage>/``; each stage's loss judged by :func:`stage_fall`."""
@@ -294,7 +303,7 @@ def _program_smoke(ctx: BuildContext) -> Outcome:
         out=run,
         proxy=True,
         steps=ctx.steps,
-        data=ctx.out / "data",
+        data=_curated(ctx),
         workers=ctx.workers,
         progress=ctx.progress,
         checkpoints=CheckpointPolicy(every=SMOKE_CHECKPOINT_EVERY, keep=1),
@@ -343,9 +352,10 @@ def _program_distributed(ctx: BuildContext) -> str:
     stage. Its one-process reference is a run of the same stage blueprint, not the smoke
     run, whose first stage may belong to a schedule spanning later stages."""
     first, proxy = ctx.program.stages[0], stage_proxies(ctx.program)[0]
-    data = ctx.out / "data" / first.name
+    curated = _curated(ctx)
+    data = curated / first.name if curated else ctx.out / "smoke" / first.name / "data"
     if not (data / "manifest.json").is_file():
-        raise StageFailed(f"the distributed check trains on data/{first.name}/: run data first")
+        raise StageFailed("the distributed check trains on the smoke run's data: run it first")
     reference = ctx.out / "distributed" / "reference"
     shutil.rmtree(reference, ignore_errors=True)
     train(proxy, out=reference, steps=ctx.check_steps, data=data)
