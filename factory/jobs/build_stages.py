@@ -2,9 +2,9 @@
 return the one-line result the build prints.
 
 A stage returns an :class:`Outcome`: its line and, for a program, what it did per program
-stage (``build.json``'s ``program``). Each stage writes only its own files (the build folder's layout,
-:data:`factory.report.build_folder.OUTPUTS`), each whole: through a temporary
-name and a rename, a staged folder, or a job that resumes itself (the data
+stage (``build.json``'s ``program``). Each stage writes only its own files (the build
+folder's layout, :data:`factory.report.build_folder.OUTPUTS`), each whole: through a
+temporary name and a rename, a staged folder, or a job that resumes itself (the data
 build, training). A stage that finds its work wrong raises
 :class:`StageFailed` with the reason.
 """
