@@ -12,17 +12,16 @@ Stages (``factory.jobs.build_stages``), each with a one-line result::
     distributed  distributed/, distributed.json (2 ranks vs the smoke run)
     report       report.html (one self-contained page of all of it)
 
-A program (a blueprint with ``stages``) is built stage of the program by stage of the
-program where it matters: the data stage curates each program stage's recipe into
-``data/<stage>/``, the smoke run trains the proxy through every program stage
-(``smoke/<stage>/``, :func:`factory.train` on the program), the plan stage adds
-``program_plan.json`` and the page draws the program on one timeline
-(``factory.jobs.build_program``).
+A program (a blueprint with ``stages``) is built per program stage where it matters
+(``factory.jobs.build_program``): the plan stage adds ``program_plan.json``, the data
+stage curates each program stage's recipe into ``data/<stage>/``, the smoke run trains
+the proxy through every program stage (:func:`factory.train` on the program, into
+``smoke/<stage>/``), and the page draws the program on one timeline.
 
 ``build.json`` records every stage's status, time and result (and, for a program, each
-program stage's under ``program``), rewritten atomically after each stage. A rerun reuses the stages recorded done (their
-files are whole), redoes the rest, and starts over when the blueprint or the
-step counts changed. The data build and the smoke run resume from their own
+program stage's under ``program``), rewritten atomically after each stage. A rerun
+reuses the stages recorded done (their files are whole), redoes the rest, and starts
+over when the blueprint or the step counts changed. The data build and the smoke run resume from their own
 checkpoints.
 """
 

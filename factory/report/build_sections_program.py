@@ -107,11 +107,16 @@ def _plan_table(plan: dict[str, Any]) -> str:
     for stage in plan["stages"]:
         schedule, carry = stage["schedule"], stage["carry"]
         carried = ", ".join(k.replace("_", " ") for k, v in carry.items() if v) or "weights only"
+        continued = (
+            f" (from step {schedule['offset']:,} of {schedule['steps']:,})"
+            if schedule["offset"]
+            else ""
+        )
         rows.append([
-            stage["name"], stage["recipe"], f"{stage['seq_len']:,}", f"{stage['global_batch_size']:,}",
-            f"{stage['steps']:,}", human_count(stage["tokens"]), " · ".join(_layout_lines(stage)),
-            f"{schedule['kind']} {schedule['lr']:g} → {schedule['min_lr']:g}"
-            + (f" (from step {schedule['offset']:,} of {schedule['steps']:,})" if schedule["offset"] else ""),
+            stage["name"], stage["recipe"], f"{stage['seq_len']:,}",
+            f"{stage['global_batch_size']:,}", f"{stage['steps']:,}",
+            human_count(stage["tokens"]), " · ".join(_layout_lines(stage)),
+            f"{schedule['kind']} {schedule['lr']:g} → {schedule['min_lr']:g}{continued}",
             carried if stage["index"] else "—",
         ])  # fmt: skip
     header = ["stage", "recipe", "seq len", "GBS", "steps", "tokens", "layout", "LR schedule",

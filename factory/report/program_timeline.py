@@ -210,7 +210,8 @@ def _loss_track(bands: Sequence[Band], edges: Sequence[float]) -> str:
         ]
         parts.append(_polyline(points, LOSS_COLOUR))
         if band.passed is not None:
-            mark, colour = ("✓ passed", LOSS_COLOUR) if band.passed else ("✗ failed", FAIL_COLOUR)
+            passed = band.passed
+            mark, colour = ("✓ passed", LOSS_COLOUR) if passed else ("✗ failed", FAIL_COLOUR)
             parts.append(
                 f'<text x="{left + 2:.1f}" y="{LOSS_Y + LOSS_H + 13}" font-size="10" '
                 f'font-weight="600" fill="{colour}">{mark}<title>{escape(band.verdict)}</title>'
