@@ -127,7 +127,7 @@ class BuildFolder:
     @property
     def program(self) -> bool:
         """Whether the build is of a program (the plan stage wrote its stages)."""
-        return self.program_plan is not None or bool(self.program_records("data"))
+        return self.program_plan is not None or bool(self.stage_names())
 
     def program_records(self, stage: str) -> dict[str, Any]:
         """Per program stage, what build stage ``stage`` recorded of it in build.json."""
@@ -137,11 +137,12 @@ class BuildFolder:
         return found if isinstance(found, dict) else {}
 
     def stage_names(self) -> list[str]:
-        """The program's stages in order: as planned, else as the data stage recorded them."""
+        """The program's stages in order: as planned, else as the data or smoke stage
+        recorded them (none for a single-stage build)."""
         plan = self.program_plan
         if isinstance(plan, dict) and isinstance(plan.get("stages"), list):
             return [str(s["name"]) for s in plan["stages"]]
-        return list(self.program_records("data"))
+        return list(self.program_records("data") or self.program_records("smoke"))
 
     def stage_manifest(self, stage: str) -> dict[str, Any] | None:
         """The curated data's manifest of one program stage."""
