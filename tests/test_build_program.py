@@ -236,3 +236,28 @@ def test_the_cli_builds_a_program_file(cli, tmp_path: Path) -> None:
     assert "(program: pretrain, anneal, sft)" in text and "program of 3 stages" in text
     planned = json.loads((tmp_path / "b" / "program_plan.json").read_text())
     assert [s["name"] for s in planned["stages"]] == ["pretrain", "anneal", "sft"]
+
+
+def test_a_failed_stage_and_a_skipped_plan_are_drawn_as_such(
+    program_build: Path, tmp_path: Path
+) -> None:
+    """A stage the smoke run failed is marked failed on the timeline; without the plan
+    stage's program_plan.json the planned timeline is a note and the smoke run still draws."""
+    import shutil
+
+    from factory.report.build_page import write_build_report
+
+    copy = tmp_path / "copy"
+    shutil.copytree(program_build, copy)
+    document = json.loads((copy / "build.json").read_text())
+    smoke = document["stages"]["smoke"]
+    smoke["status"] = "failed"
+    smoke["program"]["sft"]["passed"] = False
+    document["stages"]["plan"] = {"status": "skipped", "seconds": 0.0, "result": "skipped (--skip)"}
+    (copy / "build.json").write_text(json.dumps(document))
+    (copy / "program_plan.json").unlink()
+    page = write_build_report(copy).read_text()
+    section = page.split('<section id="program">', 1)[1].split("</section>", 1)[0]
+    assert "No planned program: the plan stage skipped" in section
+    assert section.count("✓ passed") == 2 and section.count("✗ failed") == 1
+    assert 'class="timeline smoke"' in section and 'class="timeline planned"' not in section
