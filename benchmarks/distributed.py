@@ -77,7 +77,8 @@ def _step(compiled: Any, ranks: Any, micro: list[Any], optimizer: Any, mtp: floa
     from factory.runtime.step import forward_backward
 
     optimizer.zero_grad()
-    forward_backward(compiled.model, micro, mtp, ranks)
+    objective = compiled.blueprint.training.objective
+    forward_backward(compiled.model, micro, mtp, ranks, objective.loss_average)
     optimizer.grads_to_masters()
     ranks.grad_norm(optimizer.masters)
     optimizer.step()

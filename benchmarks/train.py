@@ -92,6 +92,7 @@ class Trainer:
         clip = bp.training.optimizer.grad_clip
         self.clip = clip if clip is not None else math.inf
         self.mtp_scale = mtp_loss_scale(bp.model)
+        self.loss_average = bp.training.objective.loss_average
         self.run_steps, self.training = bp.training_steps, bp.training
         torch.manual_seed(seed)
         self.model.train()
@@ -103,10 +104,13 @@ class Trainer:
 
     def forward_backward(self, micro: list[Any], clock: dict[str, float]) -> Any:
         """:func:`factory.runtime.step.forward_backward`, line for line, timing its halves."""
-        from factory.graph.loss import language_model_loss
+        from factory.graph.loss import language_model_loss, micro_batch_share
         from factory.runtime.step import StepOutcome
 
-        counts = [int(batch.target_mask.sum()) for batch in micro]
+        counts = [
+            micro_batch_share(batch.loss_mask, batch.document_ids, self.loss_average)
+            for batch in micro
+        ]
         outcome = StepOutcome()
         rms: dict[str, torch.Tensor] = {}
         for batch, count in zip(micro, counts, strict=True):
@@ -124,6 +128,7 @@ class Trainer:
                 batch.loss_mask,
                 mtp_loss_scale=self.mtp_scale,
                 document_ids=batch.document_ids,
+                loss_average=self.loss_average,
             )
             aux = losses.aux if losses.aux is not None else losses.total.new_zeros(())
             loss = weight * (losses.total - aux) + aux / len(micro)
@@ -149,7 +154,7 @@ class Trainer:
         rng = torch.get_rng_state()
         rounding = copy.deepcopy(precision.state_dict()) if precision is not None else None
         self.optimizer.zero_grad()
-        theirs = forward_backward(self.model, micro, self.mtp_scale)
+        theirs = forward_backward(self.model, micro, self.mtp_scale, None, self.loss_average)
         grads = [None if p.grad is None else p.grad.clone() for p in self.optimizer.params]
         self.optimizer.zero_grad()
         torch.set_rng_state(rng)

@@ -9,7 +9,7 @@ are kept, each with validate's warnings (a ``runtime.*`` one: ``factory train`` 
 the layout, which Megatron runs). Sequence parallelism is on wherever TP is (MoE layers
 need it, ``runtime.moe_sequence_parallel``, and it only removes work). Virtual stages
 need '|' in the pattern: a pattern without them gets evenly spaced ones where the layers
-allow.
+allow, except in a program's stage (``keep_pattern``), which cannot change the model.
 """
 
 from __future__ import annotations
@@ -56,9 +56,10 @@ def _divisors(n: int, limit: int | None = None) -> list[int]:
     return [d for d in range(1, (limit or n) + 1) if n % d == 0]
 
 
-def _patterns(model: ModelConfig, pp: int) -> Iterator[tuple[int, str]]:
+def _patterns(model: ModelConfig, pp: int, keep_pattern: bool) -> Iterator[tuple[int, str]]:
     """(vpp, pattern) choices for ``pp`` stages: the pattern's own '|' segments, else an even
-    split (vpp 1) and evenly spaced pipes for each vpp the layers allow."""
+    split (vpp 1) and, unless ``keep_pattern``, evenly spaced pipes for each vpp the layers
+    allow."""
     parsed = model.parsed_pattern
     if parsed.has_pipes:
         if len(parsed.segments) % pp == 0:
@@ -67,6 +68,8 @@ def _patterns(model: ModelConfig, pp: int) -> Iterator[tuple[int, str]]:
     main, layers = parsed.main, parsed.num_layers
     if pp == 1 or layers % pp == 0:
         yield 1, model.pattern
+    if keep_pattern:
+        return
     for vpp in range(2, MAX_VPP + 1):
         pieces = pp * vpp
         if pp > 1 and layers % pieces == 0:
@@ -96,7 +99,7 @@ def _expert_grids(model: ModelConfig, ranks: int, tp: int) -> list[tuple[int, in
     return pairs
 
 
-def _candidates(bp: Blueprint, gpus: int) -> Iterator[dict[str, Any]]:
+def _candidates(bp: Blueprint, gpus: int, keep_pattern: bool) -> Iterator[dict[str, Any]]:
     """Every layout the structural rules allow, as parallelism fields (and a pattern)."""
     model, seq, gbs = bp.model, bp.data.seq_len, bp.parallelism.global_batch_size
     domain = GPU_SPECS[bp.parallelism.gpu].nvlink_domain
@@ -107,7 +110,7 @@ def _candidates(bp: Blueprint, gpus: int) -> Iterator[dict[str, Any]]:
             for pp in _divisors(gpus // (tp * cp)):
                 dp = data_parallel_size(gpus, tp, cp, pp)
                 grids = _expert_grids(model, gpus // pp, tp)
-                for vpp, pattern in _patterns(model, pp):
+                for vpp, pattern in _patterns(model, pp, keep_pattern):
                     for mbs in MICRO_BATCHES:
                         if gbs % (mbs * dp):
                             continue
@@ -175,17 +178,22 @@ def _predicted(bp: Blueprint, layout: Layout) -> float:
 
 
 def search_layouts(
-    blueprint: Blueprint, gpus: int, gpu: str | None = None, top: int = 10
+    blueprint: Blueprint,
+    gpus: int,
+    gpu: str | None = None,
+    top: int = 10,
+    keep_pattern: bool = False,
 ) -> list[SearchResult]:
     """The ``top`` fastest layouts of ``blueprint`` on ``gpus`` GPUs (of type ``gpu``, else
-    the blueprint's) that validate and fit, fastest first."""
+    the blueprint's) that validate and fit, fastest first. ``keep_pattern``: never add '|'
+    to the pattern for virtual stages (a program's stage shares the model of the others)."""
     base = blueprint
     if gpu is not None:
         parallel = blueprint.parallelism.model_copy(update={"gpu": gpu})
         base = blueprint.model_copy(update={"parallelism": parallel})
     models: dict[str, ModelConfig] = {}
     ranked = []
-    for fields in _candidates(base, gpus):
+    for fields in _candidates(base, gpus, keep_pattern):
         candidate = _with_layout(base, fields, gpus, models)
         layout = resolve_layout(candidate)
         ranked.append((_predicted(candidate, layout), len(ranked), candidate, layout))

@@ -14,9 +14,9 @@ typo such as ``10**400`` fails validation instead of a worker process later.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from factory.schemas.base import Section, Seed, SeqLen, TokenCount
 
@@ -26,6 +26,7 @@ __all__ = [
     "FORMAT_STEPS",
     "MAX_NGRAM",
     "MAX_WORDS",
+    "SHARE_KEYS",
     "ChatFormat",
     "CudaKernelFilter",
     "DataRecipe",
@@ -68,6 +69,8 @@ Ratio = Annotated[float, Field(ge=0)]
 """A non-negative ratio (finite, as every Section float; no upper bound: it compares counts
 of different things)."""
 NgramSize = Annotated[int, Field(ge=1, le=MAX_NGRAM)]
+SHARE_KEYS: tuple[str, ...] = ("weight", "tokens", "epochs")
+"""How a source states its share of the mixture; a source gives exactly one."""
 
 
 def _one_threshold_per_size(pairs: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
@@ -89,6 +92,9 @@ NgramThresholds = Annotated[
 class TextFormat(Section):
     """Plain text: the whole field trains."""
 
+    masks_prompts: ClassVar[bool] = False
+    """Whether the format's loss mask leaves the prompt out (an ``sft`` objective needs it:
+    ``training.objective``); text trains on every token."""
     kind: Literal["text"] = "text"
     field: str = "text"
     """Record field holding the text."""
@@ -111,10 +117,14 @@ class ReasoningConfig(Section):
     """Fraction of samples with reasoning removed (reasoning off); disjoint from truncate_fraction,
     so strip_fraction + truncate_fraction is at most 1."""
     truncate_fraction: Fraction = 0.0
-    """Fraction of samples whose reasoning is cut to a random budget (answer kept, </think> not
-    trained)."""
+    """Fraction of samples whose reasoning is cut to a random budget (answer kept; ``</think>``
+    as ``truncated_close`` says)."""
     truncate_max_chars: Annotated[int, Field(ge=1, le=10**7)] = 512
     """Largest kept reasoning prefix, in characters, for truncated samples (1..1e7)."""
+    truncated_close: Literal["mask", "train"] = "mask"
+    """After a truncated trace, ``</think>`` is in context and: mask, not trained (the model must
+    not learn to stop thinking there; Nemotron 3 Ultra's change); train, trained like the rest of
+    the trace (Nemotron 3 Nano and Super)."""
 
     @model_validator(mode="after")
     def _disjoint_shares(self) -> ReasoningConfig:
@@ -131,6 +141,8 @@ class ReasoningConfig(Section):
 class ChatFormat(Section):
     """Chat records (messages, tools, reasoning_content, tool_calls); assistant tokens train."""
 
+    masks_prompts: ClassVar[bool] = True
+    """System, user and tool turns and the assistant header are context, never targets."""
     kind: Literal["chat"] = "chat"
     reasoning: ReasoningConfig = ReasoningConfig()
 
@@ -250,6 +262,11 @@ class SourceConfig(Section):
     """Share of the mixture's tokens, relative to the other sources' weights (up to 1e6)."""
     tokens: TokenCount | None = None
     """Exact token budget for this source instead of a weight (up to 1e16)."""
+    epochs: Annotated[float, Field(gt=0, le=1e6)] | None = None
+    """Passes over this source's curated tokens instead of a weight or budget (fractions allowed,
+    up to 1e6): its target is epochs x its tokens after curation, whatever the other sources
+    hold. SFT's dynamic sampling: small sets run many epochs, large sets a few (Nemotron 3 Nano
+    report, arXiv 2512.20848, section 3.1)."""
     steps: list[Step] = Field(min_length=1, max_length=64)
     """Formatting first (text or chat), then filters, in the order written (at most 64 steps)."""
 
@@ -262,8 +279,10 @@ class SourceConfig(Section):
             )
         if any(kind in _FORMATS for kind in kinds[1:]):
             raise ValueError("only the first step may be a format step")
-        if (self.weight is None) == (self.tokens is None):
-            raise ValueError("give exactly one of weight and tokens")
+        given = [key for key in SHARE_KEYS if getattr(self, key) is not None]
+        if len(given) != 1:
+            named = f"{' and '.join(given)} given" if given else "none given"
+            raise ValueError(f"give exactly one of weight, tokens and epochs ({named})")
         return self
 
 
@@ -302,10 +321,32 @@ class DecontamConfig(Section):
 
 
 class TokenizerConfig(Section):
+    """The tokenizer, and the chat template that renders conversations for it.
+
+    The template sits here, beside the tokenizer, as Hugging Face keeps it in
+    ``tokenizer_config.json``: it names the tokenizer's special tokens, and one
+    model reads every conversation of its recipe one way (a template per
+    source would train it on several formats).
+    """
+
     path: str | None = None
     """A tokenizer.json; null uses the tokenizer shipped in data_recipes/tokenizer/."""
     eos: bool = True
     """Append the end-of-text token to every document."""
+    chat_template: str | None = Field(default=None, max_length=1_000_000)
+    """Jinja text that renders the chat sources' turns, as a tokenizer's chat_template
+    (docs/data.md, Chat templates); the loss mask follows the roles. Null, with no
+    chat_template_file: factory's built-in ChatML-like format."""
+    chat_template_file: str | None = None
+    """The template from a file, relative to the recipe: a .jinja file, or a
+    tokenizer_config.json whose chat_template (and special tokens) are taken.
+    data_recipes/templates/chatml.jinja is the built-in format."""
+
+    @model_validator(mode="after")
+    def _one_template(self) -> TokenizerConfig:
+        if self.chat_template is not None and self.chat_template_file is not None:
+            raise ValueError("give at most one of chat_template and chat_template_file")
+        return self
 
 
 class PackingConfig(Section):
@@ -331,11 +372,12 @@ class DataRecipe(Section):
     seed: Seed = 0
     """Drives mixing and the reasoning augmentations; shards are a function of recipe and seed
     (0..2^63-1)."""
-    total_tokens: TokenCount | None = None
-    """Tokens of the weighted part of the mixture (up to 1e16); null: as many as the weighted
-    sources hold after curation (each source then up- or down-sampled to its weight's share)."""
     sources: list[SourceConfig] = Field(min_length=1, max_length=10_000)
     """The inputs (at most 10,000)."""
+    total_tokens: TokenCount | None = None
+    """Tokens of the weighted part of the mixture (up to 1e16); null: as many as the weighted
+    sources hold after curation (each source then up- or down-sampled to its weight's share).
+    Sources with ``tokens`` or ``epochs`` are outside this pool."""
     dedup: DedupConfig = DedupConfig()
     decontam: DecontamConfig = DecontamConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
@@ -349,3 +391,15 @@ class DataRecipe(Section):
         if duplicates:
             raise ValueError(f"source names must be unique: {', '.join(duplicates)}")
         return self
+
+    @field_validator("total_tokens")
+    @classmethod
+    def _pool_has_weighted_sources(cls, total: int | None, info: ValidationInfo) -> int | None:
+        # declared after sources, so a valid sources list is in info.data
+        sources = info.data.get("sources")
+        if total is not None and sources and all(s.weight is None for s in sources):
+            raise ValueError(
+                "the weighted sources share total_tokens and no source has a weight: drop it "
+                "(each source's tokens or epochs set its target alone)"
+            )
+        return total

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, ValidationInfo, field_validator, model_validator
 
 from factory.schemas.base import Section, Seed, StepCount, TokenCount
 from factory.schemas.cluster import ClusterConfig
 from factory.schemas.stability import StabilityConfig
 from factory.schemas.trackers import JSONL, logger_names
 
-__all__ = ["Logger", "OptimizerConfig", "ScheduleConfig", "TrainingConfig"]
+__all__ = [
+    "Logger",
+    "LossAverage",
+    "ObjectiveConfig",
+    "ObjectiveKind",
+    "OptimizerConfig",
+    "ScheduleConfig",
+    "TrainingConfig",
+]
 
 
 def _known_logger(name: str) -> str:
@@ -67,6 +75,53 @@ class OptimizerConfig(Section):
         return self
 
 
+ObjectiveKind = Literal["pretrain", "sft"]
+"""What a stage trains the model to do (``ObjectiveConfig.kind``)."""
+LossAverage = Literal["token", "conversation"]
+"""How a step's target-token losses are averaged (``ObjectiveConfig.loss_average``)."""
+
+
+class ObjectiveConfig(Section):
+    """What the loss trains: next-token prediction on every token, or on assistant turns only,
+    and how a step averages the losses of its targets (docs/architecture.md, The objective).
+
+    Nemotron 3 trains each model as a program: pretraining on every token, then SFT on
+    chat data with the loss on the output (assistant) tokens only. Nemotron 3 Super's SFT
+    has two stages that differ only in the average: a global token average, then a
+    per-conversation average, which keeps long outputs from dominating (Nemotron 3 Super
+    technical report, arXiv 2604.12374, post-training; NVIDIA-NeMo/Nemotron's Super SFT
+    guide, docs.nvidia.com/nemotron/nightly/nemotron/super3/sft.html, "Two-Stage SFT
+    Loss")."""
+
+    kind: ObjectiveKind = "pretrain"
+    """Both train on the tokens the data's loss mask marks; they differ in what the data
+    must be. pretrain: any recipe (a text source marks every token). sft: every source of
+    the recipe masks its prompts, i.e. formats chat (assistant turns train: think block,
+    content, tool calls and ``<|im_end|>``; system, user and tool turns and the assistant
+    header are context); validate refuses an sft objective with a text source."""
+    loss_average: LossAverage = "token"
+    """token: the sum of the step's target losses over the number of its targets (Megatron's
+    global per-token average; every target weighs the same, what pretraining does).
+    conversation: each packed document's (conversation's) targets are averaged first, then
+    the documents with targets are averaged over the step, so a long answer weighs as much as
+    a short one (Super's second SFT stage). A document cut across two packed sequences counts
+    as two. Both hold over micro-batches, data-parallel replicas and context-parallel
+    ranks, and for each MTP depth over its own targets."""
+
+    @field_validator("loss_average")
+    @classmethod
+    def _conversation_needs_sft(cls, average: LossAverage, info: ValidationInfo) -> LossAverage:
+        # Checked on loss_average (kind is validated first), so the error names this field.
+        if average == "conversation" and info.data.get("kind") == "pretrain":
+            raise ValueError(
+                "loss_average 'conversation' needs kind 'sft': a pretraining sequence packs "
+                "documents cut at arbitrary points, not conversations, and averaging per "
+                "document would weigh a short fragment's tokens above a long document's "
+                "(Nemotron uses the per-conversation average only in SFT)"
+            )
+        return average
+
+
 class ScheduleConfig(Section):
     """Learning-rate schedule."""
 
@@ -85,6 +140,8 @@ class TrainingConfig(Section):
 
     optimizer: OptimizerConfig
     schedule: ScheduleConfig = ScheduleConfig()
+    objective: ObjectiveConfig = ObjectiveConfig()
+    """Pretraining or SFT, and the token or per-conversation loss average."""
     steps: StepCount | None = None
     """Optimizer steps; give at most one of steps and tokens (neither: one pass over the data).
     At most 2**40."""

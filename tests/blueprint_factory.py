@@ -23,7 +23,7 @@ BASE: dict[str, Any] = {
     "model": {
         "pattern": "M*ME-M*ME",
         "hidden_size": 256,
-        "vocab_size": 1024,
+        "vocab_size": 4096,
         "max_seq_len": 4096,
         "attention": {"heads": 8, "kv_heads": 2, "head_dim": 32},
         "mamba": {"heads": 16, "head_dim": 16, "state_size": 16, "groups": 2},

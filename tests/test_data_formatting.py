@@ -170,6 +170,20 @@ def test_truncated_reasoning_keeps_the_answer_and_masks_the_close() -> None:
     assert len(budgets) > 100  # budgets vary with the key
 
 
+def test_truncated_close_trains_when_the_policy_says_so() -> None:
+    policy = ReasoningConfig(truncate_fraction=1.0, truncate_max_chars=300, truncated_close="train")
+    for doc in _many(50, policy).values():
+        budget = doc.meta["reasoning_budget"]
+        trace = ("step " * 200)[:budget]
+        assert _trained(doc) == f"<think>\n{trace}\n</think>\nthe answer<|im_end|>"
+    # a masked trace stays masked whole, </think> included
+    masked = ReasoningConfig(
+        truncate_fraction=1.0, truncate_max_chars=300, truncated_close="train", trace="mask"
+    )
+    for doc in _many(50, masked).values():
+        assert _trained(doc) == "the answer<|im_end|>"
+
+
 @pytest.mark.parametrize(
     ("data", "reason"),
     [

@@ -8,8 +8,7 @@ import pytest
 
 from factory.data.loaded_recipe import load_recipe, with_seq_len
 from factory.errors import BlueprintError
-from factory.loading.recipe import recipe_names
-from factory.schemas.data_recipe import DataRecipe, DedupConfig
+from factory.schemas.data_recipe import DedupConfig
 
 HEAD = "name: r\nsources:\n  - name: a\n    path: x.jsonl\n    category: math\n"
 
@@ -94,8 +93,3 @@ def test_with_seq_len_validates_the_new_length() -> None:
     assert with_seq_len(loaded, 256).recipe.packing.seq_len == 256
     with pytest.raises(ValueError, match="cannot pack recipe 'nano' to 33554432"):
         with_seq_len(loaded, 2**25)
-
-
-def test_shipped_recipes_load() -> None:
-    for name in recipe_names():
-        assert isinstance(load_recipe(name).recipe, DataRecipe)

@@ -25,6 +25,7 @@ from factory.runtime.batches import MicroBatch
 from factory.runtime.pipeline_schedule import PipelineRunner, check_microbatch_count
 from factory.runtime.step import forward_backward
 from factory.schemas.blueprint import Blueprint
+from factory.schemas.training import LossAverage
 
 WORLD, MICRO, SEQ, COUNT, TIMEOUT = 2, 2, 64, 4, 120
 TOL = 1e-5
@@ -68,19 +69,22 @@ def _norm_sq(params: list[torch.nn.Parameter]) -> float:
     return sum(float(p.grad.double().square().sum()) for p in params if p.grad is not None)
 
 
-def _case(rank: int, pattern: str, tie: bool, mtp: bool) -> dict[str, Any]:
-    """One step of ``pattern`` split over the ranks, against the whole model on this rank."""
+def _case(
+    rank: int, pattern: str, tie: bool, mtp: bool, average: LossAverage = "token"
+) -> dict[str, Any]:
+    """One step of ``pattern`` split over the ranks, against the whole model on this rank,
+    with the loss ``average`` of ``training.objective``."""
     bp = _blueprint(pattern, tie, mtp)
     layout = resolve_layout(bp)
     mtp_scale = bp.model.mtp.loss_scale if mtp else 0.0
     micro = _micro_batches(bp.model.vocab_size)
     reference = factory.compile(bp, precision="off", seed=0).model
-    expected = forward_backward(reference, micro, mtp_scale)
+    expected = forward_backward(reference, micro, mtp_scale, loss_average=average)
     by_name = reference.state_dict(keep_vars=True)
 
     stages = split_stages(factory.compile(bp, precision="off", seed=0).model, layout, rank)
     runner = PipelineRunner(stages, layout, build_meshes(layout, "cpu").dense["pp"], mtp_scale)
-    got = runner.step(micro)
+    got = runner.step(micro, loss_average=average)
 
     grads = {}
     for name, param in runner.named_parameters().items():
@@ -114,7 +118,11 @@ def _case(rank: int, pattern: str, tie: bool, mtp: bool) -> dict[str, Any]:
     }
 
 
-CASES = {"1f1b_mtp": (ONE_F_ONE_B, False, True), "interleaved_tied": (INTERLEAVED, True, False)}
+CASES = {
+    "1f1b_mtp": (ONE_F_ONE_B, False, True),
+    "interleaved_tied": (INTERLEAVED, True, False),
+    "1f1b_mtp_per_conversation": (ONE_F_ONE_B, False, True, "conversation"),
+}
 
 
 def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
@@ -162,6 +170,18 @@ def test_1f1b_matches_one_process_with_mtp(pipelined: dict[str, list[dict[str, A
     _check_equivalence(results, {"backbone.embeddings.weight"})
     first, last = (r["embedding_grad"] for r in results)
     assert torch.equal(first, last)  # the last stage's copy stays bitwise equal
+
+
+def test_per_conversation_average_matches_one_process(
+    pipelined: dict[str, list[dict[str, Any]]],
+) -> None:
+    """The last stage weighs each micro-batch by its share of the step's documents, as
+    ``forward_backward`` does; each row's two documents make the average differ from the
+    token one."""
+    results = pipelined["1f1b_mtp_per_conversation"]
+    _check_equivalence(results, {"backbone.embeddings.weight"})
+    token = pipelined["1f1b_mtp"][0]["lm_loss"][1]
+    assert results[0]["lm_loss"][1] != pytest.approx(token, rel=1e-4)
 
 
 def test_interleaved_matches_one_process_with_tied_head(

@@ -42,16 +42,19 @@ LOSS_RTOL, WEIGHT_TOL = 1e-5, 1e-3
 _TP = {"tp": 2, "sequence_parallel": True, "etp": 1}
 
 
-def _blueprint(world: int, **parallelism: Any) -> Blueprint:
+def _blueprint(world: int, average: str = "token", **parallelism: Any) -> Blueprint:
     """The tiny blueprint on ``world`` ranks; its pattern has a pipeline cut (one segment per
     rank with pp=2, the whole stack otherwise). No aux loss: with sequence parallelism each TP
-    rank's aux loss would see half of each sequence (docs/distributed.md, 'What differs')."""
+    rank's aux loss would see half of each sequence (docs/distributed.md, 'What differs').
+    ``average``: the objective's loss average (``conversation``: an sft objective)."""
+    objective = {"kind": "sft", "loss_average": average} if average == "conversation" else {}
     bp = tiny_blueprint(
         parallelism={"world_size": world, "global_batch_size": 2 * GLOBAL, **parallelism},
         training={
             "steps": STEPS,
             "checkpoint_interval": 2,
             "optimizer": {"lr": 1e-3, "min_lr": 1e-4},
+            "objective": objective,
         },
     )
     data = bp.model_dump(exclude_unset=True)
@@ -122,6 +125,13 @@ def reference(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def reference_per_conversation(shards: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("one-process-per-conversation")
+    _train(_blueprint(1, "conversation"), out, shards)
+    return out
+
+
 def _compare(run: Path, reference: Path, outlier_share: float = 0.0) -> None:
     """The run's steps have the reference's losses, and its final weights are the reference's:
     each tensor within WEIGHT_TOL but for ``outlier_share`` of its elements, each of those
@@ -169,6 +179,37 @@ def test_a_layout_trains_as_one_process_does(
     run_ranks(_train_rank, world, bp, tmp_path, shards, timeout=240)
     _compare(tmp_path, reference)
     assert (tmp_path / "ranks" / "rank_00001.jsonl").is_file()
+
+
+@pytest.mark.parametrize(
+    "parallelism",
+    [
+        pytest.param({}, id="dp2-fsdp"),
+        pytest.param({"pp": 2}, id="pp2-1f1b"),
+        pytest.param({"cp": 2}, id="cp2"),
+    ],
+)
+def test_the_per_conversation_average_trains_as_one_process_does(
+    parallelism: dict[str, Any],
+    shards: Path,
+    reference: Path,
+    reference_per_conversation: Path,
+    tmp_path: Path,
+) -> None:
+    """Each micro-batch's and each CP rank's share is over the step's documents, so DP, PP
+    and CP train as one process does under the per-conversation average too (MTP included:
+    the tiny blueprint has it); the documents cut at DOCUMENT_CUTS make it differ from the
+    token average."""
+    bp = _blueprint(2, "conversation", **parallelism)
+    run_ranks(_train_rank, 2, bp, tmp_path, shards, timeout=240)
+    _compare(tmp_path, reference_per_conversation)
+    token, per_conversation = (
+        json.loads((run / "train.json").read_text())["records"][0]["lm_loss"]
+        for run in (reference, reference_per_conversation)
+    )
+    # Near the uniform loss at initialisation the averages differ by ~3e-5: twice the
+    # tolerance the comparison above holds the runs to, so it tells the two apart.
+    assert per_conversation != pytest.approx(token, rel=2 * LOSS_RTOL)
 
 
 @pytest.mark.parametrize(

@@ -22,15 +22,11 @@ import pytest
 import yaml
 from blueprint_factory import make
 from conftest import PRESETS, REPO
+from megatron_exports import export_preset
 
 import factory
 import factory.exports.megatron as megatron_export
 from factory.checks import run_rules
-from factory.exports.megatron import (
-    _EXTRA_CLASSES,
-    EXTRA_KEYWORDS,
-    export_megatron,
-)
 from factory.exports.megatron_fields import (
     SECTIONS,
     Call,
@@ -39,6 +35,7 @@ from factory.exports.megatron_fields import (
     megatron_fields,
     pipeline_stage_sizes,
 )
+from factory.exports.megatron_recipe import _EXTRA_CLASSES
 from factory.exports.megatron_refusals import refusals
 from factory.layers.mamba.spec import MEGATRON_MIXER_DEFAULTS
 from factory.schemas.model import MambaConfig
@@ -161,8 +158,8 @@ def test_virtual_pipeline_stages_are_refused():
     assert [p for p, _ in refusals(bp)] == ["parallelism.vpp"]
 
 
-def _recipe_calls(tree: ast.Module) -> dict[str, ast.Call]:
-    classes = {cls: section for section, (_, cls) in {**SECTIONS, **_EXTRA_CLASSES}.items()}
+def _recipe_calls(tree: ast.Module, sections: dict[str, tuple[str, str]]) -> dict[str, ast.Call]:
+    classes = {cls: section for section, (_, cls) in sections.items()}
     calls = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
@@ -175,37 +172,40 @@ def _recipe_calls(tree: ast.Module) -> dict[str, ast.Call]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_recipe_compiles_and_names_only_mapped_fields(name, tmp_path: Path):
-    bp = factory.load_blueprint(name, [])
-    out = export_megatron(bp, tmp_path / name, allow_unexpressed=True)
-    source = (out / "recipe.py").read_text()
-    compile(source, "recipe.py", "exec")
-    calls = _recipe_calls(ast.parse(source))
+    """Every recipe of the preset (one per stage for a program) uses only the mapping's
+    fields and the recipe's own keywords, and overrides.yaml carries the same values."""
     mapped: dict[str, set[str]] = {}
     for f in FIELDS:
         mapped.setdefault(f.section, set()).add(f.name)
-    container = {k.arg for k in calls.pop("container").keywords}
-    assert container == set(SECTIONS) | set(_EXTRA_CLASSES)
-    for section, call in calls.items():
-        used = {k.arg for k in call.keywords}
-        allowed = mapped.get(section, set()) | set(EXTRA_KEYWORDS.get(section, {}))
-        assert used <= allowed, (section, used - allowed)
-    # overrides.yaml carries the same values, and hf/ the HF writer's config.
-    doc = yaml.safe_load((out / "overrides.yaml").read_text())
-    fields = megatron_fields(bp)
-    assert f"Bridge's {fields['mixed_precision']['name']} preset" in source
-    for section, values in fields.items():
-        as_yaml = {
-            Ref: lambda v: {"_target_": v.path, "_call_": False},
-            Call: lambda v: {"_target_": v.path, "recipe_path": v.file},
-        }
-        expect = {
-            k: as_yaml[type(v)](v) if type(v) in as_yaml else v
-            for k, v in values.items()
-            if (section, k) != ("mixed_precision", "name")  # recipe.py's starting preset
-        }
-        assert doc[section] == expect
-    assert (out / "hf" / "config.json").exists()
-    assert "srun" in (out / "launch.sh").read_text()
+    for exported in export_preset(name, tmp_path / name):
+        out, shape = exported.folder, exported.shape
+        source = exported.recipe.read_text()
+        compile(source, "recipe.py", "exec")
+        calls = _recipe_calls(ast.parse(source), shape.classes)
+        container = {k.arg for k in calls.pop("container").keywords}
+        assert container == set(SECTIONS) | set(_EXTRA_CLASSES)
+        for section, call in calls.items():
+            used = {k.arg for k in call.keywords}
+            allowed = mapped.get(section, set()) | set(shape.keywords.get(section, {}))
+            allowed |= set(shape.fields.get(section, {}))  # a stage's finetune dataset
+            assert used <= allowed, (exported.label, section, used - allowed)
+        # overrides.yaml carries the same values, and hf/ the HF writer's config.
+        doc = yaml.safe_load((out / "overrides.yaml").read_text())
+        fields = shape.fields
+        assert f"Bridge's {fields['mixed_precision']['name']} preset" in source
+        for section, values in fields.items():
+            as_yaml = {
+                Ref: lambda v: {"_target_": v.path, "_call_": False},
+                Call: lambda v: {"_target_": v.path, "recipe_path": v.file},
+            }
+            expect = {
+                k: as_yaml[type(v)](v) if type(v) in as_yaml else v
+                for k, v in values.items()
+                if (section, k) != ("mixed_precision", "name")  # recipe.py's starting preset
+            }
+            assert doc[section] == expect
+        assert (out / "hf" / "config.json").exists()
+        assert "srun" in (out / "launch.sh").read_text()
 
 
 def test_docs_carry_the_mapping_table():
@@ -242,15 +242,21 @@ def test_export_refuses_what_megatron_cannot_express(cli, tmp_path: Path):
 def test_super_exports_its_per_module_formats_as_a_quant_recipe(cli, tmp_path: Path):
     """Super's overrides (attention, LatentMoE and MTP in BF16, Mamba out_proj in MXFP8) are a
     quant_recipe.yaml that recipe.py loads; MTP all in BF16 is keep_mtp_spec_in_bf16."""
-    status, _, err = cli("export", "megatron", "super", "--out", str(tmp_path / "s"))
+    status, _, err = cli(
+        "export", "megatron", "super", "--out", str(tmp_path / "s"), "--allow-unexpressed"
+    )
     assert status == 0, err
-    recipe = (tmp_path / "s" / "recipe.py").read_text()
+    stages = factory.load_blueprint("super", []).stages
+    folder = tmp_path / "s" / (stages[0].name if stages else "")  # a program's first stage
+    recipe = (folder / "recipe.py").read_text()
     assert "quant_recipe=load_quantization_recipe(" in recipe
     assert "keep_mtp_spec_in_bf16=True" in recipe
-    document = yaml.safe_load((tmp_path / "s" / "quant_recipe.yaml").read_text())
+    document = yaml.safe_load((folder / "quant_recipe.yaml").read_text())
     patterns = {m["pattern"]: m["config"] for m in document["matchers"].values()}
     assert patterns["decoder.layers.0.mixer.out_proj"] == "mxfp8"  # layer 0 is Mamba
-    assert "training.stability" in (tmp_path / "s" / "README.md").read_text()
+    readme = (folder / "README.md").read_text()
+    assert "training.stability" in readme
+    assert "(refused unless --allow-unexpressed)\n\n- none\n" in readme  # all expressed
 
 
 def test_fused_gemms_in_two_formats_are_refused_naming_the_module(cli, tmp_path: Path):

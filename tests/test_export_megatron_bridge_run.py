@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 from conftest import PRESETS, REPO
+from megatron_exports import export_preset
 
 import factory
-from factory.exports.megatron import export_megatron
 from factory.exports.megatron_fields import PROVIDER_FIELDS_SINCE
 
 NAMES = sorted(p.stem for p in PRESETS.glob("*.yaml"))
@@ -56,17 +56,22 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def bridge_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Every preset exported and run through Bridge in one child process (one Bridge import)."""
+    """Every preset's recipes (one per stage for a program) exported and run through Bridge in
+    one child process (one Bridge import); ``labels`` maps each preset to its recipes'."""
     out = tmp_path_factory.mktemp("bridge")
-    jobs = []
+    jobs, labels, model_fields = [], {}, {}
     for name in NAMES:
-        bp = factory.load_blueprint(name, [])
-        recipe = export_megatron(bp, out / name, allow_unexpressed=True) / "recipe.py"
-        jobs.append([name, str(recipe), bp.parallelism.world_size])
+        exported = export_preset(name, out / name)
+        labels[name] = [recipe.label for recipe in exported]
+        for recipe in exported:
+            model_fields[recipe.label] = sorted(recipe.shape.fields["model"])
+            world = recipe.blueprint.parallelism.world_size
+            jobs.append([recipe.label, str(recipe.recipe), world])
         if name == "nano":  # a world size the layout (tp=4, ep=8) cannot divide
-            jobs.append([UNFIT, str(recipe), 3])
+            jobs.append([UNFIT, str(exported[0].recipe), 3])
+        if name == "super":
+            script = exported[0].recipe
     # Run as a script only where it stops at the config: a newer Bridge would start training.
-    script = out / "super" / "recipe.py"
     as_script = [str(script)] if _too_old_for_mtp() else []
     done = subprocess.run(
         [sys.executable, str(REPO / "tests" / "bridge_validate.py"), json.dumps(jobs), *as_script],
@@ -76,7 +81,8 @@ def bridge_report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         cwd=REPO / "tests",
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.splitlines()[-1]) | {"script": str(script)}
+    report = json.loads(done.stdout.splitlines()[-1])
+    return report | {"script": str(script), "labels": labels, "model_fields": model_fields}
 
 
 def _needs_mtp(name: str) -> bool:
@@ -88,18 +94,21 @@ def test_bridge_validates_the_recipe_or_names_the_release_it_needs(name, bridge_
     """Every preset validates, except that under Bridge 0.3.x (megatron-core 0.16.1) super and
     ultra (multi-token prediction) get one ImportError naming each missing field, the
     blueprint path that asks for it and the first releases that have them."""
-    result = bridge_report["results"][name]
-    if not (_needs_mtp(name) and _too_old_for_mtp()):
-        assert result == "ok"
-        return
-    installed = f"Megatron-Bridge {version('megatron-bridge')} with megatron-core "
-    assert result.startswith(f"ImportError: {installed}{version('megatron-core')} has no ")
-    for field, where in MTP_FIELDS.items():
-        assert f"{field} ({where})" in result
-    wants = " and ".join(
-        f"{package} >= {release}" for package, release in _too_old_for_mtp().items()
-    )
-    assert result.endswith(f"which this blueprint needs; install {wants}")
+    fields = bridge_report["model_fields"]
+    for label in bridge_report["labels"][name]:
+        result = bridge_report["results"][label]
+        if not (_needs_mtp(name) and _too_old_for_mtp()):
+            assert result == "ok", label
+            continue
+        installed = f"Megatron-Bridge {version('megatron-bridge')} with megatron-core "
+        assert result.startswith(f"ImportError: {installed}{version('megatron-core')} has no ")
+        for field, where in MTP_FIELDS.items():  # each the recipe sets (a BF16 stage: 2)
+            if field in fields[label]:
+                assert f"{field} ({where})" in result
+        wants = " and ".join(
+            f"{package} >= {release}" for package, release in _too_old_for_mtp().items()
+        )
+        assert result.endswith(f"which this blueprint needs; install {wants}")
 
 
 def test_run_as_a_script_an_older_bridge_exits_with_one_line(bridge_report: dict[str, Any]):
@@ -107,7 +116,8 @@ def test_run_as_a_script_an_older_bridge_exits_with_one_line(bridge_report: dict
     path and the same message, on one line, before any training import."""
     if not _too_old_for_mtp():
         pytest.skip(f"super runs with Megatron-Bridge {bridge_report['bridge']}")
-    said = bridge_report["results"]["super"].removeprefix("ImportError: ")
+    first = bridge_report["labels"]["super"][0]
+    said = bridge_report["results"][first].removeprefix("ImportError: ")
     assert bridge_report["as_script"] == f"{bridge_report['script']}: {said}"
     assert "\n" not in bridge_report["as_script"]
 
@@ -118,7 +128,7 @@ def test_the_config_path_never_calls_transformer_engine(bridge_report: dict[str,
 
 def test_validate_rejects_a_world_size_the_layout_does_not_fit(bridge_report: dict[str, Any]):
     """The check has teeth: the same nano recipe fails Bridge's validate() at WORLD_SIZE=3."""
-    assert bridge_report["results"]["nano"] == "ok"
+    assert bridge_report["results"][bridge_report["labels"]["nano"][0]] == "ok"
     assert bridge_report["results"][UNFIT] != "ok"
 
 

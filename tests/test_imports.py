@@ -34,7 +34,7 @@ PACKAGES = {
 HEAVY = {
     "torch", "transformers", "transformer_engine", "mamba_ssm", "triton", "matplotlib", "numpy",
     "tokenizers", "safetensors", "webdataset", "pyarrow", "datasets", "ray", "megatron",
-    "megatron_energon", "xxhash", "jsonschema", "hypothesis", "numba", "omegaconf",
+    "megatron_energon", "xxhash", "jsonschema", "hypothesis", "numba", "omegaconf", "jinja2",
 } | {entry.package for entry in TRACKERS.values() if entry.package}  # fmt: skip
 """Third-party packages worth deferring: torch, the optional extras, the experiment trackers'
 (from their registry), and OmegaConf, which only a blueprint that interpolates or takes

@@ -202,3 +202,20 @@ def test_a_finding_every_stage_shares_is_reported_once_without_stage_names(
     assert len(sizes) == 2
     assert "parallelism.world_size: stages 'phase1', 'phase2': world_size (8)" in sizes[0]
     assert "stages[2].parallelism.world_size: stage 'sft': world_size (4)" in sizes[1]
+
+
+def test_a_stage_field_can_be_overridden_on_the_command_line(tmp_path: Path) -> None:
+    path = write(tmp_path, program_document())
+    for key in ("stages.2.data.seq_len", "stages[2].data.seq_len"):
+        loaded = load(path, [f"{key}=512"])
+        assert resolve_program(loaded.blueprint).stage("sft").blueprint.data.seq_len == 512
+    with pytest.raises(BlueprintError) as caught:
+        load(path, ["stages.2.parallelism.tp=3"])
+    assert any(
+        d.file == "--set" and d.path.startswith("stages[2].parallelism")
+        for d in caught.value.errors
+    )
+    with pytest.raises(BlueprintError) as caught:
+        load(path, ["stages.7.data.seq_len=512"])
+    (error,) = caught.value.errors
+    assert error.path == "stages[7].data.seq_len" and "bad override" in error.message

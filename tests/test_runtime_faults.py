@@ -53,12 +53,12 @@ def _run(
     original = trainer.forward_backward
     attempts = {"n": 0}
 
-    def forward_backward(model: torch.nn.Module, micro: list, scale: float, ranks: Any) -> Any:
+    def forward_backward(model: torch.nn.Module, micro: list, *args: Any) -> Any:
         n = attempts["n"]
         attempts["n"] += 1
         if before is not None:
             before(n, model)
-        out = original(model, micro, scale, ranks)
+        out = original(model, micro, *args)
         if after is not None:
             after(n, model)
         return out

@@ -14,20 +14,34 @@ from factory.checks import (
     model_rules,
     parallel_rules,
     precision_rules,
+    program_rules,
     runtime_rules,
     training_rules,
 )
-from factory.checks.registry import RULES, Finding, Rule, rule, run_rules
+from factory.checks.registry import (
+    PROGRAM_RULES,
+    RULES,
+    Finding,
+    ProgramRule,
+    Rule,
+    program_rule,
+    rule,
+    run_rules,
+)
 
 __all__ = [
+    "PROGRAM_RULES",
     "RULES",
     "Finding",
+    "ProgramRule",
     "Rule",
     "data_rules",
     "memory_rules",
     "model_rules",
     "parallel_rules",
     "precision_rules",
+    "program_rule",
+    "program_rules",
     "rule",
     "run_rules",
     "runtime_rules",

@@ -3,7 +3,9 @@
 A rule is a function from a validated :class:`Blueprint` to the findings it
 makes. Rules register themselves with :func:`rule`, so adding one never
 touches a central switch, and ``factory validate --rules`` can list them.
-Each finding names its rule and the numbers involved. The rule modules are
+Each finding names its rule and the numbers involved. A program rule
+(:func:`program_rule`) sees a program's stages together, for what concerns a
+stage's place in the program rather than one blueprint. The rule modules are
 listed in ``factory/checks/__init__.py``, which imports them all: importing any
 module of ``factory.checks`` registers every rule.
 """
@@ -22,14 +24,18 @@ from factory.schemas.precision_recipes import (
     RecipeCheck,
     recipes_revision,
 )
+from factory.schemas.program import Program
 from factory.spec.layer_type import LAYER_TYPES, LayerType, registry_revision
 
 __all__ = [
+    "PROGRAM_RULES",
     "RULES",
     "Finding",
+    "ProgramRule",
     "Rule",
     "layer_checks",
     "layer_rule",
+    "program_rule",
     "recipe_checks",
     "rule",
     "run_rules",
@@ -60,6 +66,35 @@ class Rule:
 
 
 RULES: dict[str, Rule] = {}
+
+StageFinding = tuple[int, Finding]
+"""A program rule's verdict: the index of the stage and the finding, at a path of that
+stage's blueprint."""
+ProgramRuleFn = Callable[[Program], Iterator[StageFinding]]
+
+
+@dataclass(frozen=True)
+class ProgramRule:
+    name: str
+    summary: str
+    check: ProgramRuleFn
+
+
+PROGRAM_RULES: dict[str, ProgramRule] = {}
+
+
+def program_rule(name: str) -> Callable[[ProgramRuleFn], ProgramRuleFn]:
+    """Register a check of a whole program under ``name``; its docstring's first line is its
+    summary. Validate runs it once per blueprint, after the rules of every stage."""
+
+    def register(fn: ProgramRuleFn) -> ProgramRuleFn:
+        if name in PROGRAM_RULES or name in RULES:
+            raise ValueError(f"rule {name!r} registered twice")
+        summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else name
+        PROGRAM_RULES[name] = ProgramRule(name=name, summary=summary, check=fn)
+        return fn
+
+    return register
 
 
 def rule(name: str) -> Callable[[RuleFn], RuleFn]:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from factory.checks.registry import RULES, Finding, Rule, run_rules
+from factory.checks.registry import PROGRAM_RULES, RULES, Finding, Rule, run_rules
 from factory.errors import BlueprintError, Diagnostic, SourceMap
 from factory.loading.blueprint import read_blueprint, resolve_source
 from factory.schemas.blueprint import Blueprint
@@ -58,12 +58,18 @@ def _run_rules(bp: Blueprint) -> list[tuple[Rule, Finding]]:
 
 
 def program_diagnostics(program: Program, source_map: SourceMap) -> list[Diagnostic]:
-    """Every rule's findings on every stage's blueprint, each once, located where the file
-    writes the value it is about. A finding that not every stage has names its stages."""
+    """Every rule's findings on every stage's blueprint, then every program rule's, each once,
+    located where the file writes the value it is about. A finding that not every stage has
+    names its stages."""
     stages_of: dict[tuple[str, str, str, str], list[str]] = {}
     for stage in program:
         for r, f in _run_rules(stage.blueprint):
             key = (stage.document_path(f.path), f.message, f.severity, r.name)
+            stages_of.setdefault(key, []).append(stage.name)
+    for program_rule in PROGRAM_RULES.values():
+        for index, f in program_rule.check(program):
+            stage = program.stages[index]
+            key = (stage.document_path(f.path), f.message, f.severity, program_rule.name)
             stages_of.setdefault(key, []).append(stage.name)
     out = []
     for (path, message, severity, rule_name), names in stages_of.items():

@@ -21,6 +21,7 @@ from factory.data.shards.energon_index import META_DIR, check_energon_index
 from factory.data.shards.manifest import ManifestError, verify
 from factory.data.token_shares import inspect_table, write_share_plot
 from factory.progress import LogFormat, RichProgress
+from factory.schemas.base import MAX_SEQ_LEN
 
 
 class Executor(StrEnum):
@@ -62,6 +63,16 @@ def build_cmd(
             help="Ray cluster address (ray only); --out must be a path every node sees.",
         ),
     ] = None,
+    seq_len: Annotated[
+        int | None,
+        typer.Option(
+            "--seq-len",
+            min=1,
+            max=MAX_SEQ_LEN,
+            help="Pack to this many tokens instead of the recipe's packing.seq_len (a stage's or "
+            "a proxy's sequence length).",
+        ),
+    ] = None,
     allow_empty: Annotated[
         bool,
         typer.Option(
@@ -92,6 +103,7 @@ def build_cmd(
                 recipe,
                 out,
                 workers=workers,
+                seq_len=seq_len,
                 progress=progress,
                 executor=executor.value,
                 address=address,

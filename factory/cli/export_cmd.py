@@ -13,6 +13,7 @@ from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.exports.hf_config import ExportError
 from factory.exports.hf_import import blueprint_yaml_from_hf, has_weights
+from factory.exports.hf_stage import UnknownStage, copy_run_model, is_run_folder, stage_of
 from factory.exports.megatron import MegatronExportError, export_megatron
 from factory.io import atomic_write_text
 from factory.proxy import derive_proxy
@@ -29,8 +30,14 @@ app.add_typer(import_app, name="import")
 
 @export_app.command("hf")
 def export_hf_cmd(
-    target: Annotated[str, typer.Argument(help="Preset name or blueprint path.")],
+    target: Annotated[
+        str, typer.Argument(help="Preset name, blueprint path or a training's run folder.")
+    ],
     out: Annotated[Path, typer.Option("--out", help="Output folder.")],
+    stage: Annotated[
+        str | None,
+        typer.Option("--stage", help="The program's stage to export (default: the final one)."),
+    ] = None,
     proxy: Annotated[bool, typer.Option("--proxy", help="Export the CPU proxy model.")] = False,
     seed: Annotated[int, typer.Option("--seed", help="Initialisation seed.")] = 0,
     weights: Annotated[
@@ -41,9 +48,33 @@ def export_hf_cmd(
 ) -> None:
     """Write a Hugging Face checkpoint (NemotronHForCausalLM).
 
-    config.json and model.safetensors, which transformers loads.
+    config.json and model.safetensors, which transformers loads. For a run folder, the model
+    its training wrote for --stage (RUN/<stage>/model/, or RUN/model/ without stages); for a
+    blueprint with stages, that stage's blueprint.
     """
+    run = Path(target)
+    if run.is_dir() and is_run_folder(run):
+        flags = {"--proxy": proxy, "--weights": weights, "--set": overrides}
+        given = [flag for flag, used in flags.items() if used]
+        if given:
+            typer.echo(f"{target}: {', '.join(given)}: a run folder holds its model", err=True)
+            raise typer.Exit(EXIT_INVALID)
+        try:
+            source = copy_run_model(run, out, stage)
+        except UnknownStage as exc:
+            typer.echo(f"{target}: --stage: {exc}", err=True)
+            raise typer.Exit(EXIT_INVALID) from None
+        except ExportError as exc:
+            typer.echo(f"{target}: {exc}", err=True)
+            raise typer.Exit(EXIT_INVALID) from None
+        typer.echo(f"wrote {out}/config.json and {out}/model.safetensors (from {source})")
+        return
     bp = factory.load_blueprint(target, overrides or [])
+    try:
+        bp = stage_of(bp, stage).blueprint
+    except UnknownStage as exc:
+        typer.echo(f"{target}: --stage: {exc}", err=True)
+        raise typer.Exit(EXIT_INVALID) from None
     if proxy:
         bp = derive_proxy(bp)
     try:
@@ -74,7 +105,8 @@ def export_megatron_cmd(
     """Write a Megatron-Bridge training recipe.
 
     recipe.py, overrides.yaml, launch.sh, hf/, README.md and, for per-module formats,
-    quant_recipe.yaml.
+    quant_recipe.yaml; for a blueprint with stages, one such folder per stage, chained by
+    checkpoint, with README.md and launch.sh for the chain.
     """
     bp = factory.load_blueprint(target, overrides or [])
     try:
@@ -84,7 +116,11 @@ def export_megatron_cmd(
         for path, why in exc.fields:
             typer.echo(f"  {path}: {why}", err=True)
         raise typer.Exit(EXIT_INVALID) from None
-    typer.echo(f"wrote {out}/recipe.py, overrides.yaml, launch.sh, README.md")
+    if bp.stages is None:
+        typer.echo(f"wrote {out}/recipe.py, overrides.yaml, launch.sh, README.md")
+    else:
+        names = ", ".join(stage.name for stage in bp.stages)
+        typer.echo(f"wrote {out}/README.md, launch.sh and a recipe folder per stage: {names}")
 
 
 @import_app.command("hf")

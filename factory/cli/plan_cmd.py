@@ -1,11 +1,13 @@
-"""``factory plan``: parameters, FLOPs, memory per rank, layout, cost and failures of a blueprint."""
+"""``factory plan``: parameters, FLOPs, memory per rank, layout, cost and failures of a blueprint,
+and of each stage of a program with the program's totals."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 import yaml
@@ -13,19 +15,28 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from factory.checks.validate import load
+from factory.checks.validate import LoadedBlueprint, load
 from factory.cli.output import EXIT_INVALID, print_diagnostics
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
+from factory.data.shards.manifest import ManifestError
+from factory.errors import did_you_mean
 from factory.io import atomic_write_text
 from factory.layout_search import search_layouts
-from factory.planner.plan import plan as make_plan
+from factory.planner.program_plan import plan_program, plan_stage
 from factory.precision.policy import flops_share, resolve_policy
 from factory.proxy import derive_proxy
-from factory.report.plan_text import cost_summary, rich_tables
+from factory.report.plan_text import (
+    cost_summary,
+    curated_line,
+    program_summary,
+    program_table,
+    rich_tables,
+)
 from factory.report.search_text import search_records, search_table
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.parallelism import GPU_SPECS
+from factory.schemas.program import Program, ProgramStage, resolve_program
 
 GPUType = StrEnum("GPUType", {name: name for name in GPU_SPECS})
 
@@ -59,23 +70,57 @@ def plan(
         Path | None,
         typer.Option("--out", help="With --search: write the fastest layout's blueprint here."),
     ] = None,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            "--data",
+            help="Built data (factory train --data's folder, or a run's data/; a program's "
+            "stages under <stage>/): each stage's epochs over it.",
+        ),
+    ] = None,
+    stage: Annotated[
+        str | None,
+        typer.Option(
+            "--stage",
+            help="Plan, search or show the precision of this stage of a program alone "
+            "(a program's --search and --precision need it).",
+        ),
+    ] = None,
 ) -> None:
     """Count a blueprint's parameters, FLOPs, memory per rank and cost.
 
     The counts are exact (the model's own tensors, on no device); nothing is trained.
+    A program (a blueprint with ``stages``) is planned stage by stage, with its totals.
     """
     loaded = load(target, overrides or [])
     print_diagnostics(loaded.warnings)
-    blueprint = loaded.blueprint
+    program = resolve_program(loaded.blueprint)
+    searching = search or gpus is not None or gpu is not None or out is not None
+    if stage is None and program.declared and (precision or searching):
+        # Each stage has its own sequence length, batch and layout, and the first is rarely
+        # the one in question (the long-context stage is): no guess, a choice.
+        what = "--search" if searching else "--precision"
+        raise typer.BadParameter(
+            f"{what} works on one stage of a program; name it with --stage "
+            f"({', '.join(program.names)})"
+        )
+    shrink = derive_proxy if proxy else None
+    if stage is None and program.declared:
+        planned = _reading_data(lambda: plan_program(program, shrink, data).to_dict())
+        _print_program(loaded, planned, proxy, as_json)
+        return
+    chosen = _stage(program, stage) if stage is not None else program.final
+    blueprint = chosen.blueprint
     if proxy:
         blueprint = derive_proxy(blueprint)
     if precision:
         _print_precision(blueprint, as_json)
         return
-    if search or gpus is not None or gpu is not None or out is not None:
-        _search(blueprint, search, gpus, gpu.value if gpu else None, out, as_json)
+    if searching:
+        where = chosen if program.declared else None
+        _search(blueprint, where, search, gpus, gpu.value if gpu else None, out, as_json)
         return
-    result = make_plan(blueprint).to_dict()
+    result = _reading_data(lambda: plan_stage(chosen, shrink, data).alone_dict())
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return
@@ -85,24 +130,73 @@ def plan(
     for table in rich_tables(result, cpu_proxy=proxy):
         console.print(table)
     console.print(cost_summary(result, cpu_proxy=proxy), highlight=False)
+    if "curated" in result:
+        console.print(
+            curated_line(result["curated"], chosen.blueprint.data.seq_len), highlight=False
+        )
+
+
+def _stage(program: Program, name: str) -> ProgramStage:
+    """Stage ``name`` (a blueprint without stages has one, 'train'); exit 2 otherwise."""
+    if name in program.names:
+        return program.stage(name)
+    typer.echo(
+        f"factory: no stage {name!r}{did_you_mean(name, program.names)}; "
+        f"the stages: {', '.join(program.names)}",
+        err=True,
+    )
+    raise typer.Exit(EXIT_INVALID)
+
+
+def _reading_data(make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A plan document; exit 2 where ``--data`` lacks a stage's manifest."""
+    try:
+        return make()
+    except ManifestError as exc:
+        typer.echo(f"factory: --data: {exc}", err=True)
+        raise typer.Exit(EXIT_INVALID) from None
+
+
+def _print_program(
+    loaded: LoadedBlueprint, planned: dict[str, Any], proxy: bool, as_json: bool
+) -> None:
+    """Each stage planned alone and the program's totals; the shared model's parameters once
+    (FLOPs per token depend on each stage's sequence length: ``--stage NAME`` shows them)."""
+    if as_json:
+        typer.echo(json.dumps(planned, indent=2))
+        return
+    meta = loaded.blueprint.meta
+    console = Console()
+    console.print(Text.assemble((meta.name, "bold"), f": {meta.description}"))
+    parameters = rich_tables(planned["stages"][0]["plan"], cpu_proxy=proxy)[0]
+    console.print(parameters)
+    console.print(program_table(planned, cpu_proxy=proxy))
+    console.print(program_summary(planned, cpu_proxy=proxy), highlight=False)
+    for stage in planned["stages"]:
+        if "curated" in stage:
+            line = curated_line(stage["curated"], stage["seq_len"], stage["name"])
+            console.print(line, highlight=False)
+    console.print("each stage's whole plan: factory plan BLUEPRINT --stage NAME", highlight=False)
 
 
 def _search(
     blueprint: Blueprint,
+    stage: ProgramStage | None,
     search: bool,
     gpus: int | None,
     gpu: str | None,
     out: Path | None,
     as_json: bool,
 ) -> None:
+    """Search ``blueprint``'s layout; ``stage``: it is that stage of a program, which keeps the
+    model (no '|' added to the pattern) and takes its layout under ``stages[i].parallelism``."""
     if not search or gpus is None:
         raise typer.BadParameter("--search needs --gpus N (and takes --gpu, --out)")
-    results = search_layouts(blueprint, gpus, gpu)
+    results = search_layouts(blueprint, gpus, gpu, keep_pattern=stage is not None)
+    name = blueprint.meta.name + (f" stage {stage.name!r}" if stage is not None else "")
     if not results:
         where = f"{gpus} x {gpu or blueprint.parallelism.gpu}"
-        typer.echo(
-            f"factory: no layout of {blueprint.meta.name} validates and fits on {where}", err=True
-        )
+        typer.echo(f"factory: no layout of {name} validates and fits on {where}", err=True)
         raise typer.Exit(EXIT_INVALID)
     best = results[0]
     if out is not None:
@@ -115,11 +209,17 @@ def _search(
     if as_json:
         typer.echo(json.dumps({"layouts": search_records(results)}, indent=2))
         return
-    title = f"{blueprint.meta.name} on {gpus} x {best.blueprint.parallelism.gpu}: fastest layouts"
+    title = f"{name} on {gpus} x {best.blueprint.parallelism.gpu}: fastest layouts"
     Console().print(search_table(results, title))
-    typer.echo("best as overrides: " + " ".join(f"--set {o}" for o in best.overrides))
+    if stage is None:
+        typer.echo("best as overrides: " + " ".join(f"--set {o}" for o in best.overrides))
+    else:
+        changes = ", ".join(
+            o.removeprefix("parallelism.").replace("=", ": ") for o in best.overrides
+        )
+        typer.echo(f"best in the program: stages[{stage.index}].parallelism: {{{changes}}}")
     if out is not None:
-        typer.echo(f"wrote {out}")
+        typer.echo(f"wrote {out}" + (f" (stage {stage.name!r} alone)" if stage else ""))
 
 
 def _print_precision(blueprint: Blueprint, as_json: bool) -> None:

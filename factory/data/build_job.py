@@ -23,7 +23,9 @@ rerun re-hashes the shards it would skip and rewrites any that changed.
 A build that fails on the machine (a full disk) raises ``OSError`` naming the
 file it could not write; every file is published by rename, so what a rerun
 finds is whole. A build that no document survives publishes no manifest: it
-raises ``BuildRefused`` unless ``allow_empty`` asks for an empty one.
+raises ``BuildRefused`` unless ``allow_empty`` asks for an empty one. So does a
+record that the recipe's chat template cannot mask (its renders are not prefixes
+of each other), naming the record.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from typing import Any
 
 from factory.data.build_lock import build_lock
 from factory.data.build_manifest import build_manifest
-from factory.data.build_refusals import empty_build
+from factory.data.build_refusals import BuildRefused, empty_build
 from factory.data.executors.local_pool import run_local
 from factory.data.executors.ray_tasks import connect, run_ray
 from factory.data.loaded_recipe import LoadedRecipe, load_recipe, recipe_hash, with_seq_len
@@ -44,6 +46,7 @@ from factory.data.shards.manifest import write_manifest
 from factory.data.stages.curate import UnitTask
 from factory.data.stages.stage_inputs import StageInputs
 from factory.data.stages.unit_files import read_unit_stats
+from factory.data.steps.chat_template import ChatTemplateError
 from factory.data.steps.source_files import expand_source_paths
 from factory.data.steps.tokenize import DocumentTokenizer
 from factory.io import atomic_write_text, naming
@@ -71,7 +74,18 @@ def _tasks(loaded: LoadedRecipe, work: Path) -> list[UnitTask]:
     for s_index, source in enumerate(recipe.sources):
         for f_index, path in enumerate(expand_source_paths(loaded.resolve(source.path))):
             output = work / "units" / source.name / f"{f_index:05d}.bin"
-            tasks.append(UnitTask(recipe, s_index, f_index, path, output, tokenizer, benchmarks))
+            tasks.append(
+                UnitTask(
+                    recipe,
+                    s_index,
+                    f_index,
+                    path,
+                    output,
+                    tokenizer,
+                    benchmarks,
+                    loaded.chat_template,
+                )
+            )
     return tasks
 
 
@@ -184,11 +198,14 @@ def _build(
     tokenizer_path = loaded.resolve(recipe.tokenizer.path) if recipe.tokenizer.path else None
     tokenizer = DocumentTokenizer(tokenizer_path, eos=recipe.tokenizer.eos)
     inputs = StageInputs(recipe, out, tasks, tokenizer)
-    if executor == "ray":
-        with connect(address, workers if workers > 1 else None):
-            stages = run_ray(inputs, progress)
-    else:
-        stages = run_local(inputs, workers, progress)
+    try:
+        if executor == "ray":
+            with connect(address, workers if workers > 1 else None):
+                stages = run_ray(inputs, progress)
+        else:
+            stages = run_local(inputs, workers, progress)
+    except ChatTemplateError as exc:  # a record whose renders break the prefix rule
+        raise BuildRefused(loaded.source, str(exc)) from None
     manifest = build_manifest(loaded, digest, tasks, stages, tokenizer)
     _write_quarantine(out, tasks)  # written even when refusing: it says what went wrong
     if not manifest["shards"] and not allow_empty:

@@ -18,7 +18,7 @@ from factory.data.stages.dedup import DedupCounts
 from factory.data.stages.unit_files import read_unit_stats
 from factory.data.stages.write_shards import StagesResult
 from factory.data.steps.tokenize import DocumentTokenizer
-from factory.schemas.data_recipe import SourceConfig
+from factory.schemas.data_recipe import SHARE_KEYS, SourceConfig
 
 __all__ = ["TOKEN_COUNTS", "build_manifest"]
 
@@ -96,6 +96,10 @@ def _source_entry(source: SourceConfig, units: list[Path], stages: StagesResult)
         "dropped": {k: v for k, v in sorted(dropped.items()) if v},
         "quarantined": dict(sorted(quarantined.items())),
         "mix": {
+            # The share as the recipe states it: {"weight": w}, {"tokens": n} or {"epochs": e}.
+            "declared": {
+                key: getattr(source, key) for key in SHARE_KEYS if getattr(source, key) is not None
+            },
             "available_tokens": plan.available_tokens,
             "target_tokens": plan.target_tokens,
             "ratio": round(plan.ratio, 6),

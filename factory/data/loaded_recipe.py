@@ -3,7 +3,9 @@
 Reading and type-checking the YAML is ``factory.loading.recipe``'s (the same
 reader and ``file:line: path: message`` diagnostics as blueprints); here every
 source path must name readable inputs and every benchmark and tokenizer file
-must exist, so a build fails before any work starts.
+must exist, and a chat template must read, compile and keep its renders
+prefixes of each other (``factory.data.steps.chat_template.check_template``),
+so a build fails before any work starts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,12 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from factory.data.steps.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    check_template,
+    read_template_file,
+)
 from factory.data.steps.source_files import expand_source_paths
 from factory.dotted_paths import join_path
 from factory.errors import BlueprintError, Diagnostic, SourceMap
@@ -26,11 +34,13 @@ __all__ = ["LoadedRecipe", "load_recipe", "recipe_hash", "with_seq_len"]
 
 @dataclass(frozen=True)
 class LoadedRecipe:
-    """A validated recipe, the file it was read from (resolved), and the line of each value."""
+    """A validated recipe, the file it was read from (resolved), the line of each value, and
+    its chat template read (None: the built-in format)."""
 
     recipe: DataRecipe
     source: Path
     source_map: SourceMap
+    chat_template: ChatTemplate | None = None
 
     def resolve(self, relative: str) -> Path:
         """A path from the recipe, relative to the recipe file."""
@@ -44,9 +54,35 @@ def load_recipe(name_or_path: str | Path) -> LoadedRecipe:
     recipe, source_map = read_recipe(source)
     loaded = LoadedRecipe(recipe, source, source_map)
     problems = _missing_inputs(loaded)
+    template, template_problems = _chat_template(loaded)
+    problems += template_problems
     if problems:
         raise BlueprintError(problems)
-    return loaded
+    return LoadedRecipe(recipe, source, source_map, template)
+
+
+def _chat_template(loaded: LoadedRecipe) -> tuple[ChatTemplate | None, list[Diagnostic]]:
+    """The recipe's chat template, read and checked, or what is wrong with it."""
+    config, source_map = loaded.recipe.tokenizer, loaded.source_map
+    if config.chat_template is not None:
+        where = "tokenizer.chat_template"
+        template = ChatTemplate(config.chat_template, where)
+    elif config.chat_template_file is not None:
+        where = "tokenizer.chat_template_file"
+        path = loaded.resolve(config.chat_template_file)
+        if not path.is_file():
+            return None, [source_map.diagnostic(where, "chat template file not found")]
+        try:
+            template = read_template_file(path)
+        except ChatTemplateError as exc:
+            return None, [source_map.diagnostic(where, str(exc))]
+    else:
+        return None, []
+    try:
+        check_template(template)
+    except ChatTemplateError as exc:
+        return None, [source_map.diagnostic(where, f"chat template: {exc}")]
+    return template, []
 
 
 def _missing_inputs(loaded: LoadedRecipe) -> list[Diagnostic]:
@@ -66,8 +102,12 @@ def _missing_inputs(loaded: LoadedRecipe) -> list[Diagnostic]:
 
 
 def recipe_hash(loaded: LoadedRecipe) -> str:
-    """sha256 of the validated recipe: what the manifest records, the same on every machine."""
+    """sha256 of the validated recipe (and of its chat template's text, which a file may
+    hold): what the manifest records, the same on every machine."""
     canonical = json.dumps(loaded.recipe.model_dump(mode="json"), sort_keys=True)
+    template = loaded.chat_template
+    if template is not None:
+        canonical += json.dumps([template.text, template.special_tokens])
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -87,4 +127,4 @@ def with_seq_len(loaded: LoadedRecipe, seq_len: int) -> LoadedRecipe:
             f"cannot pack recipe {loaded.recipe.name!r} to {seq_len}: {reason}"
         ) from None
     recipe = loaded.recipe.model_copy(update={"packing": packing})
-    return LoadedRecipe(recipe, loaded.source, loaded.source_map)
+    return LoadedRecipe(recipe, loaded.source, loaded.source_map, loaded.chat_template)

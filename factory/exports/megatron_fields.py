@@ -28,6 +28,7 @@ from factory.exports.quant_recipe import (
 )
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.precision_recipes import HIGH_PRECISION, MegatronPreset, recipe_named
+from factory.schemas.program import Program
 from factory.spec.layer_type import (
     LAYER_TYPES,
     MEGATRON_DEFAULT,
@@ -43,8 +44,11 @@ __all__ = [
     "Ref",
     "fields",
     "megatron_fields",
+    "objective",
     "pipeline_stage_sizes",
+    "run_starts",
     "shared_field_conflicts",
+    "stage_fields",
 ]
 
 MEGATRON_CORE_VERSION = "0.16.1"
@@ -232,6 +236,17 @@ def _mtp(fn: Callable[[Blueprint], Any]) -> Callable[[Blueprint], Any]:
     return lambda bp: fn(bp) if bp.model.mtp_depth else SKIP
 
 
+def objective(bp: Blueprint) -> tuple[str, str]:
+    """(kind, loss average) of ``training.objective``: ("pretrain", "token") where the
+    blueprint's schema has no objective section."""
+    section = getattr(bp.training, "objective", None)
+    return getattr(section, "kind", "pretrain"), getattr(section, "loss_average", "token")
+
+
+def _sft(fn: Callable[[Blueprint], Any]) -> Callable[[Blueprint], Any]:
+    return lambda bp: fn(bp) if objective(bp)[0] == "sft" else SKIP
+
+
 M, T, P = "model", "container", "mixed_precision"
 # One row per field reads as the table it is; the formatter would spread rows over lines.
 # fmt: off
@@ -314,6 +329,10 @@ _RUN_FIELDS: tuple[Field, ...] = (
     Field("parallelism.global_batch_size", "train", "global_batch_size", T,
           lambda bp: bp.parallelism.global_batch_size),
     Field("training.{steps,tokens}", "train", "train_iters", T, lambda bp: bp.training_steps),
+    # SFT masks the prompts, so micro-batches hold different numbers of targets: Megatron's
+    # per-token loss sums them over the step, as factory's token average does.
+    Field("training.objective.kind", M, "calculate_per_token_loss", "config",
+          _sft(lambda bp: True)),
     Field("training.optimizer.name", "optimizer", "optimizer", T, lambda bp: "adam"),
     Field("training.optimizer.lr", "optimizer", "lr", T, lambda bp: bp.training.optimizer.lr),
     Field("training.optimizer.min_lr", "optimizer", "min_lr", T,
@@ -394,3 +413,44 @@ def megatron_fields(bp: Blueprint) -> dict[str, dict[str, Any]]:
         if value is not SKIP:
             out[field.section][field.name] = value
     return out
+
+
+def stage_fields(
+    bp: Blueprint, start: int, schedule_offset: int, schedule_steps: int
+) -> dict[str, dict[str, Any]]:
+    """:func:`megatron_fields` of one stage of a program, whose Megatron run starts at
+    iteration ``start`` (0 for the first stage and for one Bridge fine-tunes from the checkpoint
+    before; the iteration the stage before ended at when it resumes it) and whose learning-rate
+    schedule is at step ``schedule_offset`` of ``schedule_steps`` there.
+
+    Megatron counts ``train_iters`` and the scheduler's warmup and decay in iterations of the
+    run, so the schedule's iteration 0 lies ``start - schedule_offset`` iterations into it
+    (``megatron_refusals.program_refusals`` refuses a schedule that would start elsewhere than
+    Megatron's iteration 0 and is not constant). An SFT stage reads Bridge's
+    ``FinetuningDatasetConfig``, whose seed field is ``seed``."""
+    out = megatron_fields(bp)
+    schedule = bp.training.schedule
+    shift = start - schedule_offset
+    out["train"]["train_iters"] = start + bp.training_steps
+    out["scheduler"]["lr_warmup_iters"] = round(schedule_steps * schedule.warmup_fraction)
+    out["scheduler"]["lr_decay_iters"] = shift + schedule_steps
+    if schedule.kind == "wsd":
+        out["scheduler"]["lr_wsd_decay_iters"] = round(schedule_steps * schedule.decay_fraction)
+    if objective(bp)[0] == "sft":
+        out["dataset"] = {"seq_length": bp.data.seq_len, "seed": bp.training.seed}
+    return out
+
+
+def run_starts(program: Program) -> list[int]:
+    """Per stage, the iteration its Megatron run starts at: 0 for the first stage and for a
+    stage that does not carry the optimizer (Bridge fine-tunes from the checkpoint before:
+    ``finetune`` resets the iteration), else the iteration the stage before ended at (Bridge
+    resumes that checkpoint: optimizer, scheduler, iteration and consumed samples)."""
+    starts: list[int] = []
+    for stage in program:
+        if stage.index == 0 or not stage.carry.optimizer:
+            starts.append(0)
+        else:
+            before = program.stages[stage.index - 1]
+            starts.append(starts[-1] + before.steps)
+    return starts

@@ -10,13 +10,37 @@ listed in the README, never silently dropped. Checked against megatron-core
 
 from __future__ import annotations
 
-from factory.exports.megatron_fields import pipeline_stage_sizes, shared_field_conflicts
+import re
+
+from factory.exports.hf_config import ExportError
+from factory.exports.megatron_fields import (
+    objective,
+    pipeline_stage_sizes,
+    run_starts,
+    shared_field_conflicts,
+)
 from factory.exports.quant_recipe import QuantRecipeError, megatron_quant_recipe, mtp_formats
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.precision_recipes import HIGH_PRECISION, recipe_named
+from factory.schemas.program import Program, ProgramStage
 from factory.spec.layer_type import LAYER_TYPES
 
-__all__ = ["not_carried", "refusals"]
+__all__ = [
+    "MegatronExportError",
+    "not_carried",
+    "program_refusals",
+    "refusals",
+    "stage_refusals",
+]
+
+
+class MegatronExportError(ExportError):
+    """The blueprint has fields a Megatron recipe cannot express; ``fields`` names them."""
+
+    def __init__(self, fields: list[tuple[str, str]]) -> None:
+        self.fields = fields
+        lines = "\n".join(f"  {path}: {why}" for path, why in fields)
+        super().__init__(f"cannot export to Megatron-Bridge:\n{lines}")
 
 
 def _megatron_cuts(sizes: list[int], total: int) -> list[int]:
@@ -136,6 +160,101 @@ def _precision(bp: Blueprint) -> list[tuple[str, str]]:
 def refusals(bp: Blueprint) -> list[tuple[str, str]]:
     """(blueprint path, reason) for each thing a Megatron recipe cannot express."""
     return _model(bp) + _layout(bp) + _precision(bp)
+
+
+_DOTTED_HEAD = re.compile(r"^[A-Za-z0-9_.\[\]']+")
+
+
+def _located(stage: ProgramStage, path: str) -> str:
+    """``path`` of the stage's blueprint where the file writes it; the words after a dotted
+    path (``precision.overrides: *.mixer.k_proj``) are kept."""
+    head = _DOTTED_HEAD.match(path)
+    if head is None:
+        return path
+    return stage.document_path(head.group()) + path[head.end() :]
+
+
+def _shift_invariant(stage: ProgramStage) -> bool:
+    """A schedule whose rate does not depend on where it starts: constant, no warmup."""
+    schedule = stage.blueprint.training.schedule
+    return (
+        schedule.kind == "constant" and round(stage.schedule_steps * schedule.warmup_fraction) == 0
+    )
+
+
+def _chain(stage: ProgramStage, start: int) -> list[tuple[str, str]]:
+    """What the checkpoint chain into ``stage`` cannot say in Bridge."""
+    out: list[tuple[str, str]] = []
+    where = f"stages[{stage.index}]"
+    carried = stage.index > 0 and stage.carry.optimizer
+    if start != stage.schedule_offset and not _shift_invariant(stage):
+        kind = stage.blueprint.training.schedule.kind
+        if carried:
+            out.append(
+                (
+                    f"{where}.carry.optimizer",
+                    f"stage {stage.name!r} resumes the optimizer, so Bridge continues the run at "
+                    f"iteration {start}, where Megatron's scheduler (counting from the run's "
+                    f"iteration 0) cannot start the stage's own {kind} schedule; carry no "
+                    "optimizer (Bridge's finetune) or make the schedule constant without warmup",
+                )
+            )
+        else:
+            out.append(
+                (
+                    f"{where}.continue_schedule",
+                    f"stage {stage.name!r} goes on with the schedule at its step "
+                    f"{stage.schedule_offset}, but without the optimizer Bridge fine-tunes "
+                    "from the checkpoint before (pretrained_checkpoint), and a fine-tune's "
+                    "scheduler starts at iteration 0; carry the optimizer or start a schedule",
+                )
+            )
+    if stage.index > 0 and stage.carry.data_position and not stage.carry.optimizer:
+        out.append(
+            (
+                f"{where}.carry.data_position",
+                f"stage {stage.name!r} fine-tunes from the checkpoint before (no optimizer), "
+                "and Bridge's finetune resets the consumed samples; carry the optimizer too",
+            )
+        )
+    kind, average = objective(stage.blueprint)
+    if kind == "sft":
+        if average == "conversation":
+            out.append(
+                (
+                    stage.document_path("training.objective.loss_average"),
+                    f"stage {stage.name!r}: Megatron averages the loss per token "
+                    "(calculate_per_token_loss) or per micro-batch, never per conversation",
+                )
+            )
+        micro = stage.blueprint.parallelism.micro_batch_size
+        if micro != 1:
+            out.append(
+                (
+                    stage.document_path("parallelism.micro_batch_size"),
+                    f"stage {stage.name!r}: Bridge trains packed sequences one per micro-batch "
+                    f"(ConfigContainer.validate), not {micro}",
+                )
+            )
+    return out
+
+
+def stage_refusals(stage: ProgramStage, start: int) -> list[tuple[str, str]]:
+    """(path in the blueprint file, reason) for what one stage's recipe cannot express: its
+    blueprint's :func:`refusals`, placed where the file writes the value, and what the
+    checkpoint chain into it cannot say; its Megatron run starts at iteration ``start``
+    (``megatron_fields.run_starts``)."""
+    located = [(_located(stage, path), why) for path, why in refusals(stage.blueprint)]
+    return located + _chain(stage, start)
+
+
+def program_refusals(program: Program) -> list[tuple[str, str]]:
+    """Every stage's :func:`stage_refusals`, once each (a value of the base that every stage
+    keeps is refused once, at the base's path)."""
+    out: dict[tuple[str, str], None] = {}
+    for stage, start in zip(program, run_starts(program), strict=True):
+        out.update(dict.fromkeys(stage_refusals(stage, start)))
+    return list(out)
 
 
 def not_carried(bp: Blueprint) -> list[tuple[str, str]]:

@@ -1,4 +1,9 @@
-"""The training loss: next-token cross-entropy, the scaled MTP losses, and the MoE aux loss."""
+"""The training loss: next-token cross-entropy, the scaled MTP losses, and the MoE aux loss.
+
+Each target carries a weight (``target_weights``) and each loss is the weighted sum over
+the sum of the weights: 1 per target for the token average, 1 / (the targets of its
+document) for the per-conversation average of ``training.objective.loss_average``.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,15 @@ from torch.nn import functional as F
 from factory.nn.outputs import ModelOutput
 from factory.nn.packed_documents import same_document
 from factory.schemas.model import ModelConfig, MTPConfig
+from factory.schemas.training import LossAverage
 
-__all__ = ["LossBreakdown", "language_model_loss", "mtp_loss_scale"]
+__all__ = [
+    "LossBreakdown",
+    "language_model_loss",
+    "micro_batch_share",
+    "mtp_loss_scale",
+    "target_weights",
+]
 
 
 def mtp_loss_scale(cfg: ModelConfig) -> float:
@@ -33,6 +45,57 @@ def _kept(mask: torch.Tensor, document_ids: torch.Tensor | None, shift: int) -> 
     return kept if document_ids is None else kept & same_document(document_ids, shift)
 
 
+def _conversation_weights(
+    kept: torch.Tensor, document_ids: torch.Tensor | None, shift: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, S - shift] 1 / (kept targets of its document) at each kept target, else 0;
+    how many documents have kept targets). Without ``document_ids`` a row is one document."""
+    rows, width = kept.shape
+    if kept.numel() == 0:
+        return kept.to(torch.float32), kept.sum()
+    if document_ids is None:
+        documents = torch.zeros_like(kept, dtype=torch.int64)
+    else:
+        documents = document_ids[:, shift:].to(torch.int64)  # a kept target's own document
+    row_index = torch.arange(rows, device=kept.device).unsqueeze(1)
+    first, span = documents.min(), documents.max() - documents.min() + 1
+    key = (row_index * span + documents - first).flatten()
+    counts = torch.zeros(rows * int(span), dtype=torch.int64, device=kept.device)
+    counts.scatter_add_(0, key, kept.flatten().to(torch.int64))
+    per_target = counts[key].view(rows, width).clamp(min=1)
+    weights = kept.to(torch.float32) / per_target.to(torch.float32)
+    return weights, (counts > 0).sum()
+
+
+def target_weights(
+    mask: torch.Tensor,
+    document_ids: torch.Tensor | None,
+    shift: int,
+    average: LossAverage = "token",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, S - shift] weight of each target ``shift`` ahead, their denominator).
+
+    ``token``: weight 1 per kept target (the bool mask itself), denominator the kept
+    targets. ``conversation``: 1 / (kept targets of the target's document), denominator the
+    documents with kept targets, so the weighted mean is the mean of per-document means.
+    """
+    kept = _kept(mask, document_ids, shift)
+    if average == "token":
+        return kept, kept.sum()
+    return _conversation_weights(kept, document_ids, shift)
+
+
+def micro_batch_share(
+    loss_mask: torch.Tensor, document_ids: torch.Tensor | None, average: LossAverage = "token"
+) -> int:
+    """What one micro-batch adds to its step's loss denominator: the main head's
+    denominator, its kept targets (``token``) or its documents with kept targets
+    (``conversation``). A step weights each micro-batch's loss by its share over the step's
+    sum (``factory.runtime.step``). A target across a document boundary is not kept, so it
+    has no share (a packed document's first token, marked in its own mask, is one)."""
+    return int(target_weights(loss_mask.bool(), document_ids, 1, average)[1])
+
+
 def _shifted(
     logits: torch.Tensor,
     positions: torch.Tensor | None,
@@ -40,24 +103,26 @@ def _shifted(
     mask: torch.Tensor,
     document_ids: torch.Tensor | None,
     shift: int,
+    average: LossAverage,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logits, labels, which count, how many count in the whole sequence) of the rows that
-    predict the token ``shift`` ahead. Under context parallelism a rank's mean is taken over
-    the whole sequence's targets, so the ranks' means add up to the sequence's."""
-    kept = _kept(mask, document_ids, shift)
+    """(logits, labels, the weight of each, the whole sequence's denominator) of the rows
+    that predict the token ``shift`` ahead. Under context parallelism a rank's mean is taken
+    over the whole sequence's denominator (the weights are the whole sequence's too), so the
+    ranks' means add up to the sequence's."""
+    weights, denominator = target_weights(mask, document_ids, shift, average)
     if positions is None:
-        return logits[:, :-shift], input_ids[:, shift:], kept, kept.sum()
+        return logits[:, :-shift], input_ids[:, shift:], weights, denominator
     rows = (positions < input_ids.shape[1] - shift).nonzero().flatten()
     here = positions[rows]
-    return logits[:, rows], input_ids[:, here + shift], kept[:, here], kept.sum()
+    return logits[:, rows], input_ids[:, here + shift], weights[:, here], denominator
 
 
 def _shifted_ce(
-    logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, count: torch.Tensor
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, count: torch.Tensor
 ) -> torch.Tensor:
     losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
-    mask = mask.flatten().to(losses.dtype)
-    return (losses * mask).sum() / count.clamp(min=1)
+    weights = weights.flatten().to(losses.dtype)
+    return (losses * weights).sum() / count.clamp(min=1)
 
 
 def language_model_loss(
@@ -66,6 +131,7 @@ def language_model_loss(
     loss_mask: torch.Tensor | None = None,
     mtp_loss_scale: float = 0.0,
     document_ids: torch.Tensor | None = None,
+    loss_average: LossAverage = "token",
 ) -> LossBreakdown:
     """``lm + mtp_loss_scale * mean(mtp depths) + aux``.
 
@@ -73,16 +139,23 @@ def language_model_loss(
     predicts token i+k+1, so depth k drops its last k+1 positions. ``loss_mask``
     [B, S] marks the tokens that count as labels (1) or not (0), e.g. prompts. With
     ``document_ids`` (packed documents) no position predicts a token of another document.
+    ``loss_average`` (``training.objective.loss_average``): ``token``, each loss is the mean
+    over its targets; ``conversation``, the mean over documents of each document's mean
+    (a row is one document without ``document_ids``); every MTP depth over its own targets.
     Under context parallelism (``output.positions``) the logits are this rank's rows of
     the whole sequence that ``input_ids`` holds, and the losses are over those rows.
     """
     mask = torch.ones_like(input_ids, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
-    lm = _shifted_ce(*_shifted(output.logits, output.positions, input_ids, mask, document_ids, 1))
+    lm = _shifted_ce(
+        *_shifted(output.logits, output.positions, input_ids, mask, document_ids, 1, loss_average)
+    )
     mtp = []
     for depth, depth_logits in enumerate(output.mtp_logits, start=1):
         shift = depth + 1
         if input_ids.shape[1] > shift:
-            pieces = _shifted(depth_logits, output.positions, input_ids, mask, document_ids, shift)
+            pieces = _shifted(
+                depth_logits, output.positions, input_ids, mask, document_ids, shift, loss_average
+            )
             mtp.append(_shifted_ce(*pieces))
     total = lm
     if mtp:

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from factory.dotted_paths import join_path
+from factory.dotted_paths import join_path, path_from_loc
 from factory.errors import BlueprintError, Diagnostic, SourceMap
 from factory.loading.yaml_source import (
     MERGE_KEYS_IN_A_BLUEPRINT,
@@ -116,6 +116,28 @@ def compose(path: Path, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], 
     return _override_and_resolve(data, source_map, overrides), source_map
 
 
+def _dotted_parts(key: str) -> list[str | int]:
+    """``stages.2.data.seq_len`` or ``stages[2].data.seq_len`` as keys and list indices."""
+    parts: list[str | int] = []
+    for part in key.strip().replace("[", ".").replace("]", "").split("."):
+        parts.append(int(part) if part.isdigit() else part)
+    return parts
+
+
+def _apply_override(cfg: Any, item: str) -> Any:
+    """``cfg`` with ``key=value`` applied. A key through a list (``stages.2.data.seq_len``)
+    cannot be merged as a dotlist (OmegaConf would merge a mapping into the list), so it is
+    set in place, its value parsed as a dotlist value is."""
+    from omegaconf import OmegaConf
+
+    key, _, value = item.partition("=")
+    if not any(isinstance(part, int) for part in _dotted_parts(key)):
+        return OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+    parsed = OmegaConf.from_dotlist([f"value={value}"])["value"]
+    OmegaConf.update(cfg, key.strip(), parsed, merge=True)
+    return cfg
+
+
 def _override_and_resolve(
     data: dict[str, Any], source_map: SourceMap, overrides: Sequence[str]
 ) -> dict[str, Any]:
@@ -138,16 +160,17 @@ def _override_and_resolve(
                 [Diagnostic("", f"override {item!r} is not key=value", OVERRIDE_FILE, index)]
             )
         try:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+            cfg = _apply_override(cfg, item)
         except errors as exc:
             message = f"bad override: {first_line(exc)}"
-            raise BlueprintError([Diagnostic(key, message, OVERRIDE_FILE, index)]) from None
+            where = path_from_loc(_dotted_parts(key))
+            raise BlueprintError([Diagnostic(where, message, OVERRIDE_FILE, index)]) from None
         # Sections the override creates are its too: a finding on them points here.
-        parts = key.strip().split(".")
+        parts = _dotted_parts(key)
         for end in range(1, len(parts)):
-            if ".".join(parts[:end]) not in source_map:
-                source_map.record(".".join(parts[:end]), OVERRIDE_FILE, index)
-        source_map.record(key.strip(), OVERRIDE_FILE, index)
+            if path_from_loc(parts[:end]) not in source_map:
+                source_map.record(path_from_loc(parts[:end]), OVERRIDE_FILE, index)
+        source_map.record(path_from_loc(parts), OVERRIDE_FILE, index)
     try:
         resolved = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except errors as exc:

@@ -23,8 +23,10 @@ from factory.report.units import (
 )
 
 __all__ = [
-    "PlanTable", "cost_summary", "cost_tables", "flatten", "markdown_report", "model_tables",
-    "performance_tables", "plan_tables", "rich_tables",
+    "PROGRAM_COLUMNS", "PlanTable", "cost_summary", "cost_tables", "curated_line", "flatten",
+    "markdown_report",
+    "model_tables", "performance_tables", "plan_tables", "program_rows", "program_summary",
+    "program_table", "rich_tables",
 ]  # fmt: skip
 
 
@@ -359,3 +361,103 @@ def performance_tables(plan: dict[str, Any]) -> list[PlanTable]:
         what = name.replace(".", ": ").replace("_", " ")
         rows.append((what, human_duration(value), f"{percent(value / step)} of the step"))
     return [PlanTable("Predicted speed (docs/performance.md)", rows)]
+
+
+PROGRAM_COLUMNS = (
+    "stage", "seq len", "tokens", "steps", "layout", "wall-clock", "GPU-hours", "memory/rank",
+)  # fmt: skip
+"""The columns of :func:`program_rows`: one stage a row, the totals last."""
+
+
+def _stage_layout(plan: dict[str, Any]) -> str:
+    """'256xh100 tp8 cp8 ep8 gbs48': what decides a stage's speed and memory (the sizes above
+    one)."""
+    layout, cost = plan["layout"], plan["cost"]
+    split = [f"{key}{layout[key]}" for key in ("tp", "cp", "pp", "ep") if layout.get(key, 1) > 1]
+    return " ".join(
+        [f"{cost['world_size']}x{cost['gpu']}", *split, f"gbs{layout['global_batch_size']}"]
+    )
+
+
+def _hours(gpu_hours: float) -> str:
+    return f"{gpu_hours:,.0f}" if gpu_hours >= 1 else human_gpu_hours(gpu_hours)
+
+
+def program_rows(program: dict[str, Any]) -> list[tuple[str, ...]]:
+    """A program's plan (``ProgramPlan.to_dict()``) as rows of :data:`PROGRAM_COLUMNS`: each
+    stage's numbers, then the totals (the peak memory of the largest stage)."""
+    rows: list[tuple[str, ...]] = []
+    for stage in program["stages"]:
+        plan = stage["plan"]
+        cost = plan["cost"]
+        rows.append(
+            (
+                stage["name"],
+                f"{stage['seq_len']:,}",
+                human_count(stage["tokens"]),
+                f"{stage['steps']:,}",
+                _stage_layout(plan),
+                human_duration(cost["wall_seconds"]),
+                _hours(cost["gpu_hours"]),
+                human_bytes(plan["memory_per_rank_bytes"]["total"]),
+            )
+        )
+    totals = program["totals"]
+    rows.append(
+        (
+            "total",
+            "",
+            human_count(totals["tokens"]),
+            f"{totals['steps']:,}",
+            "",
+            human_duration(totals["wall_seconds"]),
+            _hours(totals["gpu_hours"]),
+            f"peak {human_bytes(totals['memory_per_rank_bytes'])}",
+        )
+    )
+    return rows
+
+
+def program_table(program: dict[str, Any], cpu_proxy: bool = False) -> Table:
+    """The program's stages and totals for the terminal. A CPU proxy's time and GPU columns
+    would price GPUs it never uses, so its table leaves them out."""
+    priced = ("wall-clock", "GPU-hours")
+    keep = [i for i, c in enumerate(PROGRAM_COLUMNS) if not (cpu_proxy and c in priced)]
+    table = Table(title=f"Program: {len(program['stages'])} stages", title_justify="left")
+    for i in keep:
+        column = PROGRAM_COLUMNS[i]
+        left = column in ("stage", "layout")
+        table.add_column(column, justify="left" if left else "right", overflow="fold")
+    rows = program_rows(program)
+    for n, row in enumerate(rows):
+        table.add_row(*(Text(row[i]) for i in keep), end_section=n == len(rows) - 2)
+    return table
+
+
+def program_summary(program: dict[str, Any], cpu_proxy: bool = False) -> str:
+    """One line: what the whole program trains and costs."""
+    totals = program["totals"]
+    trained = (
+        f"program: {len(program['stages'])} stages, {human_count(totals['tokens'])} tokens in "
+        f"{totals['steps']:,} steps"
+    )
+    if cpu_proxy:
+        return f"{trained}; cost: not applicable, the proxy trains on CPU"
+    return (
+        f"{trained}; {human_gpu_hours(totals['gpu_hours'])}, {totals['wall_days']:,.1f} days "
+        f"wall-clock, {human_energy(totals['energy_mwh'])} at TDP (GPU boards only); "
+        f"{format_number(totals['expected_interruptions'])} interruptions expected"
+    )
+
+
+def curated_line(curated: dict[str, Any], seq_len: int, stage: str | None = None) -> str:
+    """What a stage's steps make of its built data (``StagePlan.curated_dict()``), in epochs."""
+    who = f"stage {stage!r}" if stage else "the run"
+    line = (
+        f"{who}: {format_number(curated['epochs'])} epochs over its curated data "
+        f"({curated['samples']:,} samples of {curated['seq_len']:,} tokens, "
+        f"{human_count(curated['tokens'])} real tokens)"
+    )
+    if curated["seq_len"] != seq_len:
+        line += f"; packed at {curated['seq_len']:,}, but it trains at {seq_len:,}: rebuild it"
+    return line

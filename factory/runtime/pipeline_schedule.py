@@ -8,7 +8,7 @@ virtual stages per rank, Megatron's round-robin placement).
 
 The loss is exactly the single-process step's (``factory.runtime.step``): each
 micro-batch's token loss is weighted by its share of the step's target tokens
-on the last stage, and every stage's MoE aux loss enters as ``aux / micro``
+(or documents, for the per-conversation average) on the last stage, and every stage's MoE aux loss enters as ``aux / micro``
 through its activation. After :meth:`PipelineRunner.step` the gradients on a
 rank's parameters are what :func:`~factory.runtime.step.forward_backward`
 leaves on the same parameters of the whole model.
@@ -41,13 +41,14 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from factory.distributed.pipeline_stages import PipelineStageModule, stage_named_parameters
-from factory.graph.loss import language_model_loss
+from factory.graph.loss import language_model_loss, micro_batch_share
 from factory.nn.outputs import ModelOutput
 from factory.planner.layout import Layout
 from factory.runtime.batches import MicroBatch
 from factory.runtime.ranks import Ranks
 from factory.runtime.step import StepOutcome
 from factory.schemas.model import ModelConfig
+from factory.schemas.training import LossAverage
 
 __all__ = ["PipelineRunner", "PipelinedModel", "check_microbatch_count"]
 
@@ -122,6 +123,7 @@ class PipelineRunner:
         self._embedding_shared = cfg.mtp_depth > 0 or cfg.tie_embeddings
         self._schedules: dict[tuple[int, int, int], _PipelineSchedule] = {}
         self._micro: list[MicroBatch] = []
+        self._loss_average: LossAverage = "token"
         self._weights: list[float] = []
         self._token_loss: list[torch.Tensor | None] = []
         self._lm_loss: list[torch.Tensor | None] = []
@@ -152,23 +154,30 @@ class PipelineRunner:
 
     # --- the step -------------------------------------------------------------------------
 
-    def step(self, micro: list[MicroBatch], ranks: Ranks | None = None) -> StepOutcome:
+    def step(
+        self,
+        micro: list[MicroBatch],
+        ranks: Ranks | None = None,
+        loss_average: LossAverage = "token",
+    ) -> StepOutcome:
         """Forward and backward over ``micro``; gradients accumulate on this rank's parameters.
 
         ``micro`` is this data-parallel replica's share of the step; ``ranks`` (None: one
-        replica) makes the weights shares of the global step, as ``forward_backward`` does.
+        replica) makes the weights shares of the global step, as ``forward_backward`` does,
+        and ``loss_average`` (``training.objective.loss_average``) what they are shares of.
         The returned statistics are the whole model's and the whole step's, on every rank.
         """
         check_microbatch_count(self.layout, len(micro))
         ids, docs = _concat(micro)
         batch, seq = micro[0].input_ids.shape
         schedule = self._schedule(len(micro), batch, seq)
-        counts = [int(b.target_mask.sum()) for b in micro]
+        counts = [micro_batch_share(b.loss_mask, b.document_ids, loss_average) for b in micro]
         step_targets = sum(counts)
         if ranks is not None:
             step_targets = int(ranks.sum_over_data(torch.tensor(step_targets)).item())
         step_micro = len(micro) * (ranks.data_size if ranks is not None else 1)
         self._weights = [count / max(1, step_targets) for count in counts]
+        self._loss_average = loss_average
         self._micro = [self._to_device(b) for b in micro]
         self._token_loss = [None] * len(micro)
         self._lm_loss = [None] * len(micro)
@@ -241,6 +250,7 @@ class PipelineRunner:
             batch.loss_mask,
             mtp_loss_scale=self.mtp_scale,
             document_ids=batch.document_ids,
+            loss_average=self._loss_average,
         )
         loss = self._weights[index] * losses.total
         self._token_loss[index] = loss.detach()
@@ -385,9 +395,13 @@ class PipelinedModel(nn.Module):
         return {n for n, p in self.runner.named_parameters().items() if id(p) not in kept}
 
     def forward_backward(
-        self, micro: list[MicroBatch], mtp_scale: float, ranks: Ranks
+        self,
+        micro: list[MicroBatch],
+        mtp_scale: float,
+        ranks: Ranks,
+        loss_average: LossAverage = "token",
     ) -> StepOutcome:
-        return self.runner.step(micro, ranks)
+        return self.runner.step(micro, ranks, loss_average)
 
     @torch.no_grad()
     def update_expert_biases(self, tokens_per_expert: dict[str, torch.Tensor]) -> None:

@@ -7,6 +7,11 @@ or padding neither counts as a zero loss nor dilutes the others. The MoE aux
 loss, a per-batch statistic, is averaged over micro-batches. Packed documents
 stay apart whenever a micro-batch carries their ``document_ids``.
 
+With ``loss_average="conversation"`` (``training.objective``) the same holds with
+documents for tokens: each target weighs 1 / (the targets of its document), a
+micro-batch's share is its documents with targets, so the step's loss is the mean
+over the step's documents of each document's mean (``factory.graph.loss``).
+
 With data parallelism each rank runs its own share of the step's micro-batches
 and the weights above are shares of the *global* step: every rank divides by
 the target tokens of all replicas and by the micro-batches of all replicas, so
@@ -25,9 +30,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from factory.graph.loss import language_model_loss
+from factory.graph.loss import language_model_loss, micro_batch_share
 from factory.runtime.batches import MicroBatch
 from factory.runtime.ranks import Ranks, SingleProcess
+from factory.schemas.training import LossAverage
 
 __all__ = ["StepOutcome", "forward_backward", "max_violation"]
 
@@ -60,15 +66,22 @@ class StepOutcome:
 
 
 def forward_backward(
-    model: nn.Module, micro: list[MicroBatch], mtp_scale: float, ranks: Ranks | None = None
+    model: nn.Module,
+    micro: list[MicroBatch],
+    mtp_scale: float,
+    ranks: Ranks | None = None,
+    loss_average: LossAverage = "token",
 ) -> StepOutcome:
     """Accumulate one step's gradients over ``micro`` (this rank's share of the step); return
-    the step's statistics, global over the ranks."""
+    the step's statistics, global over the ranks. ``loss_average`` is
+    ``training.objective.loss_average``."""
     ranks = ranks or SingleProcess()
     pipelined = getattr(model, "forward_backward", None)
     if pipelined is not None:  # a pipeline stage's model runs the step through its schedule
-        return pipelined(micro, mtp_scale, ranks)
-    counts = [int(batch.target_mask.sum()) for batch in micro]
+        return pipelined(micro, mtp_scale, ranks, loss_average)
+    counts = [
+        micro_batch_share(batch.loss_mask, batch.document_ids, loss_average) for batch in micro
+    ]
     step_targets = int(ranks.sum_over_data(torch.tensor(sum(counts))).item())
     # A context-parallel rank's aux loss is over its share of the tokens: the ranks' mean.
     aux_share = 1.0 / (len(micro) * ranks.data_size * ranks.context_size)
@@ -90,6 +103,7 @@ def forward_backward(
             batch.loss_mask,
             mtp_loss_scale=mtp_scale,
             document_ids=batch.document_ids,
+            loss_average=loss_average,
         )
         aux = losses.aux if losses.aux is not None else losses.total.new_zeros(())
         loss = weight * (losses.total - aux) + aux * aux_share

@@ -228,7 +228,9 @@ class Trainer:
         consumed_before = p.consumed
         micro_per_step = bp.parallelism.global_batch_size // bp.parallelism.micro_batch_size
         micro = self._next_micro_batches(micro_per_step // self.ranks.data_size)
-        outcome = forward_backward(model, micro, mtp_loss_scale(bp.model), self.ranks)
+        outcome = forward_backward(
+            model, micro, mtp_loss_scale(bp.model), self.ranks, bp.training.objective.loss_average
+        )
         self.optimizer.grads_to_masters()
         grad_norm = float(self.ranks.grad_norm(norm_masters(model, self.optimizer)))
         clip = bp.training.optimizer.grad_clip

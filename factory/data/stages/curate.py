@@ -20,6 +20,7 @@ from typing import Any
 
 from factory.data.stages.unit_files import CuratedDoc, UnitWriter
 from factory.data.steps.chain import Chain, build_chain
+from factory.data.steps.chat_template import ChatTemplate
 from factory.data.steps.decontamination import NgramIndex
 from factory.data.steps.dedup_hashing import MinHasher, Prepared, content_hash, prepare
 from factory.data.steps.records import Document, RawRecord
@@ -46,6 +47,8 @@ class UnitTask:
     output_path: Path
     tokenizer_path: Path | None
     benchmark_paths: tuple[Path, ...]
+    chat_template: ChatTemplate | None = None
+    """The recipe's, read from its file by ``load_recipe`` (None: the built-in format)."""
 
 
 class _Counts:
@@ -86,7 +89,9 @@ class _Curation:
 
     def __init__(self, task: UnitTask) -> None:
         recipe = task.recipe
-        self.chain: Chain = build_chain(recipe.sources[task.source_index], recipe.seed)
+        self.chain: Chain = build_chain(
+            recipe.sources[task.source_index], recipe.seed, task.chat_template
+        )
         self.tokenizer = DocumentTokenizer(task.tokenizer_path, eos=recipe.tokenizer.eos)
         dedup = recipe.dedup
         self.hasher = (

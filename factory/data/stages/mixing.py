@@ -1,8 +1,10 @@
 """Mixing: turn weights and token budgets into a repeat count for every document.
 
 After curation each source holds A_s tokens. A source with a token budget gets
-T_s = its budget; weighted sources share ``total_tokens`` (or, when unset,
-their combined A) in proportion to their weights. Each document is then kept
+T_s = its budget; a source with ``epochs`` E gets T_s = E x A_s (SFT's dynamic
+sampling: a small set runs many epochs, a large one a few); weighted sources
+share ``total_tokens`` (or, when unset, their combined A) in proportion to
+their weights. Each document is then kept
 floor(r) or floor(r)+1 times, r = T_s / A_s, the extra copy decided by a hash
 of (seed, document key): deterministic, independent of order and workers, and
 close to T_s in expectation. r < 1 downsamples, r > 1 upsamples (recorded in
@@ -39,6 +41,8 @@ def plan_mixture(recipe: DataRecipe, available: Mapping[str, int]) -> dict[str, 
     for source in recipe.sources:
         if source.tokens is not None:
             target = source.tokens
+        elif source.epochs is not None:
+            target = round(source.epochs * available[source.name])
         else:
             target = round(pool * (source.weight or 0.0) / weight_sum)
         plans[source.name] = SourcePlan(available[source.name], target)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from factory.data.steps.chat_template import ChatTemplate
 from factory.data.steps.filter_registry import Check
 from factory.data.steps.filters import FILTERS
 from factory.data.steps.formatting import Formatter, formatter
@@ -21,8 +22,9 @@ class Chain:
     filters: tuple[tuple[str, Check], ...]
 
 
-def build_chain(source: SourceConfig, seed: int) -> Chain:
+def build_chain(source: SourceConfig, seed: int, template: ChatTemplate | None = None) -> Chain:
+    """``template`` is the recipe's chat template (None: the built-in format)."""
     first, *rest = source.steps
     # The steps are the filters' parameters as validated: nothing is copied or dropped.
     filters = tuple((step.kind, FILTERS[step.kind].bind(step)) for step in rest)
-    return Chain(first.kind, formatter(first, seed), filters)  # type: ignore[arg-type]
+    return Chain(first.kind, formatter(first, seed, template), filters)  # type: ignore[arg-type]

@@ -1,7 +1,12 @@
 """Turn raw records into training documents: plain text, or chat with a loss mask.
 
-The chat template is our own, ChatML-like, and fixed here so that training and
-inference render conversations identically::
+A recipe may give its own chat template (``tokenizer.chat_template``, Jinja as
+in a tokenizer's ``chat_template``): the model's template then renders the
+turns and the loss mask follows the roles (``factory.data.steps.chat_template``;
+docs/data.md, Chat templates). Without one, the template is our own,
+ChatML-like, and fixed here so that training and inference render
+conversations identically (``data_recipes/templates/chatml.jinja`` is the same
+format as Jinja)::
 
     <|im_start|>system
     {system content}
@@ -32,11 +37,18 @@ content, tool calls) and its ``<|im_end|>`` train; its ``<|im_start|>assistant\\
 header, the newline after ``<|im_end|>`` and all system, user and tool turns do
 not: the header is the prompt at inference, everything else is input.
 
+With a recipe's template, an assistant turn's text beyond its generation
+prompt trains, less trailing whitespace (the model stops at its end-of-turn
+token, so a separator after it is never generated). Either way, ``trace="mask"``
+keeps the turn's text through ``</think>`` and the newline after it out of the
+loss, and a truncated turn's ``</think>`` does not train.
+
 Reasoning handling follows the open Nemotron SFT recipe (docs/data.md,
 Reasoning): history reasoning is dropped, conversations with reasoning can be split
 into one document per user turn, and a few percent of documents get their
 reasoning stripped ("reasoning off") or truncated to a random budget with the
-answer kept and ``</think>`` masked (budget control, as in Ultra). Every random
+answer kept and ``</think>`` masked (budget control, as in Ultra) or trained
+(as in Nano and Super; ``truncated_close``). Every random
 choice is a hash of ``(seed, rng_key)``, so the same record gets the same
 treatment however many workers run and in whatever order.
 """
@@ -50,6 +62,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from factory.data.steps.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    TemplateRefused,
+    assistant_spans,
+)
 from factory.data.steps.records import Document, RawRecord
 from factory.schemas.data_recipe import ChatFormat, ReasoningConfig, TextFormat
 
@@ -92,14 +110,18 @@ class _Turn:
     role: str
     content: str
     reasoning: str = ""
-    calls: tuple[str, ...] = ()  # each already rendered as <tool_call>…</tool_call>
+    calls: tuple[dict[str, Any], ...] = ()
+    """OpenAI form: ``{"type": "function", "function": {"name", "arguments"}}``, arguments
+    parsed from JSON where they were a string (what chat templates expect)."""
+    fields: tuple[tuple[str, Any], ...] = ()
+    """The message's other fields (``tool_call_id``, ``name``...), for a recipe's template."""
 
 
 Formatter = Callable[[RawRecord], "list[Document] | Drop"]
 """A source's format step bound to its parameters: a record's documents, or why it has none."""
 
 
-def _text_formatter(step: TextFormat, seed: int) -> Formatter:
+def _text_formatter(step: TextFormat, seed: int, template: ChatTemplate | None) -> Formatter:
     field = step.field
 
     def fmt(record: RawRecord) -> list[Document] | Drop:
@@ -109,25 +131,28 @@ def _text_formatter(step: TextFormat, seed: int) -> Formatter:
     return fmt
 
 
-def _chat_formatter(step: ChatFormat, seed: int) -> Formatter:
+def _chat_formatter(step: ChatFormat, seed: int, template: ChatTemplate | None) -> Formatter:
     policy = step.reasoning
 
     def fmt(record: RawRecord) -> list[Document] | Drop:
-        return format_chat(record, policy, record.key, seed)
+        return format_chat(record, policy, record.key, seed, template)
 
     return fmt
 
 
-_FORMATTERS: dict[str, Callable[[Any, int], Formatter]] = {
+_FORMATTERS: dict[str, Callable[[Any, int, ChatTemplate | None], Formatter]] = {
     "text": _text_formatter,
     "chat": _chat_formatter,
 }
 
 
-def formatter(step: TextFormat | ChatFormat, seed: int) -> Formatter:
+def formatter(
+    step: TextFormat | ChatFormat, seed: int, template: ChatTemplate | None = None
+) -> Formatter:
     """What formats a record as ``step`` (a source's first step) says; ``seed`` is the
-    recipe's, for the reasoning draws."""
-    return _FORMATTERS[step.kind](step, seed)
+    recipe's, for the reasoning draws, and ``template`` its chat template (None: the
+    built-in one)."""
+    return _FORMATTERS[step.kind](step, seed, template)
 
 
 def format_text(record: RawRecord, field: str = "text") -> Document | Drop:
@@ -139,7 +164,11 @@ def format_text(record: RawRecord, field: str = "text") -> Document | Drop:
 
 
 def format_chat(
-    record: RawRecord, policy: ReasoningConfig, rng_key: str, seed: int = 0
+    record: RawRecord,
+    policy: ReasoningConfig,
+    rng_key: str,
+    seed: int = 0,
+    template: ChatTemplate | None = None,
 ) -> list[Document] | Drop:
     """Render a ``messages`` record into one document, or one per user turn.
 
@@ -150,11 +179,14 @@ def format_chat(
     ``truncate_fraction`` are disjoint shares of the documents that carry
     reasoning. ``seed`` (the recipe's) and ``rng_key`` (normally the record
     key) drive the strip/truncate draw; split documents draw with ``rng_key#i``.
+    ``template`` renders the turns instead of the built-in format; a record it
+    refuses (its ``raise_exception``) is dropped, and one whose renders are not
+    prefixes of each other raises ``ChatTemplateError`` naming the record.
     """
     parsed = _parse(record.data)
     if isinstance(parsed, Drop):
         return parsed
-    turns = parsed
+    turns, tools = parsed
     users = [i for i, t in enumerate(turns) if t.role == "user"]
     has_reasoning = any(t.reasoning for t in turns)
     # (first trained turn, first turn keeping reasoning, end, rng key, meta) per document.
@@ -170,7 +202,25 @@ def format_chat(
 
     documents = []
     for train_from, keep_from, end, key, meta in plans:
-        segments, mode_meta = _render(turns[:end], train_from, keep_from, policy, seed, key)
+        mode, budget = _draw(turns[:end], keep_from, policy, seed, key)
+        reasoning = [_kept(t, i, keep_from, mode) for i, t in enumerate(turns[:end])]
+        if template is None:
+            segments = _render(turns[:end], tools, reasoning, train_from, policy, budget)
+        else:
+            try:
+                segments = _render_template(
+                    template, turns[:end], tools, reasoning, train_from, policy, budget
+                )
+            except TemplateRefused:
+                return Drop("chat_template_refused")
+            except ChatTemplateError as exc:
+                raise ChatTemplateError(
+                    f"record {record.key} (source {record.source}): chat template "
+                    f"{template.origin}: {exc}"
+                ) from None
+        mode_meta: dict[str, Any] = {"reasoning": mode}
+        if budget is not None:
+            mode_meta["reasoning_budget"] = budget
         if not any(trains for _, trains in segments):
             continue  # e.g. a trailing user turn with no answer
         doc_key = f"{record.key}#{meta['turn']}" if split else record.key
@@ -186,8 +236,8 @@ def format_chat(
     return documents or Drop("all_masked")
 
 
-def _parse(data: dict[str, Any]) -> list[_Turn] | Drop:
-    """Validate and normalize messages; tools are folded into the system turn."""
+def _parse(data: dict[str, Any]) -> tuple[list[_Turn], list[Any] | None] | Drop:
+    """Validate and normalize messages; the turns and the declared tools."""
     messages = data.get("messages")
     if not isinstance(messages, list) or not messages:
         return Drop("missing_field:messages")
@@ -206,8 +256,9 @@ def _parse(data: dict[str, Any]) -> list[_Turn] | Drop:
         content = _as_text(message.get("content"))
         if content is None:
             return Drop("bad_message")
+        fields = tuple((k, v) for k, v in message.items() if v is not None and k not in _NORMALIZED)
         if role != "assistant":
-            turns.append(_Turn(role, content))
+            turns.append(_Turn(role, content, fields=fields))
             continue
         reasoning = _as_text(message.get("reasoning_content"))
         calls = message.get("tool_calls") or []
@@ -215,21 +266,18 @@ def _parse(data: dict[str, Any]) -> list[_Turn] | Drop:
             return Drop("bad_message")
         if tools is None and (calls or "<tool_call>" in content):
             return Drop("tool_call_without_tools")
-        rendered = tuple(r for r in map(_render_call, calls) if r is not None)
-        if len(rendered) != len(calls):
+        normalized = tuple(c for c in map(_openai_call, calls) if c is not None)
+        if len(normalized) != len(calls):
             return Drop("bad_message")
         # Outer whitespace belongs to the template, not the trace.
-        turns.append(_Turn(role, content, reasoning.strip(), rendered))
+        turns.append(_Turn(role, content, reasoning.strip(), normalized, fields))
+    return turns, tools
 
-    if tools is not None:
-        block = "# Tools\n\n" + TOOLS_PREAMBLE + "\n"
-        block += "\n".join(_json(tool) for tool in tools)
-        if turns[0].role == "system":
-            head = turns[0].content
-            turns[0] = _Turn("system", f"{head}\n\n{block}" if head else block)
-        else:
-            turns.insert(0, _Turn("system", block))
-    return turns
+
+_NORMALIZED = frozenset(
+    {"role", "content", "reasoning_content", "thinking", "reasoning", "tool_calls"}
+)
+"""Message fields the formatter rewrites; the others reach a recipe's template as they are."""
 
 
 def _as_text(value: Any) -> str | None:
@@ -279,11 +327,17 @@ def call_parts(call: Any) -> tuple[Any, Any] | None:
     return body.get("name"), arguments
 
 
-def _render_call(call: Any) -> str | None:
+def _openai_call(call: Any) -> dict[str, Any] | None:
     parts = call_parts(call)
     if parts is None:
         return None
-    return f"<tool_call>{_json({'name': parts[0], 'arguments': parts[1]})}</tool_call>"
+    extra = {k: v for k, v in call.items() if k not in ("type", "function", "name", "arguments")}
+    return {**extra, "type": "function", "function": {"name": parts[0], "arguments": parts[1]}}
+
+
+def _render_call(call: dict[str, Any]) -> str:
+    body = call["function"]
+    return f"<tool_call>{_json({'name': body['name'], 'arguments': body['arguments']})}</tool_call>"
 
 
 def _json(value: Any) -> str:
@@ -297,56 +351,132 @@ def _unit(seed: int, key: str, salt: str) -> float:
     return int.from_bytes(digest, "big") / 2.0**64
 
 
+def _draw(
+    turns: list[_Turn], keep_from: int, policy: ReasoningConfig, seed: int, key: str
+) -> tuple[str, int | None]:
+    """The document's reasoning mode (none, full, stripped, truncated) and, when
+    truncated, its budget in characters; turns at index >= ``keep_from`` keep reasoning."""
+    kept = [len(t.reasoning) for i, t in enumerate(turns) if i >= keep_from and t.reasoning]
+    if not kept:
+        return "none", None
+    draw = _unit(seed, key, "reasoning")
+    if draw < policy.strip_fraction:
+        return "stripped", None
+    if draw < policy.strip_fraction + policy.truncate_fraction:
+        # A budget in [1, top] (0 only if nothing else fits), below the
+        # longest trace so that a "truncated" document really is one.
+        top = min(policy.truncate_max_chars, max(kept) - 1)
+        low = min(1, top)
+        return "truncated", low + int(_unit(seed, key, "budget") * (top - low + 1))
+    return "full", None
+
+
+def _kept(turn: _Turn, index: int, keep_from: int, mode: str) -> str:
+    """The reasoning a turn renders before any truncation."""
+    return turn.reasoning if index >= keep_from and mode != "stripped" else ""
+
+
+def _tools_block(tools: list[Any]) -> str:
+    return "# Tools\n\n" + TOOLS_PREAMBLE + "\n" + "\n".join(_json(tool) for tool in tools)
+
+
 def _render(
     turns: list[_Turn],
+    tools: list[Any] | None,
+    reasoning: list[str],
     train_from: int,
-    keep_from: int,
     policy: ReasoningConfig,
-    seed: int,
-    key: str,
-) -> tuple[tuple[tuple[str, bool], ...], dict[str, Any]]:
-    """Segments of one document; assistant turns at index >= ``train_from`` train
-    and those at index >= ``keep_from`` keep their reasoning."""
-    kept = [len(t.reasoning) for i, t in enumerate(turns) if i >= keep_from and t.reasoning]
-    mode, budget = "none", None
-    if kept:
-        draw = _unit(seed, key, "reasoning")
-        if draw < policy.strip_fraction:
-            mode = "stripped"
-        elif draw < policy.strip_fraction + policy.truncate_fraction:
-            # A budget in [1, top] (0 only if nothing else fits), below the
-            # longest trace so that a "truncated" document really is one.
-            top = min(policy.truncate_max_chars, max(kept) - 1)
-            low = min(1, top)
-            mode = "truncated"
-            budget = low + int(_unit(seed, key, "budget") * (top - low + 1))
-        else:
-            mode = "full"
-
+    budget: int | None,
+) -> tuple[tuple[str, bool], ...]:
+    """Segments of one document in the built-in format; assistant turns at index >=
+    ``train_from`` train, ``reasoning[i]`` is what turn i renders in its think block.
+    The tools block joins the first system turn, or is one of its own."""
     pieces: Segments = []
     add = pieces.append
+    block = _tools_block(tools) if tools is not None else None
+    if block is not None and (not turns or turns[0].role != "system"):
+        add((f"{IM_START}system\n{block}{IM_END}\n", False))
     for i, turn in enumerate(turns):
         if turn.role != "assistant":
-            add((f"{IM_START}{turn.role}\n{turn.content}{IM_END}\n", False))
+            content = turn.content
+            if i == 0 and turn.role == "system" and block is not None:
+                content = f"{content}\n\n{block}" if content else block
+            add((f"{IM_START}{turn.role}\n{content}{IM_END}\n", False))
             continue
         trains = i >= train_from
         add((f"{IM_START}assistant\n", False))
-        reasoning = turn.reasoning if i >= keep_from and mode != "stripped" else ""
         think_trains = trains and policy.trace == "keep"
-        if not reasoning:
+        if not reasoning[i]:
             add((EMPTY_THINK, think_trains))
-        elif budget is not None and len(reasoning) > budget:
-            add((f"{THINK_OPEN}{reasoning[:budget]}\n", think_trains))
-            add((THINK_CLOSE, False))  # the model must not learn to stop here
+        elif budget is not None and len(reasoning[i]) > budget:
+            add((f"{THINK_OPEN}{reasoning[i][:budget]}\n", think_trains))
+            # masked, the model does not learn to stop thinking where the budget cut the trace
+            add((THINK_CLOSE, think_trains and policy.truncated_close == "train"))
             add(("\n", think_trains))
         else:
-            add((f"{THINK_OPEN}{reasoning}\n{THINK_CLOSE}\n", think_trains))
-        add((turn.content + "".join(turn.calls) + IM_END, trains))
+            add((f"{THINK_OPEN}{reasoning[i]}\n{THINK_CLOSE}\n", think_trains))
+        calls = "".join(_render_call(call) for call in turn.calls)
+        add((turn.content + calls + IM_END, trains))
         add(("\n", False))
-    meta: dict[str, Any] = {"reasoning": mode}
-    if budget is not None:
-        meta["reasoning_budget"] = budget
-    return _merge(pieces), meta
+    return _merge(pieces)
+
+
+def _template_message(turn: _Turn, reasoning: str) -> dict[str, Any]:
+    """A turn as a chat template reads it; reasoning under both names transformers gives it
+    (``reasoning_content``, and ``thinking`` for gpt-oss templates)."""
+    message: dict[str, Any] = {**dict(turn.fields), "role": turn.role, "content": turn.content}
+    if turn.role == "assistant":
+        message["reasoning_content"] = reasoning
+        message["thinking"] = reasoning
+        if turn.calls:
+            message["tool_calls"] = list(turn.calls)
+    return message
+
+
+def _render_template(
+    template: ChatTemplate,
+    turns: list[_Turn],
+    tools: list[Any] | None,
+    reasoning: list[str],
+    train_from: int,
+    policy: ReasoningConfig,
+    budget: int | None,
+) -> tuple[tuple[str, bool], ...]:
+    """Segments of one document rendered by a recipe's template, masked by role spans."""
+    truncated = [budget is not None and len(r) > budget for r in reasoning]
+    shown = [r[:budget] if cut else r for r, cut in zip(reasoning, truncated, strict=True)]
+    messages = [_template_message(t, r) for t, r in zip(turns, shown, strict=True)]
+    text, spans = assistant_spans(template, messages, tools)
+    pieces: Segments = []
+    done = 0
+    for index, start, end in spans:
+        if index < train_from:
+            continue
+        end = start + len(text[start:end].rstrip())
+        hidden = start, start  # the part of the span that does not train
+        close = text.find(THINK_CLOSE, start, end)
+        masks_close = truncated[index] and policy.truncated_close == "mask"
+        needs_close = policy.trace == "mask" or masks_close
+        if needs_close and close < 0 and shown[index] and shown[index] in text[start:end]:
+            # The trace is rendered, but not closed where this policy can find it.
+            raise ChatTemplateError(
+                f"the reasoning policy (trace {policy.trace!r}, truncation) masks through "
+                f"{THINK_CLOSE}, but the template renders message {index}'s reasoning without it"
+            )
+        if close >= 0 and policy.trace == "mask":
+            stop = close + len(THINK_CLOSE)
+            hidden = start, stop + 1 if text.startswith("\n", stop) and stop < end else stop
+        elif close >= 0 and masks_close:
+            hidden = close, close + len(THINK_CLOSE)
+        pieces += [
+            (text[done:start], False),
+            (text[start : hidden[0]], True),
+            (text[hidden[0] : hidden[1]], False),
+            (text[hidden[1] : end], True),
+        ]
+        done = end
+    pieces.append((text[done:], False))
+    return _merge(pieces)
 
 
 def _merge(pieces: Segments) -> tuple[tuple[str, bool], ...]:

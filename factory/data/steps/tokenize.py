@@ -2,7 +2,10 @@
 
 Each document's segments are encoded separately and concatenated, so the loss
 mask is exact at segment boundaries (a BPE merge never straddles a trained and
-an untrained span). The end-of-text token closes every document and trains.
+an untrained span). The end-of-text token closes every document and trains as the
+document's last segment does: a text document's end trains, a chat document's does not
+(it ends on the newline after the last ``<|im_end|>``, context: an SFT objective trains
+on assistant turns only, and a chat model stops at ``<|im_end|>``).
 """
 
 from __future__ import annotations
@@ -13,20 +16,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-import factory.data_recipes
 from factory.data.steps.records import Document
+from factory.loading.recipe import DEFAULT_TOKENIZER
 
 __all__ = ["DEFAULT_TOKENIZER", "DocumentTokenizer", "Encoded"]
 
 EOS = "<|endoftext|>"
 PAD = "<pad>"
-
-
-def _default_tokenizer() -> Path:
-    return Path(factory.data_recipes.__file__).parent / "tokenizer" / "tokenizer.json"
-
-
-DEFAULT_TOKENIZER = _default_tokenizer()
 
 
 class Encoded(NamedTuple):
@@ -65,6 +61,7 @@ class DocumentTokenizer:
                 masks.append(np.full(piece.shape, trains, dtype=np.uint8))
             if self.eos_id is not None:
                 ids.append(np.asarray([self.eos_id], dtype=np.int32))
-                masks.append(np.ones(1, dtype=np.uint8))
+                last_trains = doc.segments[-1][1] if doc.segments else True
+                masks.append(np.full(1, last_trains, dtype=np.uint8))
             out.append(Encoded(np.concatenate(ids), np.concatenate(masks)))
         return out
