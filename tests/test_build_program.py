@@ -30,7 +30,9 @@ from factory.jobs.build_program import (
     stage_fall,
     stage_proxies,
 )
+from factory.planner.program_plan import plan_program
 from factory.report.program_timeline import MIN_BAND, PLOT, band_widths
+from factory.report.units import human_gpu_hours
 from factory.runtime.schedule import learning_rate
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.program import resolve_program
@@ -94,6 +96,12 @@ def test_the_planned_program_is_the_blueprints_stages() -> None:
     assert (sft["layout"]["tp"], pretrain["layout"]["tp"]) == (8, 4)
     proxies = stage_proxies(program)
     assert [s["proxy_seq_len"] for s in planned["stages"]] == [p.data.seq_len for p in proxies]
+    alone = plan_program(program)
+    for record in planned["stages"]:  # the planner's figures of each stage on its own layout
+        result = alone.stage(record["name"]).plan
+        assert record["predicted"]["gpu_hours"] == result.cost.gpu_hours
+        assert record["predicted"]["memory_per_rank_bytes"] == result.memory.total
+    assert planned["predicted"]["gpu_hours"] == pytest.approx(alone.totals.gpu_hours)
     assert proxies[2].data.seq_len == 2 * proxies[0].data.seq_len
 
 
@@ -198,6 +206,8 @@ def test_the_timeline_draws_the_blueprints_numbers(program_build: Path) -> None:
         full = stage.blueprint
         assert f"{full.data.seq_len:,}" in text and f"{stage.steps:,} steps" in text
     assert "TP 8 · EP 8" in text and "TP 4 · EP 8" in text  # the SFT stage's own layout
+    planned = json.loads((program_build / "program_plan.json").read_text())
+    assert human_gpu_hours(planned["predicted"]["gpu_hours"]) in text  # the program's total
     for name in tokens:  # each stage's mixture, a bar per category from its manifest
         manifest = json.loads((program_build / "data" / name / "manifest.json").read_text())
         drawn = re.findall(rf'class="mix" data-stage="{name}" data-what="curated" '

@@ -4,7 +4,9 @@ per stage.
 
 The planned program is the full-size one, every number from the stages' resolved
 blueprints (:func:`factory.schemas.program.resolve_program`): tokens, steps, sequence
-length, batch, layout, and the learning rate at points of every stage, from the torch-free
+length, batch, layout, the planner's time, GPU-hours and memory per rank of each stage
+alone (:func:`factory.planner.program_plan.plan_program`), and the learning rate at
+points of every stage, from the torch-free
 :func:`factory.runtime.schedule.learning_rate` at ``schedule_offset + step`` of the
 schedule the stage belongs to (so a decay spanning two stages is drawn as one curve).
 
@@ -19,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from factory.planner.program_plan import StagePlan, plan_program
 from factory.proxy import derive_program_proxy
 from factory.runtime.schedule import learning_rate
 
@@ -66,6 +69,17 @@ def stage_proxies(program: Program) -> list[Blueprint]:
     return derive_program_proxy([stage.blueprint for stage in program])
 
 
+def _predicted(planned: StagePlan) -> dict[str, Any]:
+    """The planner's figures for the stage alone at full size (``factory plan --stage``)."""
+    result = planned.plan
+    return {
+        "tokens_per_s_per_gpu": result.performance.tokens_per_s_per_gpu,
+        "wall_seconds": result.cost.wall_seconds,
+        "gpu_hours": result.cost.gpu_hours,
+        "memory_per_rank_bytes": result.memory.total,
+    }
+
+
 def _stage_record(stage: ProgramStage, proxy: Blueprint) -> dict[str, Any]:
     bp = stage.blueprint
     par, schedule, optimizer = bp.parallelism, bp.training.schedule, bp.training.optimizer
@@ -96,15 +110,26 @@ def _stage_record(stage: ProgramStage, proxy: Blueprint) -> dict[str, Any]:
 def program_plan(blueprint: Blueprint, program: Program) -> dict[str, Any]:
     """The planned program: every stage's full-size numbers, in order (``program_plan.json``)."""
     written = {stage.name: stage.description for stage in blueprint.stages or []}
+    planned = plan_program(program)
     stages = [
-        {**_stage_record(stage, proxy), "description": written.get(stage.name, "")}
+        {
+            **_stage_record(stage, proxy),
+            "description": written.get(stage.name, ""),
+            "predicted": _predicted(planned.stage(stage.name)),
+        }
         for stage, proxy in zip(program, stage_proxies(program), strict=True)
     ]
+    totals = planned.totals
     return {
         "name": blueprint.meta.name,
         "stages": stages,
         "tokens": sum(s["tokens"] for s in stages),
         "steps": sum(s["steps"] for s in stages),
+        "predicted": {
+            "wall_seconds": totals.wall_seconds,
+            "gpu_hours": totals.gpu_hours,
+            "memory_per_rank_bytes": totals.memory_per_rank_bytes,
+        },
     }
 
 

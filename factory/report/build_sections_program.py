@@ -16,7 +16,7 @@ from factory.report.build_folder import BuildFolder, missing
 from factory.report.html_parts import figure_svg, note, section, table
 from factory.report.program_timeline import Band, mixture_svg, timeline_svg
 from factory.report.run_metrics import ReportError, read_metrics
-from factory.report.units import human_count
+from factory.report.units import human_bytes, human_count, human_duration, human_gpu_hours
 
 __all__ = ["planned_bands", "program_section", "smoke_bands"]
 
@@ -124,6 +124,28 @@ def _plan_table(plan: dict[str, Any]) -> str:
     return table(header, rows)
 
 
+def _predicted_table(plan: dict[str, Any]) -> str:
+    """The planner's figures per stage alone, and the program's: time and GPU-hours add up,
+    memory per rank is the largest stage's."""
+    rows = []
+    for stage in plan["stages"]:
+        predicted = stage.get("predicted") or {}
+        if not predicted:
+            return ""
+        rows.append([
+            stage["name"], f"{predicted['tokens_per_s_per_gpu']:,.0f}",
+            human_duration(predicted["wall_seconds"]), human_gpu_hours(predicted["gpu_hours"]),
+            human_bytes(predicted["memory_per_rank_bytes"]),
+        ])  # fmt: skip
+    total = plan.get("predicted") or {}
+    if total:
+        rows.append(["program", "", human_duration(total["wall_seconds"]),
+                     human_gpu_hours(total["gpu_hours"]),
+                     f"{human_bytes(total['memory_per_rank_bytes'])} (largest)"])  # fmt: skip
+    header = ["stage", "tokens/s per GPU", "time", "GPU-hours", "memory per rank"]
+    return "<h4>Predicted, each stage on its own layout</h4>" + table(header, rows, "numbers")
+
+
 def _planned(folder: BuildFolder) -> str:
     plan = folder.program_plan
     if plan is None:
@@ -141,6 +163,9 @@ def _planned(folder: BuildFolder) -> str:
         "<h3>Planned program</h3>"
         + figure_svg(timeline_svg(bands, "tokens", human_count, "timeline planned"), caption)
         + _plan_table(plan)
+        + _predicted_table(plan)
+        + "<p>The layer stack, memory, FLOPs, speed and cost sections below plan the "
+        "blueprint's own sections, before any stage changes them.</p>"
     )
 
 
