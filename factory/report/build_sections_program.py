@@ -47,8 +47,8 @@ def planned_bands(plan: dict[str, Any]) -> list[Band]:
             f"{stage['name']}: {stage.get('description') or ''}\n"
             f"recipe {stage['recipe']}, seq len {stage['seq_len']:,}, "
             f"{stage['tokens']:,} tokens in {stage['steps']:,} steps\n"
-            f"{schedule['kind']} schedule over {schedule['steps']:,} steps{continued}, "
-            f"lr {schedule['lr']:g} -> {schedule['min_lr']:g}; precision {stage['precision']}"
+            f"schedule over {schedule['steps']:,} steps{continued}: {_rates(schedule)}; "
+            f"precision {stage['precision']}"
         )
         bands.append(
             Band(
@@ -102,6 +102,13 @@ def smoke_bands(folder: BuildFolder, names: list[str]) -> tuple[list[Band], list
     return bands, problems
 
 
+def _rates(schedule: dict[str, Any]) -> str:
+    """``wsd 0.00045 → 4.5e-06``; a constant schedule has one rate (its min_lr is unused)."""
+    if schedule["kind"] == "constant":
+        return f"constant {schedule['lr']:g}"
+    return f"{schedule['kind']} {schedule['lr']:g} → {schedule['min_lr']:g}"
+
+
 def _plan_table(plan: dict[str, Any]) -> str:
     rows = []
     for stage in plan["stages"]:
@@ -116,7 +123,7 @@ def _plan_table(plan: dict[str, Any]) -> str:
             stage["name"], stage["recipe"], f"{stage['seq_len']:,}",
             f"{stage['global_batch_size']:,}", f"{stage['steps']:,}",
             human_count(stage["tokens"]), " · ".join(_layout_lines(stage)),
-            f"{schedule['kind']} {schedule['lr']:g} → {schedule['min_lr']:g}{continued}",
+            f"{_rates(schedule)}{continued}",
             carried if stage["index"] else "—",
         ])  # fmt: skip
     header = ["stage", "recipe", "seq len", "GBS", "steps", "tokens", "layout", "LR schedule",
