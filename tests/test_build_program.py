@@ -42,7 +42,8 @@ STEPS = 3
 SKIPPED = ("model",)
 
 PROGRAM_STAGES: list[dict[str, Any]] = [
-    {"name": "pretrain", "description": "the base blend", "training": {"steps": 9000}},
+    {"name": "pretrain", "description": "the base blend", "data": {"recipe": "nano"},
+     "training": {"steps": 9000}},
     {"name": "anneal", "description": "the decay, continued", "continue_schedule": True,
      "training": {"steps": 1000}},
     {"name": "sft", "description": "chat", "carry": {"optimizer": False},
