@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import yaml
 from browser import chromium, render_page
+from one_stage import one_stage
 
 import factory
 from factory.jobs.build import STAGES, build
@@ -176,7 +177,7 @@ def test_a_rerun_reuses_the_program_build(program_build: Path) -> None:
 
 def test_a_single_stage_build_writes_no_program(tmp_path: Path) -> None:
     out = tmp_path / "nano"
-    build(factory.load_blueprint("nano"), out=out,
+    build(one_stage("nano"), out=out,
           skip=[s for s in STAGES if s not in ("validate", "plan", "report")])  # fmt: skip
     assert not (out / "program_plan.json").exists()
     assert all("program" not in entry for entry in _record(out).values())
