@@ -125,9 +125,12 @@ def _shrink_sections(bp: Blueprint, model: dict[str, Any], width: int) -> None:
 
 
 def derive_proxy(bp: Blueprint, width: int = 256) -> Blueprint:
-    """A CPU-sized blueprint of ``bp``'s family; the rule is the module docstring."""
+    """A CPU-sized blueprint of ``bp``'s family; the rule is the module docstring. Of a
+    program, the proxy of its base sections alone: :func:`derive_program_proxy` gives each
+    stage's."""
     src = bp.model
     data: dict[str, Any] = bp.model_dump(exclude_unset=True)
+    data.pop("stages", None)  # a program's stages have proxies of their own
     model: dict[str, Any] = data["model"]
 
     main = proxy_pattern(src.parsed_pattern.main)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from fractions import Fraction
-from typing import Annotated
+from typing import Annotated, ClassVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 
@@ -58,6 +58,10 @@ class Section(BaseModel):
     Infinity and NaN are refused: YAML spells them ``.inf``/``.nan``, and no
     setting means either (they also turn the planner's sums into nonsense).
     """
+
+    alternatives: ClassVar[tuple[tuple[str, ...], ...]] = ()
+    """Groups of fields of which a document gives at most one (``steps`` or ``tokens``): a
+    program stage that writes one of a group drops the others it would inherit."""
 
     model_config = ConfigDict(
         extra="forbid",

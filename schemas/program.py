@@ -144,6 +144,23 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _without_alternatives(document: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """``document`` without the fields a stage's changes replace by writing an alternative to
+    them (a stage giving ``training.steps`` drops the ``training.tokens`` it inherits)."""
+    out = dict(document)
+    for name, section in changes.items():
+        kind = Blueprint.model_fields[name].annotation
+        groups = getattr(kind, "alternatives", ())
+        inherited = out.get(name)
+        if not isinstance(inherited, dict):
+            continue
+        for group in groups:
+            if any(field in section for field in group):
+                inherited = {k: v for k, v in inherited.items() if k not in group}
+        out[name] = inherited
+    return out
+
+
 def _written_paths(prefix: str, node: Any) -> Iterator[str]:
     """The values a stage writes: leaves, not the sections holding them."""
     if isinstance(node, dict) and node:
@@ -167,7 +184,7 @@ def resolve_program(blueprint: Blueprint) -> Program:
         changes = stage.overrides()
         _check_continuation(index, stage.continue_schedule, changes)
         set_paths.append(frozenset(p for k, v in changes.items() for p in _written_paths(k, v)))
-        document = _merge(document, changes)
+        document = _merge(_without_alternatives(document, changes), changes)
         try:
             merged = Blueprint.model_validate(document)
         except ValidationError as exc:

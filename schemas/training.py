@@ -138,6 +138,8 @@ class ScheduleConfig(Section):
 class TrainingConfig(Section):
     """How long to train and how."""
 
+    alternatives = (("steps", "tokens"),)
+
     optimizer: OptimizerConfig
     schedule: ScheduleConfig = ScheduleConfig()
     objective: ObjectiveConfig = ObjectiveConfig()

@@ -219,3 +219,13 @@ def test_a_stage_field_can_be_overridden_on_the_command_line(tmp_path: Path) -> 
         load(path, ["stages.7.data.seq_len=512"])
     (error,) = caught.value.errors
     assert error.path == "stages[7].data.seq_len" and "bad override" in error.message
+
+
+def test_a_stage_giving_steps_drops_the_tokens_it_would_inherit() -> None:
+    document = program_document(
+        [{"name": "a", "training": {"tokens": "1B"}}, {"name": "b", "training": {"steps": 7}}]
+    )
+    del document["training"]["steps"]
+    a, b = resolve_program(Blueprint.model_validate(document))
+    assert (a.blueprint.training.tokens, a.blueprint.training.steps) == (10**9, None)
+    assert (b.blueprint.training.tokens, b.blueprint.training.steps) == (None, 7)

@@ -234,7 +234,8 @@ def _say_how_it_ended(
     name, records, history = result.blueprint.meta.name, result.records, result.history
     last = result.last if isinstance(result, ProgramResult) else result
     if isinstance(result, ProgramResult):
-        name = f"{name}, stage {last.out.name}"
+        stages = ", ".join(one.out.name for one in result.stages)
+        name = f"{name} (stage{'s' if len(result.stages) > 1 else ''} {stages})"
     if result.found_complete_at is not None:
         if main_rank:
             console.print(f"factory train: {name} already complete at step "

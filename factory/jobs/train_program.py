@@ -33,13 +33,13 @@ Torch-free; :func:`run_program` imports the rank's share of the work when it run
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from factory.errors import did_you_mean
 from factory.io import atomic_write_text
 from factory.jobs.train_errors import CannotResume, TrainRefused
 from factory.jobs.train_request import StageRun, TrainRequest, TrainResult, TrainSettings
@@ -164,10 +164,9 @@ def _select(program: Program, stage: str | None) -> list[int]:
     if stage is None:
         return list(range(len(program)))
     if stage not in program.names:
-        close = difflib.get_close_matches(stage, program.names, n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
         raise StageRefused(
-            f"--stage {stage}: no such stage; the program has {', '.join(program.names)}{hint}"
+            f"--stage {stage}: no such stage; the program has {', '.join(program.names)}"
+            + did_you_mean(stage, program.names)
         )
     return [program.names.index(stage)]
 
@@ -188,11 +187,11 @@ def plan_stages(
     ``resume`` with no checkpoint in any stage.
     """
     program = resolve_program(blueprint)
-    out = (settings.out or Path("runs") / blueprint.meta.name).resolve()
     selected = _select(program, stage)
     trained = [s.blueprint for s in program]
     if proxy:
         trained = derive_program_proxy(trained)
+    out = (settings.out or Path("runs") / trained[0].meta.name).resolve()  # NAME(-proxy)
     steps = [settings.steps or bp.training_steps for bp in trained]
     windows = _windows(program, steps)
     policy = settings.checkpoints
@@ -254,20 +253,23 @@ def run_program(request: ProgramRequest) -> ProgramResult:
     """
     # This rank's share of the work imports torch: ``factory.train`` resolves without it.
     from factory.jobs.train_rank import run_rank
+    from factory.runtime.ranks import joined_process_group
 
     results: list[TrainResult] = []
     main = os.environ.get("RANK", "0") == "0"
-    for stage in request.stages:
-        assert stage.stage is not None
-        if main:
-            _record(request, stage.stage.name, "running")
-        result = run_rank(stage)
-        results.append(result)
-        end = result.history.end
-        if main:
-            _record(request, stage.stage.name, end, boundary=end == "completed")
-        if end != "completed":
-            break
+    # One launch, one world size (the launch checks) and one process group for every stage.
+    with joined_process_group(request.stages[0].blueprint.parallelism.world_size):
+        for stage in request.stages:
+            assert stage.stage is not None
+            if main:
+                _record(request, stage.stage.name, "running")
+            result = run_rank(stage)
+            results.append(result)
+            end = result.history.end
+            if main:
+                _record(request, stage.stage.name, end, boundary=end == "completed")
+            if end != "completed":
+                break
     return ProgramResult(request.out, tuple(results))
 
 

@@ -54,6 +54,7 @@ __all__ = [
     "SingleProcess",
     "collective_timeout",
     "is_transport_failure",
+    "joined_process_group",
     "joined_ranks",
 ]
 
@@ -256,30 +257,45 @@ def collective_timeout() -> datetime.timedelta:
 
 
 @contextlib.contextmanager
-def joined_ranks(layout: Layout) -> Iterator[Ranks]:
-    """This process's :class:`Ranks` in ``layout``, for the length of a run.
+def joined_process_group(world_size: int) -> Iterator[None]:
+    """This process in the default process group (NCCL on CUDA, gloo on CPU) for the block,
+    when ``world_size`` > 1; a caller may have made it already, and then keeps it.
 
-    World size 1 answers itself. Otherwise the process joins the default process group
-    (NCCL on CUDA, gloo on CPU; a caller may have made it already, and then keeps it) and
-    builds the layout's meshes.
+    Several runs in one launch (a program's stages) share one group: torch names a group
+    made again after one was destroyed as it named the first, so the new group would meet
+    the old one's keys in the launcher's store and wait for ranks that never come.
     """
-    if layout.world_size == 1:
-        yield SingleProcess()
+    if world_size == 1:
+        yield
         return
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    # The step's routing statistics are detached views; nothing edits them in place.
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=collective_timeout())
         mark_rank_process()
     try:
-        yield DistributedRanks(build_meshes(layout, "cuda" if cuda else "cpu"))
+        yield
     finally:
         if owned:
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def joined_ranks(layout: Layout) -> Iterator[Ranks]:
+    """This process's :class:`Ranks` in ``layout``, for the length of a run.
+
+    World size 1 answers itself. Otherwise the process joins the default process group
+    (:func:`joined_process_group`) and builds the layout's meshes.
+    """
+    if layout.world_size == 1:
+        yield SingleProcess()
+        return
+    # The step's routing statistics are detached views; nothing edits them in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    with joined_process_group(layout.world_size):
+        yield DistributedRanks(build_meshes(layout, "cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def is_transport_failure(exc: BaseException) -> bool:

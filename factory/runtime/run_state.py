@@ -47,6 +47,9 @@ class Position:
     """Samples of the data stream consumed (its position)."""
     rollbacks: int = 0
     anneal: Anneal | None = None
+    schedule_offset: int = 0
+    """Steps of the learning-rate schedule that earlier stages of a program took: ``step``
+    runs at the schedule's step ``schedule_offset + step``."""
 
 
 def fingerprint(compiled: Compiled) -> str:

@@ -90,11 +90,11 @@ class BatchSource(Protocol):
         """Resume a saved position; refuse one from another order."""
 
 
-def learning_rate_at(position: Position, steps: int, compiled: Compiled, offset: int = 0) -> float:
-    """The schedule's rate at ``position`` (``offset`` steps into a ``steps``-step schedule
-    when earlier stages of a program took those), capped by a rollback's annealing."""
+def learning_rate_at(position: Position, steps: int, compiled: Compiled) -> float:
+    """The rate of a ``steps``-step schedule at ``position`` (its ``schedule_offset`` steps
+    in, where earlier stages of a program took those), capped by a rollback's annealing."""
     training = compiled.blueprint.training
-    rate = learning_rate(offset + position.step, steps, training)
+    rate = learning_rate(position.schedule_offset + position.step, steps, training)
     a = position.anneal
     if a is not None:
         shape = training.stability.rollback.anneal_shape
@@ -147,6 +147,7 @@ class Trainer:
             self._start_from(o.start_from)
         else:
             self.batches.seek(0)
+        self.position.schedule_offset = o.schedule_offset
         self._stream = iter(self.batches)
         try:
             for callback in self.callbacks:
@@ -222,7 +223,7 @@ class Trainer:
         assert self.optimizer is not None
         bp, model, p = self.compiled.blueprint, self.compiled.model, self.position
         start = time.perf_counter()
-        lr = learning_rate_at(p, self.schedule_steps, self.compiled, self.options.schedule_offset)
+        lr = learning_rate_at(p, self.schedule_steps, self.compiled)
         self.optimizer.set_lr(lr)
         self.optimizer.zero_grad()
         consumed_before = p.consumed
@@ -413,8 +414,7 @@ class Trainer:
         # The refused attempt keeps its update number: updates count attempts, monotonically.
         position.consumed, position.update, position.rollbacks = consumed, update + 1, rollbacks + 1
         anneal_steps = max(1, round(cfg.anneal_fraction * self.steps))
-        offset = self.options.schedule_offset
-        rate = learning_rate_at(position, self.schedule_steps, self.compiled, offset)
+        rate = learning_rate_at(position, self.schedule_steps, self.compiled)
         position.anneal = Anneal(start=position.step, rate=rate, steps=anneal_steps)
         self.position = position
         self.batches.seek(consumed)  # the window that led to the trouble is skipped

@@ -72,8 +72,9 @@ class Tracker(Callback):
 
     def pre_train(self, trainer: TrainerView) -> None:
         self.open(trainer)
-        if trainer.options.stage is not None:
-            self.note(trainer.position.step, "run", f"stage {trainer.options.stage}")
+        stage = getattr(trainer.options, "stage", None)  # views made by hand may lack it
+        if stage is not None:
+            self.note(trainer.position.step, "run", f"stage {stage}")
         if trainer.position.step:
             self.note(trainer.position.step, "run", f"resumed at step {trainer.position.step}")
 
