@@ -26,7 +26,7 @@ from factory.data.build_lock import LOCK_NAME
 from factory.data.loaded_recipe import load_recipe
 from factory.exports.hf_config import hf_config
 from factory.exports.megatron import export_megatron
-from factory.exports.megatron_refusals import refusals
+from factory.exports.megatron_refusals import program_refusals
 from factory.io import atomic_write_text, staged_directory
 from factory.jobs.build_checks import compare_losses, loss_falls, run_losses
 from factory.jobs.build_distributed import run_layout_check
@@ -177,7 +177,7 @@ def _export(ctx: BuildContext) -> str:
         config = hf_config(bp, dtype="bfloat16")
         (staging / "hf" / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         export_megatron(bp, staging / "megatron", allow_unexpressed=True)
-    unexpressed = refusals(bp)
+    unexpressed = program_refusals(ctx.program)
     note = f"; {len(unexpressed)} fields Megatron cannot express" if unexpressed else ""
     return f"exports/hf/config.json (NemotronH) and exports/megatron/ (Megatron-Bridge){note}"
 
