@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from one_stage import one_stage
 
 import factory
 from factory.jobs.build import STAGES, BuildFailed, build
@@ -39,7 +40,7 @@ def _digests(out: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def fast_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("build") / "nano"
-    build(factory.load_blueprint("nano"), out=out, skip=FAST)
+    build(one_stage("nano"), out=out, skip=FAST)
     return out
 
 
@@ -67,7 +68,7 @@ def test_a_rerun_reuses_and_a_changed_blueprint_starts_over(
 ) -> None:
     out = tmp_path / "nano"
     shutil.copytree(fast_build, out)  # the module's build stays as it was
-    bp = factory.load_blueprint("nano")
+    bp = one_stage("nano")
     again = build(bp, out=out, skip=FAST)
     assert {r.status for r in again.stages} == {"reused", "skipped"}
     changed = bp.model_copy(update={"meta": bp.meta.model_copy(update={"description": "x"})})
@@ -79,22 +80,23 @@ def test_a_rerun_reuses_and_a_changed_blueprint_starts_over(
 def test_a_build_killed_after_a_stage_finishes_identical(fast_build: Path, tmp_path: Path) -> None:
     out = tmp_path / "nano"
     script = textwrap.dedent(f"""
-        import os, signal
+        import os, signal, sys
         from pathlib import Path
-        import factory
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from one_stage import one_stage
         from factory.jobs.build import build
 
         def on_stage(record):
             if record.stage == "export":
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        build(factory.load_blueprint("nano"), out=Path({str(out)!r}), skip={FAST!r},
+        build(one_stage("nano"), out=Path({str(out)!r}), skip={FAST!r},
               on_stage=on_stage)
     """)
     killed = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
     assert killed.returncode == -9, killed.stderr.decode()[-2000:]
     assert not (out / "data").exists()
-    result = build(factory.load_blueprint("nano"), out=out, skip=FAST)
+    result = build(one_stage("nano"), out=out, skip=FAST)
     statuses = [r.status for r in result.stages]
     assert statuses[:5] == ["reused"] * 5 and statuses[5] == "done"
     assert _digests(out) == _digests(fast_build)
@@ -122,7 +124,7 @@ def test_a_failed_stage_is_recorded_and_raised(
 
     monkeypatch.setitem(build_stages._RUNNERS, "model", wrong)
     with pytest.raises(BuildFailed, match="model: the graph has 1"):
-        build(factory.load_blueprint("nano"), out=tmp_path / "b", skip=(*FAST, "data"))
+        build(one_stage("nano"), out=tmp_path / "b", skip=(*FAST, "data"))
     record = json.loads((tmp_path / "b" / "build.json").read_text())["stages"]
     assert record["model"]["status"] == "failed" and "precision" not in record
 

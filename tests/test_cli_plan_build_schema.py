@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import PRESETS, REPO
+from one_stage import one_stage
 
 import factory
 from factory.precision.policy import resolve_policy
@@ -42,8 +43,10 @@ NO_TRAINING = ("--skip", "smoke", "--skip", "distributed")
 
 
 def test_build_writes_resolved_plan_and_report(cli, tmp_path: Path) -> None:
-    out = tmp_path / "nano"
-    status, _, err = cli("build", "nano", "--out", str(out), *NO_TRAINING)
+    """A single-stage build, of Nano as one stage (a program's: tests/test_build_program.py)."""
+    out, source = tmp_path / "nano", tmp_path / "nano-one-stage.yaml"
+    source.write_text(yaml.safe_dump(one_stage("nano").model_dump(mode="json", exclude_none=True)))
+    status, _, err = cli("build", str(source), "--out", str(out), *NO_TRAINING)
     assert status == 0, err
     assert sorted(p.name for p in out.iterdir()) == [
         "build.json",
@@ -60,7 +63,7 @@ def test_build_writes_resolved_plan_and_report(cli, tmp_path: Path) -> None:
     plan = json.loads((out / "plan.json").read_text())
     assert plan["params"]["total"] == 31_577_940_288
     # the resolved blueprint is complete: it loads on its own, without fragments
-    assert factory.load_blueprint(out / "resolved.yaml") == factory.load_blueprint("nano")
+    assert factory.load_blueprint(out / "resolved.yaml") == one_stage("nano")
     assert "31,577,940,288" in (out / "report.md").read_text()
     manifest = json.loads((out / "data" / "manifest.json").read_text())
     assert manifest["packing"]["seq_len"] == 8192  # the blueprint's data.seq_len, not the recipe's

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
+from one_stage import one_stage
 
 import factory
 from factory.exports.hf_config import hf_config
@@ -75,8 +76,8 @@ def _stages(root: Path, name: str, statuses: dict[str, str]) -> dict[str, Any]:
 
 
 def make_full_build(root: Path) -> Path:
-    """``factory build nano`` itself, every stage run, with short training stages."""
-    factory.build(factory.load_blueprint("nano"), out=root, steps=4, check_steps=1)
+    """``factory build`` of Nano as one stage, every stage run, with short training stages."""
+    factory.build(one_stage("nano"), out=root, steps=4, check_steps=1)
     return root
 
 
@@ -207,7 +208,7 @@ def test_a_finished_build_keeps_what_a_rerun_needs_and_no_checkpoints(full_build
     assert not (full_build / "distributed" / "model").exists()
     for kept in ("model/model.safetensors", "metrics.jsonl", "report/report.html"):
         assert (full_build / "smoke" / kept).is_file(), kept
-    result = factory.build(factory.load_blueprint("nano"), out=full_build, steps=4, check_steps=1)
+    result = factory.build(one_stage("nano"), out=full_build, steps=4, check_steps=1)
     assert {r.status for r in result.stages} == {"reused", "done"}  # only the page is redone
     assert result.size == sum(p.stat().st_size for p in full_build.rglob("*") if p.is_file())
 

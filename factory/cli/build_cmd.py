@@ -15,7 +15,11 @@ from factory.cli.progress_output import LogFormatOption, progress_console
 from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.errors import BlueprintError
-from factory.jobs.build_defaults import DEFAULT_CHECK_STEPS, DEFAULT_SMOKE_STEPS
+from factory.jobs.build_defaults import (
+    DEFAULT_CHECK_STEPS,
+    DEFAULT_SMOKE_STEPS,
+    DEFAULT_STAGE_SMOKE_STEPS,
+)
 from factory.progress import LogFormat, RichProgress, plain_log, stamped
 from factory.report.build_folder import STAGES
 from factory.report.units import human_bytes
@@ -34,8 +38,14 @@ def build(
         Path | None, typer.Option("--out", help="Build folder (default: build/NAME).")
     ] = None,
     steps: Annotated[
-        int, typer.Option("--steps", min=2, help="Optimizer steps of the proxy's smoke run.")
-    ] = DEFAULT_SMOKE_STEPS,
+        int | None,
+        typer.Option(
+            "--steps",
+            min=2,
+            help=f"Optimizer steps of the proxy's smoke run (default {DEFAULT_SMOKE_STEPS}); "
+            f"for a program, per stage (default {DEFAULT_STAGE_SMOKE_STEPS}).",
+        ),
+    ] = None,
     check_steps: Annotated[
         int,
         typer.Option("--check-steps", min=1, help="Steps of the 2-process layout check."),
@@ -52,7 +62,8 @@ def build(
 
     Validate, plan, the model on the meta device, the precision table, the HF and Megatron
     exports, the curated data, a smoke run of the proxy and a 2-process layout check. A
-    rerun reuses what is done.
+    program (a blueprint with stages) is curated and smoke-trained stage by stage, and its
+    page draws the program on one timeline. A rerun reuses what is done.
     """
     console = progress_console(log_format)
     for stage in skip or []:

@@ -12,10 +12,16 @@ Stages (``factory.jobs.build_stages``), each with a one-line result::
     distributed  distributed/, distributed.json (2 ranks vs the smoke run)
     report       report.html (one self-contained page of all of it)
 
-``build.json`` records every stage's status, time and result, rewritten
-atomically after each stage. A rerun reuses the stages recorded done (their
-files are whole), redoes the rest, and starts over when the blueprint or the
-step counts changed. The data build and the smoke run resume from their own
+A program (a blueprint with ``stages``) is built per program stage where it matters
+(``factory.jobs.build_program``): the plan stage adds ``program_plan.json``, the data
+stage curates each program stage's recipe into ``data/<stage>/``, the smoke run trains
+the proxy through every program stage (:func:`factory.train` on the program, into
+``smoke/<stage>/``), and the page draws the program on one timeline.
+
+``build.json`` records every stage's status, time and result (and, for a program, each
+program stage's under ``program``), rewritten atomically after each stage. A rerun
+reuses the stages recorded done (their files are whole), redoes the rest, and starts
+over when the blueprint or the step counts changed. The data build and the smoke run resume from their own
 checkpoints.
 """
 
@@ -31,10 +37,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from factory.io import atomic_write_text, folder_bytes
-from factory.jobs.build_defaults import DEFAULT_CHECK_STEPS, DEFAULT_SMOKE_STEPS
+from factory.jobs.build_defaults import (
+    DEFAULT_CHECK_STEPS,
+    DEFAULT_SMOKE_STEPS,
+    DEFAULT_STAGE_SMOKE_STEPS,
+)
 from factory.jobs.build_stages import BuildContext, StageFailed, run_stage
 from factory.progress import Progress, silent
-from factory.report.build_folder import BUILD_RECORD, OUTPUTS, STAGES
+from factory.report.build_folder import BUILD_RECORD, OUTPUTS, PROGRAM_OUTPUTS, STAGES, outputs
+from factory.schemas.program import resolve_program
 
 if TYPE_CHECKING:
     from factory.schemas.blueprint import Blueprint
@@ -42,6 +53,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_CHECK_STEPS",
     "DEFAULT_SMOKE_STEPS",
+    "DEFAULT_STAGE_SMOKE_STEPS",
     "STAGES",
     "BuildFailed",
     "BuildResult",
@@ -65,6 +77,15 @@ class StageRecord:
     """``done``, ``reused`` (done by an earlier run), ``skipped`` or ``failed``."""
     seconds: float
     result: str
+    program: dict[str, Any] | None = None
+    """Per program stage (a blueprint with ``stages``), what this build stage did with it."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """As build.json records it (a single-stage build's records have no ``program``)."""
+        record = asdict(self)
+        if self.program is None:
+            del record["program"]
+        return record
 
 
 @dataclass(frozen=True)
@@ -88,7 +109,7 @@ def _read_record(out: Path, fingerprint: str) -> dict[str, Any]:
         record = json.loads(path.read_text(encoding="utf-8"))
         if record.get("fingerprint") == fingerprint:
             return record["stages"]
-        for files in OUTPUTS.values():  # another blueprint's results: not ours to reuse
+        for files in (*OUTPUTS.values(), *PROGRAM_OUTPUTS.values()):  # not ours to reuse
             for name in files:
                 target = out / name
                 if target.is_dir():
@@ -103,9 +124,9 @@ def _write_record(out: Path, name: str, fingerprint: str, stages: dict[str, Any]
     atomic_write_text(out / BUILD_RECORD, json.dumps(document, indent=2) + "\n")
 
 
-def _reusable(out: Path, stage: str, earlier: dict[str, Any]) -> bool:
+def _reusable(out: Path, stage: str, earlier: dict[str, Any], program: bool) -> bool:
     done = earlier.get(stage, {}).get("status") in ("done", "reused")
-    return done and all((out / name).exists() for name in OUTPUTS[stage])
+    return done and all((out / name).exists() for name in outputs(stage, program))
 
 
 def build(
@@ -113,7 +134,7 @@ def build(
     *,
     out: Path | None = None,
     source: str | Path | None = None,
-    steps: int = DEFAULT_SMOKE_STEPS,
+    steps: int | None = None,
     check_steps: int = DEFAULT_CHECK_STEPS,
     skip: Iterable[str] = (),
     workers: int = 1,
@@ -123,12 +144,17 @@ def build(
     """Run every stage of the factory for ``blueprint`` into ``out`` (default ``build/NAME``).
 
     ``blueprint`` is validated already (:func:`factory.load_blueprint`); ``source``
-    is named in resolved.yaml. ``steps`` are the smoke run's, ``check_steps`` the
-    distributed check's (its first steps, at most ``steps``). ``skip`` names
+    is named in resolved.yaml. ``steps`` are the smoke run's (default
+    :data:`DEFAULT_SMOKE_STEPS`; for a program, per program stage, default
+    :data:`DEFAULT_STAGE_SMOKE_STEPS`), ``check_steps`` the distributed check's (its first
+    steps, at most ``steps``). ``skip`` names
     stages not to run (the distributed check needs the smoke run). ``progress``
     gets the long stages' inner progress, ``on_stage`` each stage's record as it
     ends. Raises :class:`BuildFailed` when a stage fails, after recording it.
     """
+    program = resolve_program(blueprint)  # the loaded blueprint's stages resolve already
+    if steps is None:
+        steps = DEFAULT_STAGE_SMOKE_STEPS if program.declared else DEFAULT_SMOKE_STEPS
     skipped = set(skip)
     unknown = skipped - set(STAGES)
     if unknown:
@@ -144,13 +170,13 @@ def build(
     fingerprint = _fingerprint(blueprint, steps, check_steps)
     earlier = _read_record(destination, fingerprint)
     context = BuildContext(
-        blueprint, source, destination, steps, check_steps, workers, progress or silent
+        blueprint, program, source, destination, steps, check_steps, workers, progress or silent
     )
     records: dict[str, Any] = {}
     done: list[StageRecord] = []
     for stage in STAGES:
         record = _stage(stage, context, earlier, skipped)
-        records[stage] = asdict(record)
+        records[stage] = record.to_dict()
         _write_record(destination, blueprint.meta.name, fingerprint, records)
         done.append(record)
         if on_stage is not None:
@@ -165,12 +191,15 @@ def _stage(
 ) -> StageRecord:
     if stage in skipped:
         return StageRecord(stage, "skipped", 0.0, "skipped (--skip)")
-    if _reusable(context.out, stage, earlier) and stage != "report":
+    if _reusable(context.out, stage, earlier, context.program.declared) and stage != "report":
         before = earlier[stage]
-        return StageRecord(stage, "reused", before["seconds"], before["result"])
+        return StageRecord(
+            stage, "reused", before["seconds"], before["result"], before.get("program")
+        )
     start = time.perf_counter()
     try:
-        result, status = run_stage(stage, context), "done"
+        outcome, status = run_stage(stage, context), "done"
     except StageFailed as exc:
-        result, status = str(exc), "failed"
-    return StageRecord(stage, status, round(time.perf_counter() - start, 2), result)
+        outcome, status = exc.outcome, "failed"
+    seconds = round(time.perf_counter() - start, 2)
+    return StageRecord(stage, status, seconds, outcome.result, outcome.program)

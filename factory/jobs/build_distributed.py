@@ -31,13 +31,15 @@ CHECK_TIMEOUT_S = 900
 """The whole check, spawn to exit: a hung collective fails the build instead of stalling it."""
 
 
-def check_blueprint(bp: Blueprint) -> Blueprint:
-    """``bp``'s proxy on :data:`CHECK_WORLD_SIZE` ranks: DP, with EP over them under MoE."""
+def check_blueprint(bp: Blueprint, proxy: Blueprint | None = None) -> Blueprint:
+    """``bp``'s proxy (``proxy`` where the caller derived it: a program stage's) on
+    :data:`CHECK_WORLD_SIZE` ranks: DP, with EP over them under MoE."""
+    proxy = derive_proxy(bp) if proxy is None else proxy
     has_moe = bool(expert_layer_types(bp.model))
     degrees = {"pp": 1, "tp": 1, "ep": CHECK_WORLD_SIZE if has_moe else 1, "sp": False}
-    laid_out = proxy_with_layout(derive_proxy(bp), CHECK_WORLD_SIZE, degrees)
+    laid_out = proxy_with_layout(proxy, CHECK_WORLD_SIZE, degrees)
     if laid_out is None:  # the proxy's experts do not split in two
-        laid_out = proxy_with_layout(derive_proxy(bp), CHECK_WORLD_SIZE, {**degrees, "ep": 1})
+        laid_out = proxy_with_layout(proxy, CHECK_WORLD_SIZE, {**degrees, "ep": 1})
     assert laid_out is not None  # plain data parallelism always validates
     return laid_out
 
@@ -46,15 +48,22 @@ def _train_rank(rank: int, world: int, bp: Blueprint, run: Path, data: Path, ste
     train(bp, out=run, data=data, steps=steps)
 
 
-def run_layout_check(bp: Blueprint, out: Path, steps: int) -> dict[str, Any]:
-    """Train ``steps`` steps of the check layout on ``out/smoke/data`` into
-    ``out/distributed``; return the layout and its LM losses."""
+def run_layout_check(
+    bp: Blueprint,
+    out: Path,
+    steps: int,
+    data: Path | None = None,
+    proxy: Blueprint | None = None,
+) -> dict[str, Any]:
+    """Train ``steps`` steps of the check layout (of ``proxy``, default ``bp``'s proxy) on
+    ``data`` (default ``out/smoke/data``) into ``out/distributed``; return the layout and
+    its LM losses."""
     from factory.distributed.local import run_ranks
 
-    laid_out = check_blueprint(bp)
+    laid_out = check_blueprint(bp, proxy)
     run = out / "distributed"
     shutil.rmtree(run, ignore_errors=True)  # a few steps: rerun whole rather than resume
-    data = out / "smoke" / "data"
+    data = data if data is not None else out / "smoke" / "data"
     run_ranks(_train_rank, CHECK_WORLD_SIZE, laid_out, run, data, steps, timeout=CHECK_TIMEOUT_S)
     par = laid_out.parallelism
     return {

@@ -1,9 +1,10 @@
 """The stages of ``factory build``, one function each: do the work, write its files, and
 return the one-line result the build prints.
 
-Each stage writes only its own files (the build folder's layout,
-:data:`factory.report.build_folder.OUTPUTS`), each whole: through a temporary
-name and a rename, a staged folder, or a job that resumes itself (the data
+A stage returns an :class:`Outcome`: its line and, for a program, what it did per program
+stage (``build.json``'s ``program``). Each stage writes only its own files (the build
+folder's layout, :data:`factory.report.build_folder.OUTPUTS`), each whole: through a
+temporary name and a rename, a staged folder, or a job that resumes itself (the data
 build, training). A stage that finds its work wrong raises
 :class:`StageFailed` with the reason.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,34 +22,51 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from factory.data.build_job import build as build_data
+from factory.data.build_lock import LOCK_NAME
 from factory.data.loaded_recipe import load_recipe
 from factory.exports.hf_config import hf_config
 from factory.exports.megatron import export_megatron
-from factory.exports.megatron_refusals import refusals
+from factory.exports.megatron_refusals import program_refusals
 from factory.io import atomic_write_text, staged_directory
 from factory.jobs.build_checks import compare_losses, loss_falls, run_losses
 from factory.jobs.build_distributed import run_layout_check
+from factory.jobs.build_program import curations, program_plan, stage_fall, stage_proxies
 from factory.jobs.train import train
 from factory.jobs.train_request import CheckpointPolicy
 from factory.layout_search import search_layouts
 from factory.planner.plan import plan
 from factory.precision.policy import flops_share, resolve_policy
 from factory.progress import Progress
+from factory.report.build_folder import PROGRAM_PLAN
 from factory.report.build_page import write_build_report
 from factory.report.plan_text import markdown_report
 from factory.report.search_text import search_records
+from factory.report.units import human_count
 
 if TYPE_CHECKING:
     from factory.schemas.blueprint import Blueprint
+    from factory.schemas.program import Program
 
-__all__ = ["BuildContext", "StageFailed", "run_stage"]
+__all__ = ["BuildContext", "Outcome", "StageFailed", "run_stage"]
 
 SMOKE_CHECKPOINT_EVERY = 8
 """A smoke run killed midway resumes from its last checkpoint (at most this many steps lost)."""
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """A stage's one-line result and, for a program, its record per program stage."""
+
+    result: str
+    program: dict[str, Any] | None = None
+
+
 class StageFailed(RuntimeError):
     """A stage ran and its result is wrong (the loss did not fall, the ranks disagree...)."""
+
+    def __init__(self, message: str, program: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.outcome = Outcome(message, program)
 
 
 @dataclass(frozen=True)
@@ -55,6 +74,8 @@ class BuildContext:
     """What every stage may read: the blueprint, where it came from, the folder, the knobs."""
 
     blueprint: Blueprint
+    program: Program
+    """The blueprint's stages (one implicit stage without ``stages``)."""
     source: str | Path | None
     out: Path
     steps: int
@@ -63,21 +84,27 @@ class BuildContext:
     progress: Progress
 
 
-def run_stage(name: str, ctx: BuildContext) -> str:
-    """Run stage ``name``; return its one-line result."""
-    return _RUNNERS[name](ctx)
+def run_stage(name: str, ctx: BuildContext) -> Outcome:
+    """Run stage ``name``; return its one-line result (and its record per program stage)."""
+    done = _RUNNERS[name](ctx)
+    return done if isinstance(done, Outcome) else Outcome(done)
 
 
 def _validate(ctx: BuildContext) -> str:
 
     bp = ctx.blueprint
-    recipe = load_recipe(bp.data.recipe)  # BlueprintError: every problem, file:line
+    names = dict.fromkeys(stage.blueprint.data.recipe for stage in ctx.program)
+    # BlueprintError: every problem, file:line
+    recipes = [load_recipe(name).recipe for name in names]
     resolved = yaml.safe_dump(bp.model_dump(mode="json"), sort_keys=False)
     origin = f" from {ctx.source}" if ctx.source is not None else ""
     header = f"# Resolved{origin}; every fragment and override applied.\n"
     atomic_write_text(ctx.out / "resolved.yaml", header + resolved)
-    sources = len(recipe.recipe.sources)
-    return f"blueprint {bp.meta.name} and recipe {recipe.recipe.name} ({sources} sources) valid"
+    listed = ", ".join(f"{r.name} ({len(r.sources)} sources)" for r in recipes)
+    if not ctx.program.declared:
+        return f"blueprint {bp.meta.name} and recipe {listed} valid"
+    stages = ", ".join(ctx.program.names)
+    return f"blueprint {bp.meta.name} (program: {stages}) and recipes {listed} valid"
 
 
 def _plan(ctx: BuildContext) -> str:
@@ -96,10 +123,18 @@ def _plan(ctx: BuildContext) -> str:
     best = (
         f" (best layout found: {found[0].performance.tokens_per_s_per_gpu:,.0f})" if found else ""
     )
-    return (
+    line = (
         f"{result.params.total / 1e9:.2f}B parameters ({result.params.active / 1e9:.2f}B active), "
         f"{result.flops_per_token.exact / 1e9:.1f} GFLOPs/token, peak rank {peak:.1f} GiB; "
         f"predicted {speed:,.0f} tokens/s per GPU{best}"
+    )
+    if not ctx.program.declared:
+        return line
+    planned = program_plan(bp, ctx.program)
+    atomic_write_text(ctx.out / PROGRAM_PLAN, json.dumps(planned, indent=2) + "\n")
+    return (
+        f"{line}; program of {len(ctx.program)} stages, {human_count(planned['tokens'])} tokens "
+        f"in {planned['steps']:,} steps"
     )
 
 
@@ -142,13 +177,15 @@ def _export(ctx: BuildContext) -> str:
         config = hf_config(bp, dtype="bfloat16")
         (staging / "hf" / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         export_megatron(bp, staging / "megatron", allow_unexpressed=True)
-    unexpressed = refusals(bp)
+    unexpressed = program_refusals(ctx.program)
     note = f"; {len(unexpressed)} fields Megatron cannot express" if unexpressed else ""
     return f"exports/hf/config.json (NemotronH) and exports/megatron/ (Megatron-Bridge){note}"
 
 
-def _data(ctx: BuildContext) -> str:
+def _data(ctx: BuildContext) -> str | Outcome:
 
+    if ctx.program.declared:
+        return _program_data(ctx)
     bp = ctx.blueprint
     manifest = build_data(
         bp.data.recipe,
@@ -165,8 +202,71 @@ def _data(ctx: BuildContext) -> str:
     )
 
 
-def _smoke(ctx: BuildContext) -> str:
+def _program_data(ctx: BuildContext) -> Outcome:
+    """Each program stage's recipe at its proxy's sequence length, in ``data/<stage>/``; the
+    stages of one curation (same recipe, same length) get hard-linked copies of the folder
+    built for the first of them, so the smoke run reads ``DATA/<stage>/`` for every stage
+    and the bytes are on disk once."""
+    records: dict[str, Any] = {}
+    built = 0
+    for curation in curations(ctx.program):
+        first, *others = curation.stages
+        manifest = build_data(
+            curation.recipe,
+            ctx.out / "data" / first,
+            workers=ctx.workers,
+            seq_len=curation.seq_len,
+            progress=ctx.progress,
+        )
+        built += 1
+        for name in others:
+            _linked_copy(ctx.out / "data" / first, ctx.out / "data" / name)
+        summary = _data_summary(manifest, curation.recipe, curation.seq_len)
+        records[first] = {**summary, "shared_with": None}
+        records.update({name: {**summary, "shared_with": first} for name in others})
+    ordered = {name: records[name] for name in ctx.program.names}
+    samples = sum(r["samples"] for r in ordered.values())
+    return Outcome(
+        f"{len(ordered)} stages from {built} curations ({samples:,} samples in all); "
+        + "; ".join(f"{name}: {r['samples']:,} x {r['seq_len']}" for name, r in ordered.items()),
+        ordered,
+    )
 
+
+def _data_summary(manifest: dict[str, Any], recipe: str, seq_len: int) -> dict[str, Any]:
+    sources = manifest["sources"].values()
+    return {
+        "recipe": recipe,
+        "seq_len": seq_len,
+        "shards": len(manifest["shards"]),
+        "samples": manifest["packing"]["samples"],
+        "tokens": sum(s["after"]["tokens"] for s in sources),
+        "dropped": sum(sum(s["dropped"].values()) for s in sources),
+    }
+
+
+def _linked_copy(source: Path, target: Path) -> None:
+    """``target`` as a copy of the finished folder ``source`` whose files are hard links (a
+    plain copy where the file system has none), without its build lock (the copy is no data
+    build's folder); a finished copy is kept."""
+    if (target / "manifest.json").is_file():
+        return
+    with staged_directory(target) as staging:
+        shutil.copytree(source, staging, copy_function=_link_or_copy, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns(LOCK_NAME))  # fmt: skip
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def _smoke(ctx: BuildContext) -> str | Outcome:
+
+    if ctx.program.declared:
+        return _program_smoke(ctx)
     run = ctx.out / "smoke"
     train(
         ctx.blueprint,
@@ -185,8 +285,52 @@ def _smoke(ctx: BuildContext) -> str:
     return f"proxy, {len(losses)} steps: {verdict.describe()}"
 
 
+def _curated(ctx: BuildContext) -> Path | None:
+    """The data stage's ``data/`` when it holds every program stage's shards; None (after
+    ``--skip data``): the smoke run curates each stage's into ``smoke/<stage>/data``, as a
+    single-stage smoke run curates its own."""
+    folder = ctx.out / "data"
+    whole = all((folder / name / "manifest.json").is_file() for name in ctx.program.names)
+    return folder if whole else None
+
+
+def _program_smoke(ctx: BuildContext) -> Outcome:
+    """The proxy trained ``ctx.steps`` steps per program stage, through every stage, on
+    ``data/<stage>/``; each stage's loss judged by :func:`stage_fall`."""
+    run = ctx.out / "smoke"
+    train(
+        ctx.blueprint,
+        out=run,
+        proxy=True,
+        steps=ctx.steps,
+        data=_curated(ctx),
+        workers=ctx.workers,
+        progress=ctx.progress,
+        checkpoints=CheckpointPolicy(every=SMOKE_CHECKPOINT_EVERY, keep=1),
+    )
+    records: dict[str, Any] = {}
+    start: float | None = None
+    failed = []
+    for name in ctx.program.names:
+        losses = run_losses(run / name)
+        verdict = stage_fall(name, losses, start)
+        start = verdict.first if start is None else start
+        records[name] = {"steps": len(losses), **verdict.to_dict()}
+        if not verdict.passed:
+            failed.append(f"{name}: {verdict.describe()}")
+    if failed:  # its checkpoints stay, to look into
+        raise StageFailed("the proxy's loss fails in " + "; ".join(failed), records)
+    for name in ctx.program.names:
+        _drop_checkpoints(run / name)
+    _drop_checkpoints(run)
+    line = "; ".join(f"{n} {r['first']:.2f} -> {r['last']:.2f}" for n, r in records.items())
+    return Outcome(f"proxy, {ctx.steps} steps per stage, every stage passed: {line}", records)
+
+
 def _distributed(ctx: BuildContext) -> str:
 
+    if ctx.program.declared:
+        return _program_distributed(ctx)
     if not (ctx.out / "smoke" / "train.json").is_file():
         raise StageFailed("the distributed check compares with the smoke run: run it first")
     smoke = run_losses(ctx.out / "smoke")[: ctx.check_steps]
@@ -197,6 +341,37 @@ def _distributed(ctx: BuildContext) -> str:
     document = {**check, "smoke_losses": smoke, **comparison.to_dict()}
     atomic_write_text(ctx.out / "distributed.json", json.dumps(document, indent=2) + "\n")
     line = f"{_describe_layout(check)}; {len(smoke)} steps: {comparison.describe()}"
+    if not comparison.passed:
+        raise StageFailed(f"the layout's losses differ from one process's: {line}")
+    return line
+
+
+def _program_distributed(ctx: BuildContext) -> str:
+    """The check on the program's first stage: its pretraining layout is the one the later
+    stages start from, and the check's own layout (DP, EP under MoE) is the same for every
+    stage. Its one-process reference is a run of the same stage blueprint, not the smoke
+    run, whose first stage may belong to a schedule spanning later stages."""
+    first, proxy = ctx.program.stages[0], stage_proxies(ctx.program)[0]
+    curated = _curated(ctx)
+    data = curated / first.name if curated else ctx.out / "smoke" / first.name / "data"
+    if not (data / "manifest.json").is_file():
+        raise StageFailed("the distributed check trains on the smoke run's data: run it first")
+    reference = ctx.out / "distributed" / "reference"
+    shutil.rmtree(reference, ignore_errors=True)
+    train(proxy, out=reference, steps=ctx.check_steps, data=data)
+    expected = run_losses(reference)
+    shutil.rmtree(reference)
+    check = run_layout_check(first.blueprint, ctx.out, len(expected), data=data, proxy=proxy)
+    comparison = compare_losses(check["losses"], expected)
+    _drop_checkpoints(ctx.out / "distributed")
+    shutil.rmtree(ctx.out / "distributed" / "model", ignore_errors=True)
+    document = {**check, "stage": first.name, "reference": "one process",
+                "smoke_losses": expected, **comparison.to_dict()}  # fmt: skip
+    atomic_write_text(ctx.out / "distributed.json", json.dumps(document, indent=2) + "\n")
+    line = (
+        f"stage {first.name}, {_describe_layout(check)}; {len(expected)} steps against one "
+        f"process: {comparison.describe()}"
+    )
     if not comparison.passed:
         raise StageFailed(f"the layout's losses differ from one process's: {line}")
     return line

@@ -15,7 +15,10 @@ import yaml
 
 from factory.report.html_parts import note
 
-__all__ = ["BUILD_RECORD", "OUTPUTS", "STAGES", "BuildFolder", "StageInfo", "missing"]
+__all__ = [
+    "BUILD_RECORD", "OUTPUTS", "PROGRAM_PLAN", "STAGES", "BuildFolder", "StageInfo", "missing",
+    "outputs",
+]  # fmt: skip
 
 STAGES = (
     "validate",
@@ -42,6 +45,19 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "report": ("report.html",),
 }
 """What each stage writes in the build folder (and what a changed blueprint clears)."""
+
+PROGRAM_PLAN = "program_plan.json"
+"""A program's planned stages (a blueprint with ``stages``), written by the plan stage."""
+
+PROGRAM_OUTPUTS: dict[str, tuple[str, ...]] = {"plan": (PROGRAM_PLAN,)}
+"""What a stage writes besides :data:`OUTPUTS` when the blueprint is a program. Its data
+and smoke run hold a folder per program stage (``data/<stage>/``, ``smoke/<stage>/``)."""
+
+
+def outputs(stage: str, program: bool) -> tuple[str, ...]:
+    """The files and folders ``stage`` writes, for a program or a single-stage blueprint."""
+    return OUTPUTS[stage] + (PROGRAM_OUTPUTS.get(stage, ()) if program else ())
+
 
 BUILD_RECORD = "build.json"
 """Every stage's status, time and result, rewritten as each stage ends."""
@@ -106,6 +122,32 @@ class BuildFolder:
     model_check = _json_view("model_check.json")
     manifest = _json_view("data/manifest.json")
     distributed = _json_view("distributed.json")
+    program_plan = _json_view(PROGRAM_PLAN)
+
+    @property
+    def program(self) -> bool:
+        """Whether the build is of a program (the plan stage wrote its stages)."""
+        return self.program_plan is not None or bool(self.stage_names())
+
+    def program_records(self, stage: str) -> dict[str, Any]:
+        """Per program stage, what build stage ``stage`` recorded of it in build.json."""
+        stages = self.build.get("stages")
+        entry = stages.get(stage) if isinstance(stages, dict) else None
+        found = entry.get("program") if isinstance(entry, dict) else None
+        return found if isinstance(found, dict) else {}
+
+    def stage_names(self) -> list[str]:
+        """The program's stages in order: as planned, else as the data or smoke stage
+        recorded them (none for a single-stage build)."""
+        plan = self.program_plan
+        if isinstance(plan, dict) and isinstance(plan.get("stages"), list):
+            return [str(s["name"]) for s in plan["stages"]]
+        return list(self.program_records("data") or self.program_records("smoke"))
+
+    def stage_manifest(self, stage: str) -> dict[str, Any] | None:
+        """The curated data's manifest of one program stage."""
+        found = self.read_json(f"data/{stage}/manifest.json")
+        return found if isinstance(found, dict) else None
 
     @cached_property
     def resolved(self) -> dict[str, Any] | None:

@@ -22,6 +22,7 @@ from factory.report.build_sections_plan import (
     layers_section,
     memory_section,
 )
+from factory.report.build_sections_program import program_section
 from factory.report.build_sections_run import data_section, run_section
 from factory.report.build_sections_speed import speed_section
 from factory.report.build_sections_stages import (
@@ -38,6 +39,7 @@ __all__ = ["SECTIONS", "render_build_report", "write_build_report"]
 REPORT = "report.html"
 SECTIONS: tuple[tuple[str, str, Callable[[BuildFolder], str]], ...] = (
     ("stages", "Stages", stages_section),
+    ("program", "Program", program_section),
     ("layers", "Layer stack", layers_section),
     ("memory", "Memory", memory_section),
     ("flops", "FLOPs", flops_section),
@@ -50,7 +52,8 @@ SECTIONS: tuple[tuple[str, str, Callable[[BuildFolder], str]], ...] = (
     ("exports", "Exports", exports_section),
     ("artifacts", "Artifacts", artifacts_section),
 )
-"""(anchor, navigation label, renderer) in page order."""
+"""(anchor, navigation label, renderer) in page order; a renderer with nothing to show (the
+program section of a single-stage build) returns '' and has no link."""
 
 
 def _title(folder: BuildFolder) -> str:
@@ -63,8 +66,10 @@ def render_build_report(build_dir: Path) -> str:
     """The page for ``build_dir`` as HTML text; nothing in it is fetched from elsewhere."""
     folder = BuildFolder(Path(build_dir))
     title = _title(folder)
-    nav = " ".join(f'<a href="#{anchor}">{escape(label)}</a>' for anchor, label, _ in SECTIONS)
-    body = "".join(render(folder) for _, _, render in SECTIONS)
+    drawn = [(anchor, label, render(folder)) for anchor, label, render in SECTIONS]
+    shown = [(anchor, label, html) for anchor, label, html in drawn if html]
+    nav = " ".join(f'<a href="#{anchor}">{escape(label)}</a>' for anchor, label, _ in shown)
+    body = "".join(html for _, _, html in shown)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     return (
         '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'

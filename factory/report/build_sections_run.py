@@ -16,6 +16,7 @@ from factory.report.html_parts import (
     key_value_table,
     note,
     section,
+    table,
 )
 from factory.report.run_metrics import ReportError, read_metrics
 from factory.report.run_plots import CAPTIONS, COLUMN_WIDTH, distributed_loss_png, plots
@@ -75,21 +76,59 @@ def _mixture_rows(manifest: dict[str, Any]) -> str:
 
 
 def data_section(folder: BuildFolder) -> str:
+    if folder.program:
+        return section("data", "Data mixture", _program_data(folder))
     manifest = folder.manifest
     if manifest is None:
         return section("data", "Data mixture", missing(folder, "data", "data manifest"))
+    return section("data", "Data mixture", _manifest_html(manifest))
+
+
+def _program_data(folder: BuildFolder) -> str:
+    """Each program stage's curation in tables, folded but the first (the program section
+    draws every stage's mixture); a stage sharing another's curation says so."""
+    records = folder.program_records("data")
+    parts = []
+    for i, name in enumerate(folder.stage_names()):
+        record = records.get(name) or {}
+        manifest = folder.stage_manifest(name)
+        if manifest is None:
+            parts.append(f"<h3>{escape(name)}</h3>" + missing(folder, "data", f"data/{name}/"))
+            continue
+        shared = record.get("shared_with")
+        also = f"; the same curation as {escape(shared)} (hard-linked)" if shared else ""
+        title = (
+            f"<b>{escape(name)}</b>: recipe {escape(record.get('recipe', '?'))} at "
+            f"{escape(record.get('seq_len', '?'))} tokens{also}"
+        )
+        opened = " open" if i == 0 else ""
+        parts.append(
+            f"<details{opened}><summary>{title}</summary>{_manifest_html(manifest, False)}"
+            "</details>"
+        )
+    return "".join(parts) or missing(folder, "data", "data manifests")
+
+
+def _manifest_html(manifest: dict[str, Any], pictures: bool = True) -> str:
+    """One curation's mixture, dropped documents and packing; without ``pictures`` as tables
+    alone (a program's stages, folded: the program section draws their mixtures)."""
     parts = [
         figure_svg(
             _mixture_svg(manifest),
             "Tokens per category: what the recipe's mix "
             "planned against what curation delivered after filtering, dedup, "
             "decontamination and up- or down-sampling.",
-        ),
+        )
+        if pictures
+        else "",
         _mixture_rows(manifest),
     ]
     dropped = _dropped(manifest)
     parts.append("<h3>Documents dropped, by reason</h3>")
-    if dropped:
+    if dropped and not pictures:
+        rows = [[reason, f"{count:,}"] for reason, count in dropped.most_common()]
+        parts.append(table(["reason", "documents"], rows, "numbers"))
+    elif dropped:
         reasons = [r for r, _ in dropped.most_common()]
         svg = bar_chart_svg(reasons, [Series("documents", DROPPED, [dropped[r] for r in reasons])],
                             lambda v: f"{v:,.0f}")  # fmt: skip
@@ -108,7 +147,7 @@ def data_section(folder: BuildFolder) -> str:
     ]
     facts.append(("shards", f"{len(manifest.get('shards') or []):,}"))
     parts.append("<h3>Packing</h3>" + key_value_table(facts))
-    return section("data", "Data mixture", "".join(parts))
+    return "".join(parts)
 
 
 def _smoke_plots(run_dir: Path) -> tuple[list[tuple[str, bytes, str]], str | None]:
@@ -134,13 +173,15 @@ def _distributed_html(folder: BuildFolder) -> str:
     verdict = "<span class='pass'>PASS</span>" if passed else "<span class='fail'>FAIL</span>"
     layout = ", ".join(f"{k}={v}" for k, v in (check.get("layout") or {}).items())
     difference = float(check["max_relative_difference"])
-    title = f"{check.get('world_size', '?')} processes ({layout}) against the smoke run"
+    against = f"one process on stage {check['stage']}" if check.get("stage") else "the smoke run"
+    title = f"{check.get('world_size', '?')} processes ({layout}) against {against}"
     png = distributed_loss_png(
         check["steps"],
         check["losses"],
         check["smoke_losses"],
         float(check["tolerance"]),
-        "distributed vs smoke loss",
+        f"distributed vs {'one process' if check.get('stage') else 'smoke'} loss",
+        f"stage {check['stage']}, 1 process" if check.get("stage") else "smoke (1 process)",
     )
     facts = key_value_table([
         ("processes", str(check.get("world_size", "?"))),
@@ -158,8 +199,35 @@ def _distributed_html(folder: BuildFolder) -> str:
     )
 
 
+def _program_runs(folder: BuildFolder) -> str:
+    """A program's smoke run: its loss is on the program's timeline; here each stage's run
+    page, beside the distributed check."""
+    items = []
+    for name in folder.stage_names():
+        page = f"smoke/{name}/report/report.html"
+        if folder.exists(page):
+            items.append(f'<li>{escape(name)}: <a href="{escape(page)}">{escape(page)}</a></li>')
+    left = "<h3>Smoke run</h3>"
+    if not folder.path("smoke").is_dir():
+        left += missing(folder, "smoke", "smoke run")
+    else:
+        left += (
+            '<p>The loss of every stage is on the <a href="#program">program\'s timeline</a>. '
+            "Every plot and event of each stage's run:</p>"
+            + (
+                f"<ul>{''.join(items)}</ul>"
+                if items
+                else note("No stage wrote its run page.", "warn")
+            )
+        )
+    body = f"<div class='columns'><div>{left}</div><div>{_distributed_html(folder)}</div></div>"
+    return section("runs", "Smoke run and distributed check", body)
+
+
 def run_section(folder: BuildFolder) -> str:
     """The smoke run's loss beside the distributed check, then the run's monitors."""
+    if folder.program:
+        return _program_runs(folder)
     run_dir = folder.path("smoke")
     drawn, why = _smoke_plots(run_dir) if run_dir.is_dir() else ([], None)
     if drawn:

@@ -294,18 +294,17 @@ def distributed_loss_png(
     smoke_losses: Sequence[float],
     tolerance: float,
     title: str,
+    reference: str = "smoke (1 process)",
 ) -> bytes:
-    """The distributed run's losses over the smoke run's at the same steps, and below, their
-    relative difference."""
+    """The distributed run's losses over the smoke run's (or another one-process run's,
+    named ``reference``) at the same steps, and below, their relative difference."""
     from matplotlib.ticker import MaxNLocator
 
     figure = _figure(4.6, width=COLUMN_WIDTH)
     top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=[3, 1])
     shared = min(len(steps), len(losses), len(smoke_losses))
     x = list(steps)[:shared]
-    top.plot(
-        x, list(smoke_losses)[:shared], "o-", color="#9ecae1", lw=3, ms=7, label="smoke (1 process)"
-    )
+    top.plot(x, list(smoke_losses)[:shared], "o-", color="#9ecae1", lw=3, ms=7, label=reference)
     top.plot(x, list(losses)[:shared], "x--", color="#08519c", ms=8, label="distributed")
     top.set(ylabel="loss", title=title)
     difference = [
