@@ -13,6 +13,7 @@ from one_stage import one_stage
 
 import factory
 from factory.precision.policy import resolve_policy
+from factory.schemas.program import resolve_program
 
 
 def test_plan_json(cli) -> None:
@@ -24,7 +25,7 @@ def test_plan_json(cli) -> None:
 
 
 def test_plan_table_names_the_numbers(cli) -> None:
-    status, out, _ = cli("plan", "super")
+    status, out, _ = cli("plan", "super", "--stage", "phase1")
     assert status == 0
     assert "123,611,033,088" in out and "12,770,237,440" in out
     assert "Memory of the peak rank" in out
@@ -141,7 +142,7 @@ def test_precision_table_shows_every_name_and_glob_whole_in_80_columns(
     """Piped, rich lays the table out at 80 columns: an identifier is folded onto more lines,
     never cut to 'backbone.layers.0.mixe...', and a glob's [qkv] is text, not a style tag."""
     monkeypatch.setenv("COLUMNS", "80")
-    status, out, _ = cli("plan", "ultra", "--precision")
+    status, out, _ = cli("plan", "ultra", "--stage", "phase1", "--precision")
     assert status == 0
     rows = [line.split("│") for line in out.splitlines() if line.startswith("│")]
     cells = [row for row in rows if len(row) == 6]  # the four-column table, not the shares
@@ -158,7 +159,8 @@ def test_precision_table_shows_every_name_and_glob_whole_in_80_columns(
         else:
             current += first
     names.append(current)
-    assert names == [row.name for row in resolve_policy(factory.load_blueprint("ultra"))]
+    phase1 = resolve_program(factory.load_blueprint("ultra")).stage("phase1").blueprint
+    assert names == [row.name for row in resolve_policy(phase1)]
 
 
 def test_version_prints_the_installed_version(cli) -> None:
@@ -169,7 +171,7 @@ def test_version_prints_the_installed_version(cli) -> None:
 
 def test_plan_tables_have_no_empty_column(cli) -> None:
     """The Layout rows carry no note: their table has two columns, not an empty third."""
-    status, out, _ = cli("plan", "nano")
+    status, out, _ = cli("plan", "nano", "--stage", "phase1")
     assert status == 0
     boxed = [line for line in out.splitlines() if line.startswith("│")]
     assert boxed and not any("│  │" in line or line.rstrip().endswith("│  │") for line in boxed)

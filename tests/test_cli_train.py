@@ -7,16 +7,24 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from preset_stages import stage_alone
 
 Cli = Callable[..., tuple[int, str, str]]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def nano(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Nano's phase 1 alone: one run of one stage, in the flat run folder (the program's
+    stages are tests/test_train_program.py's)."""
+    return str(stage_alone("nano", "phase1", tmp_path_factory.mktemp("blueprints")))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, nano: str) -> Path:
     from factory.cli.app import main
 
     out = tmp_path_factory.mktemp("train") / "nano-proxy"
-    assert main(["train", "nano", "--proxy", "--steps", "2", "--out", str(out)]) == 0
+    assert main(["train", nano, "--proxy", "--steps", "2", "--out", str(out)]) == 0
     return out
 
 
@@ -33,24 +41,24 @@ def test_writes_records_checkpoint_and_data(trained: Path) -> None:
     assert not (trained / "data" / ".work").exists()
 
 
-def test_the_checkpoint_holds_the_trained_weights(trained: Path) -> None:
+def test_the_checkpoint_holds_the_trained_weights(trained: Path, nano: str) -> None:
     """The export is the model after its optimizer steps, not the initialisation."""
     import factory
     from factory.graph.weights import read_state_dict
 
     trained_state = read_state_dict(trained / "model")
-    initial = factory.compile(factory.load_blueprint("nano"), proxy=True, seed=1234)
+    initial = factory.compile(factory.load_blueprint(nano), proxy=True, seed=1234)
     initial_state = initial.model.state_dict()
     key = "backbone.embeddings.weight"
     assert key in trained_state
     assert not trained_state[key].equal(initial_state[key])
 
 
-def test_reuses_built_shards(cli: Cli, trained: Path, tmp_path: Path) -> None:
+def test_reuses_built_shards(cli: Cli, trained: Path, tmp_path: Path, nano: str) -> None:
     out = tmp_path / "again"
     status, _, err = cli(
         "train",
-        "nano",
+        nano,
         "--proxy",
         "--steps",
         "1",
@@ -108,9 +116,11 @@ def _copy_run(trained: Path, tmp_path: Path) -> Path:
     return out
 
 
-def test_rerunning_into_the_folder_resumes_and_continues(cli: Cli, trained: Path, tmp_path):
+def test_rerunning_into_the_folder_resumes_and_continues(
+    cli: Cli, trained: Path, tmp_path: Path, nano: str
+) -> None:
     out = _copy_run(trained, tmp_path)
-    status, _, err = cli("train", "nano", "--proxy", "--steps", "3", "--out", str(out))
+    status, _, err = cli("train", nano, "--proxy", "--steps", "3", "--out", str(out))
     assert status == 0, err
     steps = [
         json.loads(line)
@@ -128,16 +138,17 @@ def _tree(path: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("damage", ["truncate", "other_blueprint"])
 def test_a_bad_checkpoint_exits_2_and_damages_nothing(
-    cli: Cli, trained: Path, tmp_path: Path, damage: str
+    cli: Cli, trained: Path, tmp_path: Path, damage: str, nano: str
 ) -> None:
     out = _copy_run(trained, tmp_path)
     checkpoint = out / "checkpoints" / "step_00000002"
     if damage == "truncate":
         shard = next(checkpoint.glob("*.distcp"))
         shard.write_bytes(shard.read_bytes()[:100])
-        args: tuple[str, ...] = ("nano", "--proxy")
+        args: tuple[str, ...] = (nano, "--proxy")
     else:
-        args = ("super", "--proxy", "--data", str(trained / "data"))
+        other = stage_alone("super", "phase1", tmp_path)
+        args = (str(other), "--proxy", "--data", str(trained / "data"))
     before = _tree(out)
     status, _, err = cli("train", *args, "--steps", "3", "--out", str(out))
     assert status == 2, err
@@ -146,16 +157,20 @@ def test_a_bad_checkpoint_exits_2_and_damages_nothing(
     assert _tree(out) == before
 
 
-def test_resume_with_nothing_to_resume_exits_2(cli: Cli, trained: Path, tmp_path: Path) -> None:
+def test_resume_with_nothing_to_resume_exits_2(
+    cli: Cli, trained: Path, tmp_path: Path, nano: str
+) -> None:
     out = tmp_path / "fresh"
     status, _, err = cli(
-        "train", "nano", "--proxy", "--steps", "1", "--data", str(trained / "data"),
+        "train", nano, "--proxy", "--steps", "1", "--data", str(trained / "data"),
         "--out", str(out), "--resume",
     )  # fmt: skip
     assert status == 2 and "no complete checkpoint to resume from" in err
 
 
-def test_data_that_does_not_verify_exits_2(cli: Cli, trained: Path, tmp_path: Path) -> None:
+def test_data_that_does_not_verify_exits_2(
+    cli: Cli, trained: Path, tmp_path: Path, nano: str
+) -> None:
     import shutil
 
     data = tmp_path / "data"
@@ -166,6 +181,6 @@ def test_data_that_does_not_verify_exits_2(cli: Cli, trained: Path, tmp_path: Pa
     shard.write_bytes(bytes(raw))
     out = tmp_path / "run"
     status, _, err = cli(
-        "train", "nano", "--proxy", "--steps", "1", "--data", str(data), "--out", str(out)
+        "train", nano, "--proxy", "--steps", "1", "--data", str(data), "--out", str(out)
     )
     assert status == 2 and shard.name in err

@@ -16,8 +16,12 @@ from factory.errors import Diagnostic, did_you_mean, suggestion_in
 
 NANO = PRESETS / "nano.yaml"
 TYPO = f"extends: {NANO}\nmodel:\n  hiden_size: 4096\n"
-# Valid, with one warning: nothing to switch to bf16 in an all-bf16 recipe.
-SWITCH = f"extends: {NANO}\nprecision:\n  switch_to_bf16:\n    after_fraction: 0.5\n"
+# Valid, with one warning: nothing to switch to bf16 in an all-bf16 recipe. On a one-stage
+# preset: Nano's long-context stage adds its published layout's warnings (tests/preset_stages.py).
+SWITCH = (
+    f"extends: {PRESETS / 'nemotron_h_8b.yaml'}\nprecision:\n  switch_to_bf16:\n"
+    "    after_fraction: 0.5\n"
+)
 SWITCH_RULE = "precision.switch_to_bf16_unused"
 
 
@@ -51,7 +55,8 @@ def test_json_gives_each_fact_its_own_field(cli, write_yaml) -> None:
 
 
 def test_json_of_valid_targets_is_an_empty_list(cli) -> None:
-    status, out, err = cli("validate", "--format", "json", "nano")
+    # a program and a one-stage preset that raise no warning
+    status, out, err = cli("validate", "--format", "json", "super", "nemotron_h_8b")
     assert (status, json.loads(out), err) == (0, [], "")
 
 
@@ -87,10 +92,12 @@ def test_github_annotates_the_file_line_and_column(cli, write_yaml) -> None:
 def test_github_titles_a_rule_and_names_an_override_in_the_message(cli) -> None:
     status, out, _ = cli("validate", "--format", "github", "nano", "--set", "parallelism.tp=3")
     assert status == 2
-    # '--set' is no file to pin the annotation on, so the message says where.
+    # '--set' is no file to pin the annotation on, so the message says where; the override
+    # reaches the stages that keep the base's tp (the later ones set their own), and it
+    # names them.
     assert (
         "::error title=parallelism.tp_attention::--set: parallelism.tp: "
-        "tp=3 must divide attention heads (32)"
+        "stages 'phase1', 'phase2': tp=3 must divide attention heads (32)"
     ) in out.splitlines()
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.run as torchrun
+from preset_stages import stage_alone
 from rich.console import Console
 from runtime_helpers import tiny_blueprint
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
@@ -45,7 +46,8 @@ def test_a_launch_whose_size_differs_from_the_layout_exits_2_naming_both(
                 if text.strip().startswith("world_size:"))  # fmt: skip
     where, _, rest = err.partition(f":{line}: ")  # the file is shown relative to the cwd
     assert Path(where).resolve() == SUPER.resolve(), err
-    assert rest.startswith("parallelism.world_size: 2 processes"), err
+    # Super is a program: the launch is its first stage's, which the refusal names
+    assert rest.startswith("parallelism.world_size: stage phase1: 2 processes"), err
     assert "parallelism.world_size=64" in err and "--set parallelism.world_size=2" in err
 
 
@@ -57,7 +59,9 @@ def test_context_parallelism_across_pipeline_stages_is_refused_before_launch(
         "--set", "parallelism.cp=2", "--set", "parallelism.pp=2",
     )  # fmt: skip
     assert status == 2
-    assert ": parallelism.cp: parallelism.cp=2 with pp=2: factory's runtime" in err, err
+    # the overrides reach Nano's pretraining stages, whose launch comes first
+    refusal = ": parallelism.cp: stage phase1: parallelism.cp=2 with pp=2: factory's runtime"
+    assert refusal in err, err
     assert "parallelism.pp=1" in err
     # validate's rule, named; its warning is not printed before the refusal that repeats it
     assert err.count("cp=2 with pp=2") == 1 and "[runtime.context_across_stages]" in err, err
@@ -68,7 +72,7 @@ def test_transformer_engine_under_tensor_parallelism_is_refused_before_launch(
 ) -> None:
     status, _, err = cli("train", "super", "--nproc", "64", "--precision", "te")
     assert status == 2
-    assert ": parallelism.tp: --precision te with parallelism.tp=2:" in err, err
+    assert ": parallelism.tp: stage phase1: --precision te with parallelism.tp=2:" in err, err
     assert "--precision emulate" in err
 
 
@@ -103,7 +107,10 @@ def test_a_rank_that_dies_ends_the_launch_naming_it(tmp_path: Path) -> None:
     data = build_shards(tiny_blueprint(), tmp_path / "data")
     run, marker = tmp_path / "run", uuid.uuid4().hex
     env = {**os.environ, "FACTORY_TEST_LAUNCH": marker, "FACTORY_COLLECTIVE_TIMEOUT_S": "60"}
-    command = [sys.executable, "-m", "factory", "train", "super", "--proxy", "--nproc", "2",
+    # Super's phase 1 alone: one run folder, and DP_ONLY leaves the later stages' tp=2
+    # without sequence parallelism
+    phase1 = stage_alone("super", "phase1", tmp_path)
+    command = [sys.executable, "-m", "factory", "train", str(phase1), "--proxy", "--nproc", "2",
                "--steps", "200", "--data", str(data), "--out", str(run), *DP_ONLY]  # fmt: skip
     launch = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -154,7 +161,8 @@ def test_a_refusal_under_torchrun_is_our_line_once_and_the_root_cause_torchrun_n
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     lines = (done.stdout + done.stderr).splitlines()
-    ours = [n for n, line in enumerate(lines) if "parallelism.world_size: 2 processes" in line]
+    refusal = "parallelism.world_size: stage phase1: 2 processes"  # Super's first stage
+    ours = [n for n, line in enumerate(lines) if refusal in line]
     printed = [n for n in ours if not lines[n].startswith(" ")]  # not inside the summary
     assert len(printed) == 1, "\n".join(lines[-60:])
     summary = [line for line in lines if line.strip().startswith("traceback")]

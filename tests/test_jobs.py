@@ -12,6 +12,7 @@ import typing
 from pathlib import Path
 
 import pytest
+from preset_stages import stage_alone
 from rich.console import Console
 
 import factory
@@ -23,6 +24,12 @@ Reports = list[tuple[str, int, int]]
 def _recorder() -> tuple[Reports, typing.Callable[[str, int, int], None]]:
     seen: Reports = []
     return seen, lambda stage, done, total: seen.append((stage, done, total))
+
+
+@pytest.fixture(scope="module")
+def nano(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Nano's phase 1 alone: one run of one stage (a program's are tests/test_train_program.py's)."""
+    return str(stage_alone("nano", "phase1", tmp_path_factory.mktemp("blueprints")))
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +99,7 @@ def test_train_refuses_before_any_work(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_a_launch_is_checked_once_on_any_number_of_processes(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, nano: str
 ) -> None:
     from factory.jobs import train as job
     from factory.jobs.train_request import TrainSettings
@@ -106,9 +113,9 @@ def test_a_launch_is_checked_once_on_any_number_of_processes(
         check(bp, world, backend)  # type: ignore[arg-type]
 
     monkeypatch.setattr(job, "check_launch", counted)
-    nano = factory.load_blueprint("nano")
-    job.prepare_training(nano, TrainSettings(), proxy=True, world_size=2)
-    job.prepare_training(nano, TrainSettings(), proxy=True, world_size=1)
+    phase1 = factory.load_blueprint(nano)
+    job.prepare_training(phase1, TrainSettings(), proxy=True, world_size=2)
+    job.prepare_training(phase1, TrainSettings(), proxy=True, world_size=1)
     assert worlds == [2, 1]
 
 
@@ -126,10 +133,10 @@ def test_missing_transformer_engine_is_a_refusal_and_an_import_error(tmp_path: P
     assert not (tmp_path / "x").exists()
 
 
-def test_train_on_built_data_reports_every_step(proxy_data, tmp_path: Path) -> None:
+def test_train_on_built_data_reports_every_step(proxy_data, tmp_path: Path, nano: str) -> None:
     data = proxy_data[0]
     seen, progress = _recorder()
-    bp = factory.load_blueprint("nano")
+    bp = factory.load_blueprint(nano)
     result = factory.train(
         bp, proxy=True, steps=2, data=data, out=tmp_path / "run", progress=progress
     )
@@ -244,11 +251,11 @@ def test_off_a_terminal_training_logs_a_timestamped_line_per_few_steps() -> None
     ]
 
 
-def test_a_piped_train_logs_its_steps(proxy_data, tmp_path: Path) -> None:
+def test_a_piped_train_logs_its_steps(proxy_data, tmp_path: Path, nano: str) -> None:
     """Run as a job runs it, output piped: no blank line, and a timestamped line for the
     first and the last step with the loss, learning rate, gradient norm, tokens/s and ETA."""
     done = subprocess.run(
-        [sys.executable, "-m", "factory", "train", "nano", "--proxy", "--steps", "2",
+        [sys.executable, "-m", "factory", "train", nano, "--proxy", "--steps", "2",
          "--data", str(proxy_data[0]), "--out", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -289,9 +296,9 @@ def _in_a_terminal(args: list[str], timeout: float = 600) -> tuple[int, str]:
     return child.wait(), b"".join(chunks).decode(errors="replace")
 
 
-def test_log_format_plain_logs_lines_in_a_terminal(proxy_data, tmp_path: Path) -> None:
+def test_log_format_plain_logs_lines_in_a_terminal(proxy_data, tmp_path: Path, nano: str) -> None:
     status, output = _in_a_terminal(
-        [sys.executable, "-m", "factory", "train", "nano", "--proxy", "--steps", "2",
+        [sys.executable, "-m", "factory", "train", nano, "--proxy", "--steps", "2",
          "--data", str(proxy_data[0]), "--out", str(tmp_path / "run"), "--log-format", "plain"]
     )  # fmt: skip
     assert status == 0, output[-2000:]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from preset_stages import stage_alone
 
 import factory
 from benchmarks.perf_rows import published_rows
@@ -58,19 +59,23 @@ def test_the_search_is_at_least_as_fast_as_each_published_nano_layout(name: str)
 
 
 def test_search_needs_a_gpu_count_and_says_so(cli) -> None:
-    code, _, err = cli("plan", "nano", "--search")
+    code, _, err = cli("plan", "nano", "--stage", "phase1", "--search")
     assert code == 2 and "--gpus" in err
+    # a program's stages have their own layouts: the search needs to know whose
+    code, _, err = cli("plan", "nano", "--search", "--gpus", "8")
+    assert code == 2 and "--stage (phase1, phase2, long_context, sft)" in err
 
 
 def test_search_as_json_lists_the_layouts_and_writes_the_best(cli, tmp_path) -> None:
     out = tmp_path / "best.yaml"
-    code, stdout, _ = cli("plan", "nano", "--search", "--gpus", "8", "--gpu", "gb300",
-                          "--out", str(out), "--json")  # fmt: skip
+    code, stdout, _ = cli("plan", "nano", "--stage", "phase1", "--search", "--gpus", "8",
+                          "--gpu", "gb300", "--out", str(out), "--json")  # fmt: skip
     assert code == 0
     layouts = json.loads(stdout)["layouts"]
     assert len(layouts) == 10
     assert factory.load_blueprint(str(out)).parallelism.world_size == 8
-    best = factory.load_blueprint("nano", layouts[0]["overrides"])
+    # the overrides are the stage's alone, as --out writes it
+    best = factory.load_blueprint(stage_alone("nano", "phase1", tmp_path), layouts[0]["overrides"])
     assert (
         best.parallelism.model_dump() == factory.load_blueprint(str(out)).parallelism.model_dump()
     )

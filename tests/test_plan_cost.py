@@ -189,20 +189,26 @@ def test_best_interval_is_at_most_the_run() -> None:
 
 
 def test_cli_plan_shows_cost_and_json_has_the_keys(cli) -> None:
-    status, out, err = cli("plan", "nano")
+    # Nano's pretraining: phase 1 (23.5T) then phase 2 (1.5T), on one layout
+    phase1, phase2 = ("nano", "--stage", "phase1"), ("nano", "--stage", "phase2")
+    status, out, err = cli("plan", *phase1)
     assert status == 0, err
     summary = " ".join(out.split())
     assert re.search(
         r"cost: [\d,]+ GPU-hours, [\d,.]+ days on 32 x h100 at [\d.]+% MFU \(predicted\)", summary
     )
-    status, out, err = cli("plan", "nano", "--set", "training.cluster.mfu=0.38")
+    mfu = ("--set", "training.cluster.mfu=0.38")
+    status, out, err = cli("plan", *phase1, *mfu)
     summary = " ".join(out.split())
     assert (
-        "cost: 384,490 GPU-hours, 500.6 days on 32 x h100 at 38% MFU (training.cluster.mfu)"
+        "cost: 361,421 GPU-hours, 470.6 days on 32 x h100 at 38% MFU (training.cluster.mfu)"
         in summary
     )
     assert "Failures and checkpoints" in out
-    status, out, err = cli("plan", "nano", "--json")
+    # the two phases cost what the 25T pretraining in one stage did: 384,490 GPU-hours
+    hours = [json.loads(cli("plan", *p, *mfu, "--json")[1])["cost"] for p in (phase1, phase2)]
+    assert round(sum(cost["gpu_hours"] for cost in hours)) == 384_490
+    status, out, err = cli("plan", *phase1, "--json")
     assert status == 0, err
     doc = json.loads(out)
     assert {"gpu_hours", "wall_days", "energy_mwh", "mfu", "tdp_watts"} <= doc["cost"].keys()
@@ -301,23 +307,42 @@ def test_a_run_shorter_than_one_save_is_one_checkpoint_and_mostly_lost() -> None
 EXPONENT = re.compile(r"\d[eE][+-]?\d")
 
 
-@pytest.mark.parametrize("args", [("nano",), ("super",), ("ultra",), ("nano", "--proxy")])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("nano",),
+        ("super",),
+        ("ultra",),
+        ("nano", "--proxy"),
+        ("nano", "--stage", "phase1"),
+        ("super", "--stage", "long_context"),
+        ("ultra", "--stage", "sft"),
+        ("nano", "--stage", "sft", "--proxy"),
+    ],
+)
 def test_cli_plan_figures_read_right(cli, args: tuple[str, ...]) -> None:
-    """No exponent, no share above 100%, whole steps and checkpoints, piped at 80 columns."""
+    """No exponent, no share above 100%, whole steps and checkpoints, piped at 80 columns:
+    a program's plan (its stages and totals) and one stage's."""
     status, out, err = cli("plan", *args)
     assert status == 0, err
     assert not EXPONENT.search(out)
     shares = [float(p.replace(",", "")) for p in re.findall(r"([\d,.]+)%", out)]
     assert all(0 <= share <= 100 for share in shares)
-    assert shares or "--proxy" in args  # a proxy's plan prices nothing
+    # a stage's plan shows its MFU and shares; a program's table and a proxy's plan do not
+    assert shares or "--proxy" in args or "--stage" not in args
     assert not re.search(r"\d\.\d+ (steps|checkpoints)", out)
     assert max(len(line) for line in out.splitlines()) <= 80
 
 
 def test_cli_plan_of_a_proxy_says_gpu_cost_does_not_apply(cli) -> None:
-    status, out, err = cli("plan", "nano", "--proxy")
+    status, out, err = cli("plan", "nano", "--stage", "phase1", "--proxy")
     assert status == 0, err
     assert "not applicable" in out and "trains on CPU" in out
     assert "GPU-hours" in out and "GPU time" not in out  # named as not applicable, not priced
-    status, out, err = cli("plan", "nano")
+    status, out, err = cli("plan", "nano", "--stage", "phase1")
     assert "not applicable" not in out and "GPU time" in out
+    # the program's plan: its table leaves the priced columns out, its summary says why
+    status, out, err = cli("plan", "nano", "--proxy")
+    assert status == 0, err
+    assert "not applicable, the proxy trains on CPU" in " ".join(out.split())
+    assert "GPU-hours" not in out and "GPU time" not in out

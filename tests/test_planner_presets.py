@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+from preset_stages import allowed_warnings, stage_warnings
 
 import factory
 
@@ -84,8 +85,14 @@ def test_distributed_optimizer_shrinks_the_peak_rank() -> None:
 
 
 def test_presets_fit_their_gpus_and_validate_without_warnings() -> None:
+    """Every stage of every preset fits its GPUs and validates without a warning, but for
+    the allow-listed facts of the published layouts (tests/preset_stages.py), which must
+    still fire where listed."""
     from factory.checks.validate import load
     from factory.loading.blueprint import preset_names
 
     for name in preset_names():
-        assert load(name).warnings == [], name
+        allowed = allowed_warnings(name)
+        assert stage_warnings(name) == allowed, name
+        said = {d.rule for d in load(name).warnings}
+        assert said == set().union(*allowed.values()), name

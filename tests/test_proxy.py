@@ -14,6 +14,7 @@ from factory.cli.app import main
 from factory.loading.blueprint import preset_names
 from factory.proxy import derive_proxy, proxy_pattern
 from factory.schemas.blueprint import Blueprint
+from factory.schemas.program import resolve_program
 
 PRESETS = preset_names()
 
@@ -160,14 +161,17 @@ def test_proxy_pattern(main: str, expected: str) -> None:
 
 
 def test_plan_proxy_json(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "nano", "--proxy", "--json"]) == 0
+    # one stage's plan, then the program's: both name the proxy they plan
+    assert main(["plan", "nano", "--stage", "phase1", "--proxy", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["name"] == "nano-proxy"
     assert doc["params"]["total"] == 22_871_792
-    assert (
-        doc["params"]
-        == factory.plan(derive_proxy(factory.load_blueprint("nano"))).to_dict()["params"]
-    )
+    phase1 = resolve_program(factory.load_blueprint("nano")).stage("phase1").blueprint
+    assert doc["params"] == factory.plan(derive_proxy(phase1)).to_dict()["params"]
+    assert main(["plan", "nano", "--proxy", "--json"]) == 0
+    program = json.loads(capsys.readouterr().out)
+    assert program["name"] == "nano-proxy" and program["params"] == doc["params"]
+    assert {stage["plan"]["name"] for stage in program["stages"]} == {"nano-proxy"}
 
 
 SUPER_MAIN = factory.load_blueprint("super").model.parsed_pattern.main

@@ -25,6 +25,7 @@ TYPO_ANNOTATION = (
     "::error file=blueprints/typo.yaml,line=3,col=3,title=factory validate::"
     "model.hiden_size: unknown key (did you mean 'hidden_size'?)"
 )
+PRESET = "nemotron_h_8b"
 # The environment the pre-commit hook is installed into is built from scratch: allow for it.
 INSTALL_TIMEOUT_S = 600
 
@@ -48,13 +49,17 @@ def _environment(tmp_path: Path) -> dict[str, str]:
 
 @pytest.fixture
 def checkout(tmp_path: Path) -> Path:
-    """A git repository of blueprints and recipes, one blueprint with a misspelt key."""
+    """A git repository of blueprints and recipes, one blueprint with a misspelt key.
+
+    The preset is one that validates under ``--strict``: the job's step makes warnings
+    errors, and Nano's long-context layout warns (tests/preset_stages.py)."""
     root = tmp_path / "configs"
     (root / "blueprints").mkdir(parents=True)
-    shutil.copy(PRESETS / "nano.yaml", root / "blueprints")
+    shutil.copy(PRESETS / f"{PRESET}.yaml", root / "blueprints")
     shutil.copytree(PRESETS / "base", root / "blueprints" / "base", ignore=_not_yaml)
     shutil.copytree(REPO / "data_recipes", root / "data_recipes", ignore=_python_files)
-    (root / "blueprints" / "typo.yaml").write_text("extends: nano.yaml\nmodel:\n  hiden_size: 4\n")
+    typo = f"extends: {PRESET}.yaml\nmodel:\n  hiden_size: 4\n"
+    (root / "blueprints" / "typo.yaml").write_text(typo)
     env = _environment(tmp_path)
     subprocess.run(["git", "init", "-q"], cwd=root, env=env, check=True)
     subprocess.run(["git", "add", "-A"], cwd=root, env=env, check=True)
@@ -85,7 +90,8 @@ def test_the_actions_job_annotates_the_misspelt_key(checkout: Path, tmp_path: Pa
     assert done.returncode == 2, done.stderr
     annotations = [line for line in done.stdout.splitlines() if line.startswith("::")]
     assert annotations == [TYPO_ANNOTATION]
-    assert "ok: blueprints/nano.yaml" in done.stdout and "ok: data_recipes/nano.yaml" in done.stdout
+    assert f"ok: blueprints/{PRESET}.yaml" in done.stdout
+    assert "ok: data_recipes/nano.yaml" in done.stdout
     assert "Traceback" not in done.stdout + done.stderr
 
 

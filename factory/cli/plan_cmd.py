@@ -165,7 +165,8 @@ def _print_program(
     if as_json:
         typer.echo(json.dumps(planned, indent=2))
         return
-    meta = loaded.blueprint.meta
+    # the proxy's name and description where its plan is shown, as one stage's plan says
+    meta = (derive_proxy(loaded.blueprint) if proxy else loaded.blueprint).meta
     console = Console()
     console.print(Text.assemble((meta.name, "bold"), f": {meta.description}"))
     parameters = rich_tables(planned["stages"][0]["plan"], cpu_proxy=proxy)[0]

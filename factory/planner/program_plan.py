@@ -209,6 +209,7 @@ def plan_program(
     shrink: Callable[[Blueprint], Blueprint] | None = None,
     data: Path | None = None,
 ) -> ProgramPlan:
-    """Plan each stage of ``program`` alone (:func:`plan_stage`)."""
+    """Plan each stage of ``program`` alone (:func:`plan_stage`); the program is named as
+    what was planned (``nano-proxy`` under a proxy's ``shrink``), as one stage's plan is."""
     stages = tuple(plan_stage(stage, shrink, data) for stage in program)
-    return ProgramPlan(program.final.blueprint.meta.name, program.declared, stages)
+    return ProgramPlan(stages[-1].plan.name, program.declared, stages)
