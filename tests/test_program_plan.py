@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 from test_program import program_document, write
 
+import factory
 from factory.layout_search import search_layouts
 from factory.planner.plan import plan
 from factory.planner.program_plan import plan_program
+from factory.proxy import derive_program_proxy
 from factory.report.search_text import search_records
 from factory.schemas import Blueprint
 from factory.schemas.program import resolve_program
@@ -77,8 +79,9 @@ def test_plan_text_of_a_program_has_a_row_per_stage_and_the_totals(cli, tmp_path
     status, out, err = cli("plan", str(write(tmp_path, program_document())), "--proxy")
     assert status == 0, err
     assert "Program: 3 stages" in out
+    rows = [line.split()[0] for line in out.splitlines() if line.strip()]
     for name in ("phase1", "phase2", "sft", "total"):
-        assert f"│ {name}" in out
+        assert name in rows
     assert "program: 3 stages" in out and "not applicable" in out
 
 
@@ -192,3 +195,27 @@ def test_a_blueprint_without_stages_reads_its_data_folder_itself(cli, tmp_path: 
     assert {k: v for k, v in doc.items() if k != "curated"} == plan(
         Blueprint.model_validate(program_document(None))
     ).to_dict()
+
+
+def test_each_stage_of_a_program_table_is_one_line_at_80_columns(cli) -> None:
+    """A number folded over two lines reads as two numbers: every stage's row holds its
+    name, sequence length and steps whole."""
+    status, out, err = cli("plan", "super")
+    assert status == 0, err
+    lines = out.splitlines()
+    for stage in resolve_program(factory.load_blueprint("super")):
+        name, seq_len, steps = stage.name, stage.blueprint.data.seq_len, stage.steps
+        row = [line for line in lines if line.split()[:1] == [name] and " x " not in line]
+        assert row, name
+        assert f"{seq_len:,}" in row[0] and f"{steps:,}" in row[0], row[0]
+
+
+def test_a_program_proxy_plan_is_the_proxy_that_trains(cli) -> None:
+    """``plan --proxy`` plans each stage's proxy as ``train --proxy`` derives it: one model,
+    the program's proxy sequence lengths (factory.proxy.derive_program_proxy)."""
+    status, out, err = cli("plan", "nano", "--proxy", "--json")
+    assert status == 0, err
+    planned = [stage["seq_len"] for stage in json.loads(out)["stages"]]
+    stages = [stage.blueprint for stage in resolve_program(factory.load_blueprint("nano"))]
+    assert planned == [bp.data.seq_len for bp in derive_program_proxy(stages)]
+    assert planned != [bp.data.seq_len for bp in stages]

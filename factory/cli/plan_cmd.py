@@ -25,10 +25,11 @@ from factory.io import atomic_write_text
 from factory.layout_search import search_layouts
 from factory.planner.program_plan import plan_program, plan_stage
 from factory.precision.policy import flops_share, resolve_policy
-from factory.proxy import derive_proxy
+from factory.proxy import derive_program_proxy, derive_proxy
 from factory.report.plan_text import (
     cost_summary,
     curated_line,
+    program_layouts,
     program_summary,
     program_table,
     rich_tables,
@@ -104,15 +105,15 @@ def plan(
             f"{what} works on one stage of a program; name it with --stage "
             f"({', '.join(program.names)})"
         )
-    shrink = derive_proxy if proxy else None
+    shrink = _proxy_of(program) if proxy else None
     if stage is None and program.declared:
         planned = _reading_data(lambda: plan_program(program, shrink, data).to_dict())
         _print_program(loaded, planned, proxy, as_json)
         return
     chosen = _stage(program, stage) if stage is not None else program.final
     blueprint = chosen.blueprint
-    if proxy:
-        blueprint = derive_proxy(blueprint)
+    if shrink is not None:
+        blueprint = shrink(blueprint)
     if precision:
         _print_precision(blueprint, as_json)
         return
@@ -157,6 +158,18 @@ def _reading_data(make: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         raise typer.Exit(EXIT_INVALID) from None
 
 
+def _proxy_of(program: Program) -> Callable[[Blueprint], Blueprint]:
+    """Each stage's blueprint to its proxy as ``factory train --proxy`` trains it: a
+    program's stages share one proxy model at the program's proxy sequence lengths."""
+    if not program.declared:
+        return derive_proxy
+    stages = [stage.blueprint for stage in program]
+    proxies = {
+        id(bp): proxy for bp, proxy in zip(stages, derive_program_proxy(stages), strict=True)
+    }
+    return lambda bp: proxies[id(bp)]
+
+
 def _print_program(
     loaded: LoadedBlueprint, planned: dict[str, Any], proxy: bool, as_json: bool
 ) -> None:
@@ -172,6 +185,7 @@ def _print_program(
     parameters = rich_tables(planned["stages"][0]["plan"], cpu_proxy=proxy)[0]
     console.print(parameters)
     console.print(program_table(planned, cpu_proxy=proxy))
+    console.print(program_layouts(planned))
     console.print(program_summary(planned, cpu_proxy=proxy), highlight=False)
     for stage in planned["stages"]:
         if "curated" in stage:

@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rich import box
 from rich.table import Table
 from rich.text import Text
 
@@ -23,10 +24,21 @@ from factory.report.units import (
 )
 
 __all__ = [
-    "PROGRAM_COLUMNS", "PlanTable", "cost_summary", "cost_tables", "curated_line", "flatten",
+    "PROGRAM_COLUMNS",
+    "PlanTable",
+    "cost_summary",
+    "cost_tables",
+    "curated_line",
+    "flatten",
     "markdown_report",
-    "model_tables", "performance_tables", "plan_tables", "program_rows", "program_summary",
-    "program_table", "rich_tables",
+    "model_tables",
+    "performance_tables",
+    "plan_tables",
+    "program_layouts",
+    "program_rows",
+    "program_summary",
+    "program_table",
+    "rich_tables",
 ]  # fmt: skip
 
 
@@ -364,23 +376,27 @@ def performance_tables(plan: dict[str, Any]) -> list[PlanTable]:
 
 
 PROGRAM_COLUMNS = (
-    "stage", "seq len", "tokens", "steps", "layout", "wall-clock", "GPU-hours", "memory/rank",
+    "stage", "seq len", "tokens", "steps", "days", "GPU-hours", "GiB/rank",
 )  # fmt: skip
-"""The columns of :func:`program_rows`: one stage a row, the totals last."""
+"""The columns of :func:`program_rows`: one stage a row, the totals last. The units are in
+the headers so that eight stages' numbers fit 80 characters."""
+
+_PRICED = ("days", "GPU-hours")
+"""Columns that price GPUs, which a CPU proxy does not use."""
 
 
 def _stage_layout(plan: dict[str, Any]) -> str:
-    """'256xh100 tp8 cp8 ep8 gbs48': what decides a stage's speed and memory (the sizes above
-    one)."""
+    """'256 x h100 tp8 cp8 pp4 ep8 gbs48': what decides a stage's speed and memory (the sizes
+    above one)."""
     layout, cost = plan["layout"], plan["cost"]
     split = [f"{key}{layout[key]}" for key in ("tp", "cp", "pp", "ep") if layout.get(key, 1) > 1]
     return " ".join(
-        [f"{cost['world_size']}x{cost['gpu']}", *split, f"gbs{layout['global_batch_size']}"]
+        [f"{cost['world_size']} x {cost['gpu']}", *split, f"gbs{layout['global_batch_size']}"]
     )
 
 
-def _hours(gpu_hours: float) -> str:
-    return f"{gpu_hours:,.0f}" if gpu_hours >= 1 else human_gpu_hours(gpu_hours)
+def _gib(n_bytes: float) -> str:
+    return f"{n_bytes / 2**30:,.1f}"
 
 
 def program_rows(program: dict[str, Any]) -> list[tuple[str, ...]]:
@@ -396,10 +412,9 @@ def program_rows(program: dict[str, Any]) -> list[tuple[str, ...]]:
                 f"{stage['seq_len']:,}",
                 human_count(stage["tokens"]),
                 f"{stage['steps']:,}",
-                _stage_layout(plan),
-                human_duration(cost["wall_seconds"]),
-                _hours(cost["gpu_hours"]),
-                human_bytes(plan["memory_per_rank_bytes"]["total"]),
+                f"{cost['wall_seconds'] / 86400:,.1f}",
+                f"{cost['gpu_hours']:,.0f}",
+                _gib(plan["memory_per_rank_bytes"]["total"]),
             )
         )
     totals = program["totals"]
@@ -409,28 +424,42 @@ def program_rows(program: dict[str, Any]) -> list[tuple[str, ...]]:
             "",
             human_count(totals["tokens"]),
             f"{totals['steps']:,}",
-            "",
-            human_duration(totals["wall_seconds"]),
-            _hours(totals["gpu_hours"]),
-            f"peak {human_bytes(totals['memory_per_rank_bytes'])}",
+            f"{totals['wall_seconds'] / 86400:,.1f}",
+            f"{totals['gpu_hours']:,.0f}",
+            _gib(totals["memory_per_rank_bytes"]),
         )
     )
     return rows
 
 
 def program_table(program: dict[str, Any], cpu_proxy: bool = False) -> Table:
-    """The program's stages and totals for the terminal. A CPU proxy's time and GPU columns
-    would price GPUs it never uses, so its table leaves them out."""
-    priced = ("wall-clock", "GPU-hours")
-    keep = [i for i, c in enumerate(PROGRAM_COLUMNS) if not (cpu_proxy and c in priced)]
-    table = Table(title=f"Program: {len(program['stages'])} stages", title_justify="left")
+    """The program's stages and totals for the terminal (the totals' memory is the largest
+    stage's). A CPU proxy's days and GPU-hours would price GPUs it never uses, so its table
+    leaves them out. No cell wraps: a number split over two lines reads as two numbers."""
+    keep = [i for i, c in enumerate(PROGRAM_COLUMNS) if not (cpu_proxy and c in _PRICED)]
+    table = Table(
+        title=f"Program: {len(program['stages'])} stages",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        pad_edge=False,
+        collapse_padding=True,
+    )
     for i in keep:
         column = PROGRAM_COLUMNS[i]
-        left = column in ("stage", "layout")
-        table.add_column(column, justify="left" if left else "right", overflow="fold")
+        table.add_column(column, justify="left" if i == 0 else "right", no_wrap=True)
     rows = program_rows(program)
     for n, row in enumerate(rows):
         table.add_row(*(Text(row[i]) for i in keep), end_section=n == len(rows) - 2)
+    return table
+
+
+def program_layouts(program: dict[str, Any]) -> Table:
+    """Each stage's GPUs, parallel layout and global batch."""
+    table = Table(title="Layouts", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("stage", no_wrap=True)
+    table.add_column("layout", overflow="fold")
+    for stage in program["stages"]:
+        table.add_row(Text(stage["name"]), Text(_stage_layout(stage["plan"])))
     return table
 
 
