@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from factory.deep_merge import deep_merge
 from factory.dotted_paths import join_path, parent_path
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.stage import StageCarry
@@ -134,16 +135,6 @@ def _under_stage(index: int, path: str) -> str:
     return f"{join_path('stages', index)}.{path}" if path else join_path("stages", index)
 
 
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in top.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def _without_alternatives(document: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     """``document`` without the fields a stage's changes replace by writing an alternative to
     them (a stage giving ``training.steps`` drops the ``training.tokens`` it inherits)."""
@@ -184,7 +175,7 @@ def resolve_program(blueprint: Blueprint) -> Program:
         changes = stage.overrides()
         _check_continuation(index, stage.continue_schedule, changes)
         set_paths.append(frozenset(p for k, v in changes.items() for p in _written_paths(k, v)))
-        document = _merge(_without_alternatives(document, changes), changes)
+        document = deep_merge(_without_alternatives(document, changes), changes)
         try:
             merged = Blueprint.model_validate(document)
         except ValidationError as exc:

@@ -27,6 +27,7 @@ STACK: list[tuple[str, set[str]]] = [
             "errors",
             "diagnostic_formats",
             "dotted_paths",
+            "deep_merge",
             "folder_lock",
             "io",
             "lazy",

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from factory.deep_merge import deep_merge
 from factory.dotted_paths import join_path, path_from_loc
 from factory.errors import BlueprintError, Diagnostic, SourceMap
 from factory.loading.yaml_source import (
@@ -66,10 +67,10 @@ def _load_tree(path: Path, chain: tuple[Path, ...]) -> tuple[dict[str, Any], Sou
         if not parent_path.is_file():
             raise BlueprintError([source_map.diagnostic(where, f"fragment not found: {parent!r}")])
         parent_data, parent_map = _load_tree(parent_path, (*chain, parent_path))
-        merged = _merge(merged, parent_data)
+        merged = deep_merge(merged, parent_data)
         merged_map.update(parent_map)
     merged_map.update(source_map)
-    return _merge(merged, data), merged_map
+    return deep_merge(merged, data), merged_map
 
 
 def _fragment_path(path: Path, parent: str) -> Path | None:
@@ -81,22 +82,6 @@ def _fragment_path(path: Path, parent: str) -> Path | None:
         return parent_path
     except (OSError, ValueError, RuntimeError):  # NUL bytes, symlink loops
         return None
-
-
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    """OmegaConf's merge semantics on plain data: mappings merge deeply, anything else replaces.
-
-    Done by hand because OmegaConf.merge builds and copies node trees, which
-    made merging most of ``factory validate``'s run time; OmegaConf still
-    parses overrides and resolves interpolation.
-    """
-    out = dict(base)
-    for key, value in top.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 def _has_interpolation(node: Any) -> bool:
