@@ -11,8 +11,9 @@ import factory.checks
 
 SCRIPT = """
 import json
-from factory.checks.registry import RULES
-print(json.dumps(sorted({r.check.__module__ for r in RULES.values()})))
+from factory.checks.registry import PROGRAM_RULES, RULES
+rules = [*RULES.values(), *PROGRAM_RULES.values()]
+print(json.dumps(sorted({r.check.__module__ for r in rules})))
 """
 
 
