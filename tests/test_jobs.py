@@ -12,6 +12,7 @@ import typing
 from pathlib import Path
 
 import pytest
+from one_stage import one_stage
 from preset_stages import stage_alone
 from rich.console import Console
 
@@ -61,7 +62,7 @@ def test_data_build_refuses_a_length_beyond_the_schema(tmp_path: Path) -> None:
 def test_build_writes_the_folder_and_reports_each_stage(tmp_path: Path) -> None:
     seen, progress = _recorder()
     records = []
-    bp = factory.load_blueprint("nano")
+    bp = one_stage("nano")  # a single-stage build (a program's: tests/test_build_program.py)
     skip = ["model", "export", "smoke", "distributed", "report"]
     result = factory.build(
         bp, out=tmp_path / "nano", progress=progress, skip=skip, on_stage=records.append

@@ -253,7 +253,12 @@ def test_schema_refusal_is_located(write_yaml) -> None:
 
 
 def test_sft_on_a_recipe_with_text_sources_is_refused(write_yaml) -> None:
-    path = write_yaml(f"extends: {PRESETS / 'nano.yaml'}\ntraining:\n  objective:\n    kind: sft\n")
+    # Nano's sections alone (its program's own SFT stage names a chat recipe) on the mixed
+    # 'nano' recipe
+    path = write_yaml(
+        f"extends: {PRESETS / 'nano.yaml'}\ntraining:\n  objective:\n    kind: sft\n"
+        "stages: null\ndata:\n  recipe: nano\n"
+    )
     (line,) = _diagnostics(path)
     assert line.startswith(f"{path}:4: training.objective.kind: ")
     for source in ("pretrain_text (text)", "code (text)", "long_context (text)"):
@@ -274,6 +279,7 @@ def test_sft_on_a_chat_recipe_passes(write_yaml, tmp_path: Path) -> None:
     path = write_yaml(
         f"extends: {PRESETS / 'nano.yaml'}\ndata:\n  recipe: {recipe}\n"
         "training:\n  objective:\n    kind: sft\n    loss_average: conversation\n"
+        "stages: null\n"
     )
     bp = factory.load_blueprint(path)
     assert bp.training.objective == ObjectiveConfig(kind="sft", loss_average="conversation")
