@@ -170,7 +170,6 @@ def _same_program(run: Path, reference: Path) -> None:
     [
         pytest.param({"step": 7}, id="mid-stage-2"),  # after phase 2's step-2 checkpoint
         pytest.param({"step": 5}, id="boundary"),  # phase 1 done, phase 2 has no checkpoint
-        pytest.param({"export": 1}, id="stage-1-export"),  # phase 1's train.json, no model/
     ],
 )
 def test_a_killed_program_reruns_to_the_uninterrupted_result(
