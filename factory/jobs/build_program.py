@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from factory.planner.program_plan import StagePlan, plan_program
 from factory.proxy import derive_program_proxy
 from factory.runtime.schedule import learning_rate
-
-if TYPE_CHECKING:
-    from factory.schemas.blueprint import Blueprint
-    from factory.schemas.program import Program, ProgramStage
+from factory.schemas.blueprint import Blueprint
+from factory.schemas.program import Program, ProgramStage
 
 __all__ = [
     "LR_POINTS",

@@ -17,7 +17,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
@@ -42,10 +42,8 @@ from factory.report.build_page import write_build_report
 from factory.report.plan_text import markdown_report
 from factory.report.search_text import search_records
 from factory.report.units import human_count
-
-if TYPE_CHECKING:
-    from factory.schemas.blueprint import Blueprint
-    from factory.schemas.program import Program
+from factory.schemas.blueprint import Blueprint
+from factory.schemas.program import Program
 
 __all__ = ["BuildContext", "Outcome", "StageFailed", "run_stage"]
 
