@@ -35,11 +35,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from factory.kernels.choice import KernelChoice
+
 __all__ = [
     "ScanInputs",
     "fast_path_available",
     "ssd_chunked_scan",
     "ssd_chunked_scan_torch",
+    "ssd_kernel",
     "ssd_sequential_scan",
 ]
 
@@ -381,3 +384,14 @@ def ssd_chunked_scan(
         y, final_state = out
         return y, final_state.float()
     return out
+
+
+def ssd_kernel(device: str) -> KernelChoice:
+    """Which implementation :func:`ssd_chunked_scan` runs for tensors on ``device``."""
+    if device != "cuda":
+        return KernelChoice("ssd scan", "PyTorch chunked")
+    if fast_path_available(device):
+        return KernelChoice("ssd scan", "mamba_ssm Triton (mamba_chunk_scan_combined)")
+    return KernelChoice(
+        "ssd scan", "PyTorch chunked", "mamba_ssm's Triton SSD kernel does not import"
+    )

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
+    from factory.kernels.choice import KernelChoice
     from factory.nn.sequence_split import SequenceSplit
     from factory.schemas.blueprint import Blueprint
     from factory.schemas.model import ModelConfig
@@ -334,6 +335,12 @@ class LayerType:
     def build(self, model: ModelConfig) -> nn.Module:
         """The mixer module: ``build(model)`` of the folder's ``module.py``."""
         return self.torch_side().build(model)
+
+    def kernel_choices(self, model: ModelConfig, device: str) -> list[KernelChoice]:
+        """The kernels this layer's module runs on ``device`` (``"cuda"``, ``"cpu"``), each
+        with why a fallback was taken: ``kernel_choices(model, device)`` of ``module.py``,
+        which answers from the same tests its dispatch makes."""
+        return self.torch_side().kernel_choices(model, device)
 
     def shrink(self, section: dict[str, Any], source: Any, proxy: ProxyScale) -> None:
         """Update this layer's section (a dict copy) in place for the CPU proxy."""

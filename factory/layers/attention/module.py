@@ -16,11 +16,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from factory.kernels.choice import KernelChoice
 from factory.kernels.document_attention import QueryRun, attention_blocks, document_attention
 from factory.nn.sequence_split import SequenceSplit
 from factory.schemas.model import AttentionConfig, ModelConfig
 
-__all__ = ["Attention", "apply_rope", "build", "causal_attention"]
+__all__ = ["Attention", "apply_rope", "build", "causal_attention", "kernel_choices"]
 
 
 def apply_rope(
@@ -152,3 +153,12 @@ def build(model: ModelConfig) -> Attention:
     """The ``*`` mixer of ``model`` (``LayerType.build``)."""
     rope = (model.rope_base, model.rope_fraction) if model.position_embedding == "rope" else None
     return Attention(model.hidden_size, model.attention, rope)
+
+
+def kernel_choices(model: ModelConfig, device: str) -> list[KernelChoice]:
+    """Attention's kernel for packed documents on ``device`` (:func:`causal_attention`)."""
+    if device != "cuda":
+        return [KernelChoice("attention", "SDPA per document block")]
+    if hasattr(torch.nn.attention, "varlen"):
+        return [KernelChoice("attention", "varlen_attn (flash) over the documents")]
+    return [KernelChoice("attention", "SDPA with a dense mask", "this torch has no varlen_attn")]

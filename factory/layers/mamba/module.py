@@ -12,12 +12,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from factory.kernels.ssd import ScanInputs, ssd_chunked_scan
+from factory.kernels.choice import KernelChoice
+from factory.kernels.ssd import ScanInputs, ssd_chunked_scan, ssd_kernel
 from factory.nn.norms import GatedGroupRMSNorm
 from factory.nn.sequence_split import SequenceSplit
 from factory.schemas.model import MambaConfig, ModelConfig
 
-__all__ = ["Mamba2Mixer", "build"]
+__all__ = ["Mamba2Mixer", "build", "kernel_choices"]
 
 
 class _CausalDepthwiseConv(torch.autograd.Function):
@@ -237,3 +238,12 @@ class Mamba2Mixer(nn.Module):
 def build(model: ModelConfig) -> Mamba2Mixer:
     """The ``M`` mixer of ``model`` (``LayerType.build``)."""
     return Mamba2Mixer(model.hidden_size, model.mamba, model.norm_eps)
+
+
+def kernel_choices(model: ModelConfig, device: str) -> list[KernelChoice]:
+    """The Mamba mixer's kernels on ``device``: the conv, the SSD scan and the gated norm."""
+    return [
+        KernelChoice("causal conv", "PyTorch shifted multiply-adds"),
+        ssd_kernel(device),
+        KernelChoice("gated norm", "PyTorch"),
+    ]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from factory.kernels.choice import KernelChoice
 from factory.kernels.moe_dispatch import activate
 from factory.schemas.model import ModelConfig
 
-__all__ = ["MLP", "build"]
+__all__ = ["MLP", "build", "kernel_choices"]
 
 
 class MLP(nn.Module):
@@ -29,3 +30,8 @@ def build(model: ModelConfig) -> MLP:
     """The ``-`` mixer of ``model`` (``LayerType.build``)."""
     cfg = model.mlp
     return MLP(model.hidden_size, cfg.intermediate_size, cfg.activation, cfg.bias)
+
+
+def kernel_choices(model: ModelConfig, device: str) -> list[KernelChoice]:
+    """The dense MLP is two GEMMs and an activation: the device's own matmul."""
+    return [KernelChoice("mlp gemms", "torch.matmul")]

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from factory.kernels.choice import KernelChoice
 from factory.kernels.moe_dispatch import (
     Dispatch,
     ExpertLinear,
@@ -27,7 +28,7 @@ from factory.layers.moe.spec import mlp_bias
 from factory.nn.outputs import RoutedOutput
 from factory.schemas.model import ModelConfig, MoEConfig, RouterConfig
 
-__all__ = ["ExpertDispatcher", "MoE", "RoutedExperts", "Router", "build"]
+__all__ = ["ExpertDispatcher", "MoE", "RoutedExperts", "Router", "build", "kernel_choices"]
 
 
 class Router(nn.Module):
@@ -233,3 +234,11 @@ class MoE(nn.Module):
 def build(model: ModelConfig) -> MoE:
     """The ``E`` mixer of ``model`` (``LayerType.build``)."""
     return MoE(model.hidden_size, model.moe, mlp_bias(model))
+
+
+def kernel_choices(model: ModelConfig, device: str) -> list[KernelChoice]:
+    """The MoE block's kernels on ``device``: the routing's sort and the expert GEMMs."""
+    return [
+        KernelChoice("moe dispatch", "stable sort, token counts read on the host"),
+        KernelChoice("expert gemms", "torch._grouped_mm or padded bmm, chosen per routing"),
+    ]
