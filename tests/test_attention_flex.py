@@ -61,7 +61,7 @@ def _qkv(rows: int) -> list[torch.Tensor]:
 def _outputs_and_gradients(method, qkv: list[torch.Tensor]) -> list[torch.Tensor]:
     leaves = [t.clone().requires_grad_() for t in qkv]
     out = method(*leaves)
-    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    (out * torch.linspace(-1, 1, out.shape[-1], device=out.device)).sum().backward()
     return [out.detach(), *(t.grad for t in leaves)]
 
 
