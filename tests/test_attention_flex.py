@@ -18,6 +18,8 @@ import pytest
 import torch
 import torch.nn.attention.flex_attention as flex_module
 from blueprint_factory import make
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch._dynamo.backends.registry import lookup_backend
 from torch._dynamo.utils import counters
 
@@ -75,7 +77,41 @@ def test_the_mask_lists_exactly_the_tiles_create_block_mask_finds(case: str) -> 
     theirs = flex_module.create_block_mask(ours.mask_mod, batch, None, rows, LENGTH, device="cpu")
     for name in ("kv_num_blocks", "full_kv_num_blocks"):
         assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    assert torch.equal(ours.to_dense(), theirs.to_dense())
     assert ours.seq_lengths == (rows, LENGTH)
+
+
+@st.composite
+def _layouts(draw):
+    """Documents of two rows and one CP rank's query runs (cp 1, 2 or 4), any lengths."""
+    ranks = draw(st.sampled_from([1, 2, 4]))
+    length = 2 * ranks * draw(st.integers(20, 110))
+    cuts = [sorted(draw(st.sets(st.integers(1, length - 1), max_size=5))) for _ in range(2)]
+    ids = document_ids_from_cu_seqlens([[0, *row, length] for row in cuts], length)
+    chunk, rank = length // (2 * ranks), draw(st.integers(0, ranks - 1))
+    runs = [
+        QueryRun(0, rank * chunk, chunk),
+        QueryRun(chunk, (2 * ranks - 1 - rank) * chunk, chunk),
+    ]
+    return ids, runs, length
+
+
+@settings(max_examples=25, deadline=None)
+@given(_layouts())
+def test_the_mask_is_causal_and_same_document_at_global_positions(layout) -> None:
+    ids, runs, length = layout
+    rows = sum(r.length for r in runs)
+    mask = build_document_mask(ids, runs, rows, length, torch.device("cpu"))
+    positions = torch.cat([torch.arange(r.start, r.start + r.length) for r in runs])
+    keys = torch.arange(length)
+    for b in range(ids.shape[0]):
+        got = mask.mask_mod(torch.tensor(b), torch.tensor(0), torch.arange(rows)[:, None], keys)
+        want = (keys <= positions[:, None]) & (ids[b, keys] == ids[b, positions][:, None])
+        assert torch.equal(got, want)
+    theirs = flex_module.create_block_mask(mask.mask_mod, 2, None, rows, length, device="cpu")
+    assert torch.equal(mask.kv_num_blocks, theirs.kv_num_blocks)
+    assert torch.equal(mask.full_kv_num_blocks, theirs.full_kv_num_blocks)
+    assert torch.equal(mask.to_dense(), theirs.to_dense())  # the same tiles, not just as many
 
 
 @pytest.mark.parametrize("case", list(CASES))
