@@ -108,9 +108,11 @@ def test_precision_attention_and_nccl_sections_record_their_checks(
     assert precision["linears_per_format"]["nvfp4"].get("nvfp4", 0) > 0
     assert precision["linears_per_format"]["mxfp8"].get("mxfp8", 0) > 0
     assert set(precision["over_bf16"]) == {"nvfp4", "mxfp8"}
-    attention = sections["attention"]["results"]["128"]
-    for path in ("factory", "sdpa mask", "flex"):
+    attention = sections["attention"]["results"]["256"]
+    for path in ("factory", "sdpa mask", "flex", "flex compiled block"):
         assert attention[path]["relative_error"] < 2e-2
+    assert attention["varlen"] == "not available"  # CUDA only
+    assert sections["attention"]["results"]["nano_heads"] == [32, 2, 128]
     nccl = sections["nccl"]["results"]
     assert nccl["backend"] == "gloo" and nccl["checkpoint_round_trip"] == "equal"
     assert 0 < nccl["dtensor_parameters"] <= nccl["parameters"]

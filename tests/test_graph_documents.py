@@ -14,7 +14,7 @@ from blueprint_factory import make
 import factory
 from factory.graph.loss import language_model_loss
 from factory.kernels.document_attention import QueryRun
-from factory.layers.attention.module import _masked, causal_attention
+from factory.layers.attention.module import _masked, _varlen_documents
 from factory.nn.packed_documents import document_ids_from_cu_seqlens, same_document
 
 LENGTHS = [[7, 12, 5, 8], [16, 16], [32]]
@@ -93,6 +93,8 @@ def test_loss_takes_no_target_across_a_boundary() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (varlen attention)")
 def test_varlen_documents_equal_the_masked_path_on_cuda() -> None:
+    # varlen is CUDA_DOCUMENT_KERNEL's option, not the default (FlexAttention's test:
+    # tests/test_attention_flex.py), so it is called directly.
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 4, 64, 16, device="cuda", generator=gen, dtype=torch.bfloat16)
     k = torch.randn(2, 2, 64, 16, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -101,5 +103,5 @@ def test_varlen_documents_equal_the_masked_path_on_cuda() -> None:
     ids[0, 20:], ids[1, 7:], ids[1, 40:] = 1, 1, 2
     runs = [QueryRun(0, 0, 64)]
     torch.testing.assert_close(
-        causal_attention(q, k, v, ids), _masked(q, k, v, ids, runs), atol=2e-2, rtol=2e-2
+        _varlen_documents(q, k, v, ids), _masked(q, k, v, ids, runs), atol=2e-2, rtol=2e-2
     )

@@ -4,13 +4,19 @@ Nemotron-H and Nemotron 3 use no position embedding here: the Mamba layers
 carry position. RoPE is available for blueprints that ask for it.
 
 Packed documents never see each other, and no [S, S] mask is built for that
-(:func:`causal_attention`): on the CPU the attention is cut into mask-free
-blocks along the documents (``factory.kernels.document_attention``); on CUDA it
-is ``torch.nn.attention.varlen``'s variable-length attention over the
-documents, where that exists. One document per row is SDPA's own causal path.
+(:func:`causal_attention`): on CUDA it is FlexAttention with a document block
+mask, built once per step for every layer, in eager runs and inside compiled
+blocks alike (``factory.kernels.flex_documents``); on the CPU, the reference,
+the attention is cut into mask-free blocks along the documents
+(``factory.kernels.document_attention``). One document per row, whole, is
+SDPA's own causal path everywhere. ``torch.nn.attention.varlen`` (flash
+attention over the documents) stays the option :data:`CUDA_DOCUMENT_KERNEL`
+names, for where it measures faster.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 from torch import nn
@@ -18,10 +24,30 @@ from torch.nn import functional as F
 
 from factory.kernels.choice import KernelChoice
 from factory.kernels.document_attention import QueryRun, attention_blocks, document_attention
+from factory.kernels.flex_documents import document_mask, flex_document_attention, flex_unavailable
 from factory.nn.sequence_split import SequenceSplit
 from factory.schemas.model import AttentionConfig, ModelConfig
 
-__all__ = ["Attention", "apply_rope", "build", "causal_attention", "kernel_choices"]
+__all__ = [
+    "CUDA_DOCUMENT_KERNEL",
+    "Attention",
+    "apply_rope",
+    "attention_kernel",
+    "build",
+    "causal_attention",
+    "kernel_choices",
+]
+
+CUDA_DOCUMENT_KERNEL: Literal["flex", "varlen"] = "flex"
+"""Attention over packed documents on CUDA. FlexAttention by default: on an H100 it measured
+4.9x the forward and 2.3x the forward + backward of SDPA with the dense mask at 8k tokens
+(issue 38), and it is the one path that serves eager runs, compiled blocks and context
+parallelism's query runs alike. ``"varlen"`` (``torch.nn.attention.varlen``, whole sequences
+in eager runs only) has not been timed against it yet: ``python -m benchmarks gpu``'s
+attention section compares the two at Nano's head shapes, and decides."""
+
+DocumentPath = Literal["blocks", "flex", "varlen", "masked"]
+"""How :func:`causal_attention` computes attention over documents or query runs."""
 
 
 def apply_rope(
@@ -91,24 +117,60 @@ def causal_attention(
     None: the queries are the whole sequence."""
     length = k.shape[2]
     whole = runs is None
-    runs = runs or [QueryRun(0, 0, length)]
-    if torch.compiler.is_compiling() and not (whole and document_ids is None):
-        # The blocks follow the documents, which the data decides: a compiled block
-        # (training.compile) traces the masked form once instead of breaking per batch.
-        return _masked(q, k, v, document_ids, runs)
-    if q.device.type == "cpu" and not (whole and document_ids is None):
-        blocks = attention_blocks(runs, document_ids, q.shape[0], length)
-        return document_attention(q, k, v, blocks)
     if whole and document_ids is None:
         # enable_gqa lets SDPA broadcast the KV heads instead of materialising repeats.
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    if whole and _varlen_usable(q):
+    runs = runs or [QueryRun(0, 0, length)]
+    path, _ = _document_path(q.device.type, torch.compiler.is_compiling(), whole)
+    if path == "flex":
+        mask = document_mask(document_ids, runs, q.shape[2], length, q.device)
+        return flex_document_attention(q, k, v, mask)
+    if path == "blocks":
+        blocks = attention_blocks(runs, document_ids, q.shape[0], length)
+        return document_attention(q, k, v, blocks)
+    if path == "varlen" and document_ids is not None:
         return _varlen_documents(q, k, v, document_ids)
     return _masked(q, k, v, document_ids, runs)
 
 
-def _varlen_usable(q: torch.Tensor) -> bool:
-    return q.device.type == "cuda" and hasattr(torch.nn.attention, "varlen")
+def _document_path(device: str, compiling: bool, whole: bool) -> tuple[DocumentPath, str | None]:
+    """The path of attention over documents (or query runs) on ``device``, inside a compiled
+    graph or not, for queries that are the ``whole`` sequence or runs of it; and why a faster
+    one was not taken (None on CPU, whose paths are the reference)."""
+    if device == "cpu":
+        # The blocks cut along the documents in Python (.tolist()); a graph takes the mask.
+        return ("masked" if compiling else "blocks"), None
+    reason = flex_unavailable(device) or ""
+    if not reason and CUDA_DOCUMENT_KERNEL == "flex":
+        return "flex", None
+    varlen = device == "cuda" and hasattr(torch.nn.attention, "varlen")
+    if varlen and whole and not compiling:
+        return "varlen", reason or None
+    if not reason:
+        return "flex", None  # varlen chosen, but it serves neither compiled graphs nor runs
+    if varlen and not whole:
+        reason += "; varlen_attn takes whole sequences, not context parallelism's query runs"
+    elif varlen:
+        reason += "; varlen_attn does not trace into a compiled block"
+    elif device == "cuda":
+        reason += "; this torch has no varlen_attn"
+    return "masked", reason
+
+
+_PATH_NAMES: dict[DocumentPath, str] = {
+    "blocks": "SDPA per document block",
+    "flex": "FlexAttention with a document block mask",
+    "varlen": "varlen_attn (flash) over the documents",
+    "masked": "SDPA with a dense mask",
+}
+
+
+def attention_kernel(device: str, compiling: bool = False, whole: bool = True) -> KernelChoice:
+    """Which implementation :func:`causal_attention` runs over packed documents for tensors on
+    ``device``, in eager runs or inside a compiled block (``compiling``)."""
+    path, reason = _document_path(device, compiling, whole)
+    op = "attention in compiled blocks" if compiling else "attention"
+    return KernelChoice(op, _PATH_NAMES[path], reason)
 
 
 def _varlen_documents(
@@ -156,9 +218,6 @@ def build(model: ModelConfig) -> Attention:
 
 
 def kernel_choices(model: ModelConfig, device: str) -> list[KernelChoice]:
-    """Attention's kernel for packed documents on ``device`` (:func:`causal_attention`)."""
-    if device != "cuda":
-        return [KernelChoice("attention", "SDPA per document block")]
-    if hasattr(torch.nn.attention, "varlen"):
-        return [KernelChoice("attention", "varlen_attn (flash) over the documents")]
-    return [KernelChoice("attention", "SDPA with a dense mask", "this torch has no varlen_attn")]
+    """Attention's kernel for packed documents on ``device`` (:func:`causal_attention`), in
+    eager runs and in compiled blocks (``training.compile``)."""
+    return [attention_kernel(device), attention_kernel(device, compiling=True)]
