@@ -32,8 +32,8 @@ Conv = Callable[
 
 @functools.cache
 def _load() -> Conv | str:
-    """The Triton conv, outside ``torch.compile``'s graph (the compiler would only trace around
-    its launches), or why it does not import."""
+    """The Triton conv, kept out of ``torch.compile``'s graph (a graph break, as for
+    mamba_ssm's kernels: tracing the launches is untested), or why it does not import."""
     if importlib.util.find_spec("triton") is None:
         return "triton is not installed"
     try:
