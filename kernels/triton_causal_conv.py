@@ -16,8 +16,8 @@ is two comparisons here. Forward and backward are about 100 lines, exact to the
 reference within fp32 rounding (tests/test_kernels_mamba_triton.py), with nothing to track.
 
 The backward computes ``dx`` (each input position gathers the K outputs it fed, within its
-document) and the weight gradient as per-tile partial sums [tiles, C, K] in fp32, summed
-afterwards: no atomics, so the result is deterministic.
+document) and the weight gradient as per-span partial sums [B, spans, C, K] in fp32,
+summed afterwards: no atomics, so the result is deterministic.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ import triton.language as tl
 __all__ = ["causal_depthwise_conv"]
 
 _TIME, _CHANNELS = 32, 64
+_TILES_PER_SPAN = 8
+"""The backward's program covers a span of 8 x 32 positions: its weight-gradient partials
+take [B, L/256, C, K] fp32, an eighth of what one per 32 positions would."""
 
 
 @triton.jit
@@ -73,51 +76,59 @@ def _backward_kernel(
     w_ptr,  # weight [C, K] contiguous
     seq_ptr, ssb, sst,  # seq_idx [B, L] and its strides
     dx_ptr,  # input gradient [B, L, C], contiguous
-    dw_ptr,  # fp32 weight-gradient partials [B, tiles, C, K]
-    L, C, TILES,
+    dw_ptr,  # fp32 weight-gradient partials [B, spans, C, K]
+    L, C, SPANS,
     K: tl.constexpr, HAS_SEQ: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    TILES: tl.constexpr,  # time tiles of BT per program (a span)
+    KP: tl.constexpr,  # K rounded up to a power of two (a block's dimension)
 ):  # fmt: skip
     b = tl.program_id(2).to(tl.int64)
-    tile = tl.program_id(0)
-    t = tile * BT + tl.arange(0, BT)
+    span = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    in_t, in_c = t < L, c < C
-    if HAS_SEQ:
-        doc = tl.load(seq_ptr + b * ssb + t * sst, mask=in_t, other=-1)
-    g_here = tl.load(
-        g_ptr + b * sgb + t[:, None] * sgt + c[None, :] * sgc,
-        mask=in_t[:, None] & in_c[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    dx = tl.zeros((BT, BC), dtype=tl.float32)
-    partials = dw_ptr + ((b * TILES + tile) * C + c) * K
-    for j in tl.static_range(K):
-        shift = K - 1 - j
-        w = tl.load(w_ptr + c * K + j, mask=in_c, other=0.0).to(tl.float32)
-        # dx[s] += w[j] * g[s + shift]: the output that read position s through tap j.
-        dst = t + shift
-        fed = in_t & (dst < L)
+    in_c = c < C
+    # Each tap's weight gradient, summed over the span's tiles in registers: [BC] per tap.
+    dw = tl.zeros((KP, BC), dtype=tl.float32)
+    taps = tl.arange(0, KP)
+    for tile in range(TILES):
+        t = (span * TILES + tile) * BT + tl.arange(0, BT)
+        in_t = t < L
         if HAS_SEQ:
-            fed &= tl.load(seq_ptr + b * ssb + dst * sst, mask=fed, other=-1) == doc
-        g = tl.load(
-            g_ptr + b * sgb + dst[:, None] * sgt + c[None, :] * sgc,
-            mask=fed[:, None] & in_c[None, :],
+            doc = tl.load(seq_ptr + b * ssb + t * sst, mask=in_t, other=-1)
+        g_here = tl.load(
+            g_ptr + b * sgb + t[:, None] * sgt + c[None, :] * sgc,
+            mask=in_t[:, None] & in_c[None, :],
             other=0.0,
         ).to(tl.float32)
-        dx += g * w[None, :]
-        # dw[j] += g[t] * x[t - shift]: this tile's outputs, what tap j read for them.
-        src = t - shift
-        reads = in_t & (src >= 0)
-        if HAS_SEQ:
-            reads &= tl.load(seq_ptr + b * ssb + src * sst, mask=reads, other=-1) == doc
-        x = tl.load(
-            x_ptr + b * sxb + src[:, None] * sxt + c[None, :] * sxc,
-            mask=reads[:, None] & in_c[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        tl.store(partials + j, tl.sum(g_here * x, axis=0), mask=in_c)
-    out = dx_ptr + (b * L + t[:, None]) * C + c[None, :]
-    tl.store(out, dx.to(dx_ptr.dtype.element_ty), mask=in_t[:, None] & in_c[None, :])
+        dx = tl.zeros((BT, BC), dtype=tl.float32)
+        for j in tl.static_range(K):
+            shift = K - 1 - j
+            w = tl.load(w_ptr + c * K + j, mask=in_c, other=0.0).to(tl.float32)
+            # dx[s] += w[j] * g[s + shift]: the output that read position s through tap j.
+            dst = t + shift
+            fed = in_t & (dst < L)
+            if HAS_SEQ:
+                fed &= tl.load(seq_ptr + b * ssb + dst * sst, mask=fed, other=-1) == doc
+            g = tl.load(
+                g_ptr + b * sgb + dst[:, None] * sgt + c[None, :] * sgc,
+                mask=fed[:, None] & in_c[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            dx += g * w[None, :]
+            # dw[j] += g[t] * x[t - shift]: this tile's outputs, what tap j read for them.
+            src = t - shift
+            reads = in_t & (src >= 0)
+            if HAS_SEQ:
+                reads &= tl.load(seq_ptr + b * ssb + src * sst, mask=reads, other=-1) == doc
+            x = tl.load(
+                x_ptr + b * sxb + src[:, None] * sxt + c[None, :] * sxc,
+                mask=reads[:, None] & in_c[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            dw += tl.where(taps[:, None] == j, tl.sum(g_here * x, axis=0)[None, :], 0.0)
+        out = dx_ptr + (b * L + t[:, None]) * C + c[None, :]
+        tl.store(out, dx.to(dx_ptr.dtype.element_ty), mask=in_t[:, None] & in_c[None, :])
+    partials = dw_ptr + ((b * SPANS + span) * C + c[None, :]) * K + taps[:, None]
+    tl.store(partials, dw, mask=(taps[:, None] < K) & in_c[None, :])
 
 
 def _grid(batch: int, length: int, channels: int) -> tuple[int, int, int]:
@@ -160,14 +171,16 @@ class _CausalConv(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, None]:
         x, taps, seq_idx = ctx.saved_tensors
         b, length, channels = x.shape
-        grid = _grid(b, length, channels)
+        spans = triton.cdiv(length, _TIME * _TILES_PER_SPAN)
+        grid = (spans, triton.cdiv(channels, _CHANNELS), b)
         dx = torch.empty(b, length, channels, dtype=x.dtype, device=x.device)
-        partials = torch.empty(b, grid[0], channels, taps.shape[1], device=x.device)
+        partials = torch.empty(b, spans, channels, taps.shape[1], device=x.device)
         seq, ssb, sst = _seq_args(seq_idx, x)
         _backward_kernel[grid](
             x, *x.stride(), grad, *grad.stride(), taps, seq, ssb, sst, dx, partials,
-            length, channels, grid[0], K=taps.shape[1], HAS_SEQ=seq_idx is not None,
-            BT=_TIME, BC=_CHANNELS,
+            length, channels, spans, K=taps.shape[1], HAS_SEQ=seq_idx is not None,
+            BT=_TIME, BC=_CHANNELS, TILES=_TILES_PER_SPAN,
+            KP=triton.next_power_of_2(taps.shape[1]),
         )  # fmt: skip
         grad_weight = partials.sum((0, 1)).reshape(ctx.weight_shape).to(taps.dtype)
         bias_dtype = ctx.bias_dtype

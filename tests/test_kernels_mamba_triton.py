@@ -154,19 +154,22 @@ def test_gated_norm_kernel_equals_the_module(field_kernels) -> None:
         assert_close_to(ours.detach(), reference.detach())
 
 
-@pytest.mark.parametrize("with_bias", [True, False])
-def test_conv_kernel_equals_the_reference_across_documents(field_kernels, with_bias: bool) -> None:
+@pytest.mark.parametrize(("with_bias", "k"), [(True, 4), (False, 3)])
+def test_conv_kernel_equals_the_reference_across_documents(
+    field_kernels, with_bias: bool, k: int
+) -> None:
     """The Triton conv on a strided view (as the in-projection's split leaves it), lengths and
-    channels that leave partial tiles, and documents that start inside the first taps: output
-    and the gradients of x, weight and bias."""
+    channels that leave partial tiles, two spans of the backward's weight-gradient sums, and
+    documents that start inside the first taps: output and the gradients of x, weight and
+    bias, for the usual width 4 and a width that is not a power of two."""
     from factory.kernels import triton_causal_conv
 
     gen = torch.Generator().manual_seed(3)
-    b, length, channels, k = 2, 37, 70, 4
+    b, length, channels = 2, 300, 70
     x = torch.randn(b, length, channels + 9, generator=gen)[..., 9:]
     weight = torch.randn(channels, 1, k, generator=gen)
     bias = torch.randn(channels, generator=gen) if with_bias else None
-    seq_idx = documents([2, 1, 20, 14], [37])
+    seq_idx = documents([2, 1, 150, 147], [300])
     upstream = torch.randn(b, length, channels, generator=gen)
     results = []
     for conv in (triton_causal_conv.causal_depthwise_conv, _causal_depthwise_conv):
