@@ -18,8 +18,10 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -191,9 +193,31 @@ def small_mixer() -> Mamba2Mixer:
     return mixer
 
 
-def test_mixer_on_the_triton_path_equals_the_pytorch_path(field_kernels) -> None:
-    """The whole mixer (conv, scan and gated norm on their kernels) with packed documents:
-    output and every parameter's and the input's gradient equal the reference paths'."""
+def count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Calls that reach each of the three kernels from here on (the dispatches' own loaders
+    hand out counting wrappers), so a test sees that the kernels ran, not only their values."""
+    calls: Counter[str] = Counter()
+
+    def counting(name: str, kernel: Callable[..., Any]) -> Callable[[], Callable[..., Any]]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return kernel(*args, **kwargs)
+
+        return lambda: call
+
+    monkeypatch.setattr(causal_conv, "_load", counting("conv", causal_conv._load()))
+    monkeypatch.setattr(ssd, "_kernel", counting("scan", ssd._kernel()))
+    monkeypatch.setattr(gated_norm, "_kernel", counting("norm", gated_norm._kernel()))
+    return calls
+
+
+def test_mixer_on_the_triton_path_equals_the_pytorch_path(
+    field_kernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole mixer (conv, scan and gated norm on their kernels, each called once) with
+    packed documents: output and every parameter's and the input's gradient equal the
+    reference paths'."""
+    calls = count_kernel_calls(monkeypatch)
     mixer = small_mixer()
     x = torch.randn(2, 24, 32, generator=torch.Generator().manual_seed(5))
     document_ids = documents([9, 15], [3, 21])
@@ -207,11 +231,14 @@ def test_mixer_on_the_triton_path_equals_the_pytorch_path(field_kernels) -> None
             out = mixer(leaf, document_ids)
             out.sin().sum().backward()
         results.append([out, leaf.grad, *(p.grad for p in mixer.parameters())])
+    assert calls == {"conv": 1, "scan": 1, "norm": 1}  # the first pass only
     for ours, reference in zip(*results, strict=True):
         assert_close_to(ours.detach(), reference.detach())
 
 
-def test_head_shard_mixes_the_same_on_both_paths(field_kernels) -> None:
+def test_head_shard_mixes_the_same_on_both_paths(
+    field_kernels, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Context parallelism's shard: the conv rows of a rank's heads and groups (gathered from
     the weight) and the scan of those heads over the whole sequence, kernel against reference."""
     mixer = small_mixer()
@@ -220,9 +247,11 @@ def test_head_shard_mixes_the_same_on_both_paths(field_kernels) -> None:
     width = 2 * cfg.head_dim + 2 * cfg.state_size + 2  # x, B, C of the shard, and its dt
     whole = torch.randn(2, 24, width, generator=torch.Generator().manual_seed(6))
     document_ids = documents([7, 17], [24])
+    calls = count_kernel_calls(monkeypatch)
     ours = mixer._mix(whole, document_ids, heads, groups)
     with reference_paths():
         reference = mixer._mix(whole, document_ids, heads, groups)
+    assert calls == {"conv": 1, "scan": 1}
     assert_close_to(ours, reference)
 
 
