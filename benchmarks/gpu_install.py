@@ -3,9 +3,11 @@
 anything the project depends on can be imported.
 
 ``pip install --no-index --find-links .gpu_wheels -r .gpu_wheels/requirements.txt`` keeps
-what the machine already has and installs the rest from the folder; then ``pip install
---no-index --find-links .gpu_wheels --no-deps -e .`` installs factory itself (pip's
-isolated build takes setuptools from the folder too).
+what the machine already has and installs the rest from the folder; ``--no-deps -r
+.gpu_wheels/without-deps.txt`` adds the kernel packages built without CUDA (mamba-ssm: their
+declared dependencies are for the CUDA extension and other kernels, which factory does not
+use); then ``pip install --no-index --find-links .gpu_wheels --no-deps -e .`` installs factory
+itself (pip's isolated build takes setuptools from the folder too).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 FOLDER = REPO / ".gpu_wheels"
+WITHOUT_DEPS = FOLDER / "without-deps.txt"
+"""The kernel packages built without CUDA (``gpu_prepare.WITHOUT_CUDA``), installed with --no-deps."""
 
 
 def install_offline_if_needed() -> None:
@@ -36,4 +40,6 @@ def install_offline_if_needed() -> None:
                "--no-index", "--find-links", str(FOLDER)]  # fmt: skip
     env = {**os.environ, "PIP_BREAK_SYSTEM_PACKAGES": "1"}
     subprocess.run([*offline, "-r", str(FOLDER / "requirements.txt")], check=True, env=env)
+    if WITHOUT_DEPS.is_file():
+        subprocess.run([*offline, "--no-deps", "-r", str(WITHOUT_DEPS)], check=True, env=env)
     subprocess.run([*offline, "--no-deps", "-e", str(REPO)], check=True, env=env)

@@ -15,7 +15,12 @@ folders included. So, here, with the network:
    downloaded as a CPython 3.12 manylinux wheel (``pip download --only-binary=:all:
    --no-deps``), or, for a pure-Python package published only as a source archive, built
    into a wheel here (``pip wheel --no-deps``);
-4. the folder's size checked against :data:`LIMIT_BYTES`, with the top-level requirements
+4. the field's kernel packages of the ``gpu`` extra that need no CUDA toolchain
+   (:data:`WITHOUT_CUDA`: mamba-ssm), built here into wheels without their CUDA extensions
+   and listed in ``.gpu_wheels/without-deps.txt``: the device installs them without their
+   declared dependencies (tilelang, quack-kernels...; what their Triton kernels import,
+   einops, is in :data:`ALSO_NEEDED`);
+5. the folder's size checked against :data:`LIMIT_BYTES`, with the top-level requirements
    written to ``.gpu_wheels/requirements.txt``.
 
 On the device, ``python -m benchmarks gpu`` installs from the folder
@@ -25,6 +30,7 @@ On the device, ``python -m benchmarks gpu`` installs from the folder
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import shutil
 import subprocess
 import sys
@@ -35,7 +41,7 @@ from packaging.markers import Marker
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from benchmarks.gpu_install import FOLDER, REPO
+from benchmarks.gpu_install import FOLDER, REPO, WITHOUT_DEPS
 
 LIMIT_BYTES = 40 * 2**20
 """Room left for the tree (~10 MiB) under the device's 64 MiB."""
@@ -44,7 +50,11 @@ ON_DEVICE = ("torch", "triton", "transformers")
 """What the GPU machine has, as its lender describes it (with CUDA 13, no network)."""
 
 EXTRAS = ("torch",)
-ALSO_NEEDED = ("pytest>=8", "hypothesis>=6.100", "setuptools>=77")
+ALSO_NEEDED = ("pytest>=8", "hypothesis>=6.100", "setuptools>=77", "einops>=0.8")
+WITHOUT_CUDA = {"mamba-ssm": {"MAMBA_SKIP_CUDA_BUILD": "TRUE", "MAMBA_FORCE_BUILD": "TRUE"}}
+"""Packages of the ``gpu`` extra whose Triton kernels factory runs (``factory.kernels.
+mamba_ssm_triton``), with the environment that builds them without their CUDA extension:
+a pure-Python wheel of a few hundred kB, where the extension would need nvcc."""
 DEVICE_ENVIRONMENT = {
     "python_version": "3.12", "python_full_version": "3.12.0", "implementation_name": "cpython",
     "platform_python_implementation": "CPython", "sys_platform": "linux", "os_name": "posix",
@@ -112,11 +122,11 @@ def _installed_requires(name: str) -> list[str] | None:
 
 
 def pin(name: str, pyproject: dict, installed: Callable[[str], str | None]) -> str:
-    """``name==<the version installed here>`` when that meets the project's own bound on it;
-    else the bound (the newest release within it)."""
-    bounds = {
-        canonicalize_name(r.name): r.specifier for r in map(Requirement, top_level(pyproject))
-    }
+    """``name==<the version installed here>`` when that meets the project's own bound on it
+    (in what :func:`top_level` lists or the ``gpu`` extra); else the bound (the newest release
+    within it)."""
+    wanted = top_level(pyproject) + pyproject["project"]["optional-dependencies"].get("gpu", [])
+    bounds = {canonicalize_name(r.name): r.specifier for r in map(Requirement, wanted)}
     version, bound = installed(name), bounds.get(name)
     if version is not None and (bound is None or bound.contains(version, prereleases=True)):
         return f"{name}=={version}"
@@ -144,6 +154,18 @@ def _fetch(pin: str) -> str:
     return "built here"
 
 
+def _build_without_cuda(pin: str, env: dict[str, str]) -> str:
+    """Build one wheel here with ``env`` (no CUDA extension). Without build isolation: the
+    build imports torch, which the isolated environment would download whole."""
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+    built = subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-cache-dir",
+                            "-w", str(FOLDER), pin],
+                           capture_output=True, text=True, env={**os.environ, **env})  # fmt: skip
+    if built.returncode != 0:
+        raise RuntimeError(f"{pin}: the build without CUDA failed:\n{built.stderr}")
+    return "built here without CUDA"
+
+
 def prepare() -> int:
     """Fill ``.gpu_wheels/``; print what came from where and the folder's size."""
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
@@ -153,9 +175,13 @@ def prepare() -> int:
     for name in names:
         wanted = pin(name, pyproject, _installed_version)
         print(f"prepare: {wanted}: {_fetch(wanted)}", flush=True)
+    kernels = [pin(name, pyproject, _installed_version) for name in WITHOUT_CUDA]
+    for name, wanted in zip(WITHOUT_CUDA, kernels, strict=True):
+        print(f"prepare: {wanted}: {_build_without_cuda(wanted, WITHOUT_CUDA[name])}", flush=True)
+    WITHOUT_DEPS.write_text("\n".join(kernels) + "\n", "utf-8")
     (FOLDER / "requirements.txt").write_text("\n".join(top_level(pyproject)) + "\n", "utf-8")
     size = sum(f.stat().st_size for f in FOLDER.iterdir())
-    print(f"prepare: {len(names)} packages, {size / 2**20:.1f} MiB in {FOLDER.name}/ "
+    print(f"prepare: {len(names) + len(kernels)} packages, {size / 2**20:.1f} MiB in {FOLDER.name}/ "
           f"(limit {LIMIT_BYTES / 2**20:.0f} MiB)")  # fmt: skip
     if size > LIMIT_BYTES:
         print("prepare: over the limit: the tree would not travel", file=sys.stderr)

@@ -3,7 +3,9 @@ Mamba-2, attention, LatentMoE, one MTP block), ours against transformers' Nemotr
 
 Both models hold the same weights: ours is built by ``factory.compile`` in BF16 (router in
 fp32) and exported with ``write_hf_checkpoint``; theirs is that export loaded by
-``AutoModelForCausalLM`` in BF16 (its PyTorch Mamba path: the device has no ``mamba_ssm``).
+``AutoModelForCausalLM`` in BF16 (its PyTorch Mamba path: the device's ``mamba_ssm`` is
+built without its CUDA extension, so ``import mamba_ssm`` fails for transformers; factory
+loads its Triton kernels without the package ``__init__``, ``factory.kernels.mamba_ssm_triton``).
 Both see the same batch (the blueprint's micro-batch x seq_len of random tokens) and run
 forward, backward and a plain ``torch.optim.AdamW`` step on their BF16 parameters. Ours
 computes its training loss (next-token CE, the MTP depth at its loss scale, the router's
@@ -272,7 +274,7 @@ def _beside_theirs(
 ) -> tuple[dict[str, Step], int]:
     """Ours and theirs eager on one batch, each stepped once, and that batch's size: the
     blueprint's micro-batch, halved while theirs runs out of memory (its PyTorch Mamba
-    path, without ``mamba_ssm``, holds far more activations than ours)."""
+    path, without ``mamba_ssm``'s kernels, holds far more activations than ours)."""
     batch, seq = shape
     while True:
         ids = random_batch(blueprint, (batch, seq), device)

@@ -5,6 +5,14 @@ What lives here:
 * ``factory.kernels.ssd``: the Mamba-2 state-space-duality (SSD) scan, a
   chunked pure-PyTorch form, a sequential reference recurrence, and a lazy
   fast path through ``mamba_ssm``'s Triton kernel on CUDA.
+* ``factory.kernels.mamba_ssm_triton``: the one place ``mamba_ssm``'s Triton modules
+  are imported from, without its package ``__init__`` (which needs the CUDA
+  extension that the no-CUDA build leaves out); ``DEVICE_TYPES`` says which tensors
+  the Mamba mixer's Triton kernels serve (CUDA).
+* ``factory.kernels.gated_norm`` and ``factory.kernels.causal_conv``: the Mamba
+  mixer's gated RMSNorm (``mamba_ssm``'s ``rmsnorm_fn``) and depthwise causal conv
+  (``factory.kernels.triton_causal_conv``, ours, with document boundaries) on CUDA,
+  each with the ``*_kernel(device)`` choice the kernel report prints.
 * ``factory.kernels.moe_dispatch``: token-to-expert routing and grouped expert
   MLPs without a Python loop over experts.
 * ``factory.kernels.nvfp4``: NVFP4 quantize/dequantize, bit-exact to

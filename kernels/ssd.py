@@ -15,8 +15,10 @@ Three ways to evaluate it live here:
   masked, decay-weighted attention-like product (quadratic in the chunk, so it
   maps onto matmuls), and only one state per chunk is carried across chunks.
 * :func:`ssd_chunked_scan`: the entry point. It uses ``mamba_ssm``'s fused
-  Triton kernel when that package is importable and the tensors are on CUDA,
-  and :func:`ssd_chunked_scan_torch` otherwise.
+  Triton kernel (``mamba_chunk_scan_combined``, loaded without the package's CUDA
+  extension by ``factory.kernels.mamba_ssm_triton``) for CUDA tensors when it
+  imports, and :func:`ssd_chunked_scan_torch` otherwise; :func:`ssd_kernel` says
+  which, and why a CUDA run fell back.
 
 ``dt`` must already be activated (softplus plus bias, clamped) and positive, and
 ``A`` negative, so ``exp(dt * A)`` is a decay in (0, 1].
@@ -36,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from factory.kernels.choice import KernelChoice
+from factory.kernels.mamba_ssm_triton import serves, triton_module, unavailable
 
 __all__ = [
     "ScanInputs",
@@ -322,35 +325,40 @@ class _Documents:
         return (self.chunked == start)[:, :, None, None]  # [b, c, 1, 1, l]
 
 
-@functools.lru_cache(maxsize=1)
-def _mamba_chunk_scan_combined() -> Callable[..., ScanResult] | None:
-    """``mamba_ssm``'s fused SSD kernel, or None. Imported lazily: it pulls in Triton."""
-    try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-    except Exception:  # ImportError, or Triton/CUDA initialisation failures
-        return None
-    return mamba_chunk_scan_combined
+SSD_MODULE = "ops.triton.ssd_combined"
+TRITON = "mamba_ssm Triton (mamba_chunk_scan_combined)"
+REFERENCE = "PyTorch chunked"
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.cache
+def _kernel() -> Callable[..., ScanResult] | None:
+    """``mamba_chunk_scan_combined`` outside ``torch.compile``'s graph (a graph break: its
+    Python wrapper switches CUDA devices and runs autotuner hooks), None when it does not import."""
+    module = triton_module(SSD_MODULE)
+    return None if module is None else torch.compiler.disable(module.mamba_chunk_scan_combined)
+
+
+def _choose(
+    device: torch.device | str, dtype: torch.dtype | None, chunk_size: int | None
+) -> tuple[Callable[..., ScanResult] | None, str | None]:
+    """(mamba_ssm's kernel, None) where it serves tensors of ``dtype`` on ``device`` with chunks of
+    ``chunk_size`` (None: not known yet, any the model may use); (None, why) where it should
+    and cannot; (None, None) where the PyTorch path is the choice (CPU)."""
+    if not serves(device):
+        return None, None
+    if dtype is not None and dtype not in _KERNEL_DTYPES:
+        return None, f"{dtype} inputs (the kernel takes fp16, bf16 and fp32)"
+    if chunk_size is not None and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
+        return None, f"chunk_size {chunk_size} (the kernel takes powers of two from 16)"
+    kernel = _kernel()
+    return (kernel, None) if kernel is not None else (None, unavailable(SSD_MODULE))
 
 
 def fast_path_available(device: torch.device | str) -> bool:
-    """True when ``mamba_ssm``'s Triton SSD kernel can serve tensors on ``device``.
-
-    Only CUDA devices qualify; ``mamba_ssm`` is never imported for other devices.
-    """
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return _mamba_chunk_scan_combined() is not None
-
-
-def _fast_path_applies(x: torch.Tensor, chunk_size: int) -> bool:
-    """Conservative gate for the Triton kernel: half/fp32 inputs, power-of-two chunks."""
-    return (
-        x.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and chunk_size >= 16
-        and chunk_size & (chunk_size - 1) == 0
-        and fast_path_available(x.device)
-    )
+    """True when ``mamba_ssm``'s Triton SSD kernel serves tensors on ``device`` (CUDA only;
+    ``mamba_ssm`` is never imported for other devices)."""
+    return _choose(device, None, None)[0] is not None
 
 
 def ssd_chunked_scan(
@@ -363,10 +371,11 @@ def ssd_chunked_scan(
     ``return_final_state`` also the final state [batch, heads, head_dim, state]
     in fp32 (fp64 on the pure path when an input is fp64). Arithmetic is fp32.
     """
-    if not _fast_path_applies(inputs.x, chunk_size):
+    kernel, _ = _choose(inputs.x.device, inputs.x.dtype, chunk_size)
+    if kernel is None:
         return ssd_chunked_scan_torch(inputs, chunk_size, return_final_state)
-    kernel = _mamba_chunk_scan_combined()
-    assert kernel is not None  # guaranteed by _fast_path_applies
+    # dt goes in activated (dt_softplus False, no dt_bias, no dt_limit): the kernel's cumsum
+    # of dt * A is then the reference's, and dt's gradient flows back through our softplus.
     seq_idx = inputs.seq_idx
     out = kernel(
         inputs.x,
@@ -386,12 +395,8 @@ def ssd_chunked_scan(
     return out
 
 
-def ssd_kernel(device: str) -> KernelChoice:
-    """Which implementation :func:`ssd_chunked_scan` runs for tensors on ``device``."""
-    if device != "cuda":
-        return KernelChoice("ssd scan", "PyTorch chunked")
-    if fast_path_available(device):
-        return KernelChoice("ssd scan", "mamba_ssm Triton (mamba_chunk_scan_combined)")
-    return KernelChoice(
-        "ssd scan", "PyTorch chunked", "mamba_ssm's Triton SSD kernel does not import"
-    )
+def ssd_kernel(device: str, chunk_size: int | None = None) -> KernelChoice:
+    """Which implementation :func:`ssd_chunked_scan` runs for tensors on ``device`` (of the
+    mixer's dtypes, all served) with chunks of ``chunk_size``: the test the dispatch makes."""
+    kernel, why = _choose(device, None, chunk_size)
+    return KernelChoice("ssd scan", REFERENCE if kernel is None else TRITON, why)

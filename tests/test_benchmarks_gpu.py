@@ -191,7 +191,11 @@ def test_the_junit_report_gives_counts_and_names(tmp_path: Path) -> None:
 PYPROJECT = {
     "project": {
         "dependencies": ["pydantic>=2.7,<3", "rich>=13"],
-        "optional-dependencies": {"torch": ["torch>=2.5,<3", "safetensors>=0.4"], "data": ["x"]},
+        "optional-dependencies": {
+            "torch": ["torch>=2.5,<3", "safetensors>=0.4"],
+            "data": ["x"],
+            "gpu": ["transformer-engine[pytorch]>=2.7", "mamba-ssm>=2.2"],
+        },
     }
 }
 METADATA = {
@@ -216,6 +220,7 @@ def test_prepare_packs_the_closure_of_what_the_device_lacks() -> None:
     assert set(names) == {
         "pydantic", "pydantic-core", "typing-extensions", "rich", "pygments", "markdown-it-py",
         "mdurl", "mdit-py-plugins", "safetensors", "pytest", "pluggy", "hypothesis", "setuptools",
+        "einops",
     }  # fmt: skip
     assert names == sorted(names)
 
@@ -225,3 +230,41 @@ def test_prepare_pins_what_is_installed_here_within_the_projects_bounds() -> Non
     assert gpu_prepare.pin("pydantic", PYPROJECT, versions) == "pydantic==2.9.0"
     assert gpu_prepare.pin("setuptools", PYPROJECT, versions) == "setuptools>=77"
     assert gpu_prepare.pin("mdurl", PYPROJECT, versions) == "mdurl"
+
+
+def test_prepare_builds_the_kernel_packages_without_cuda_at_the_installed_version() -> None:
+    """mamba-ssm is not in the closure (its declared dependencies are tilelang, quack-kernels
+    and the like); it is built here with the variables that skip its CUDA extension, pinned to
+    the version the tests ran with, within the ``gpu`` extra's bound."""
+    assert "mamba-ssm" not in gpu_prepare.to_download(PYPROJECT, METADATA.get)
+    assert gpu_prepare.WITHOUT_CUDA["mamba-ssm"]["MAMBA_SKIP_CUDA_BUILD"] == "TRUE"
+    installed = {"mamba-ssm": "2.3.2.post1"}.get
+    assert gpu_prepare.pin("mamba-ssm", PYPROJECT, installed) == "mamba-ssm==2.3.2.post1"
+    assert gpu_prepare.pin("mamba-ssm", PYPROJECT, {}.get) == "mamba-ssm>=2.2"
+
+
+def test_device_install_adds_the_kernel_packages_without_their_dependencies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks import gpu_install
+
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    (folder / "requirements.txt").write_text("pydantic>=2.7\n")
+    (folder / "without-deps.txt").write_text("mamba-ssm==2.3.2.post1\n")
+    monkeypatch.setattr(gpu_install, "FOLDER", folder)
+    monkeypatch.setattr(gpu_install, "WITHOUT_DEPS", folder / "without-deps.txt")
+
+    def not_installed(name: str) -> str:
+        raise gpu_install.importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(gpu_install.importlib.metadata, "version", not_installed)
+    calls: list[list[str]] = []
+    monkeypatch.setattr(gpu_install.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    gpu_install.install_offline_if_needed()
+    assert [c[-2:] for c in calls] == [
+        ["-r", str(folder / "requirements.txt")],
+        ["-r", str(folder / "without-deps.txt")],
+        ["-e", str(gpu_install.REPO)],
+    ]
+    assert all("--no-index" in c for c in calls) and "--no-deps" in calls[1]

@@ -231,8 +231,7 @@ def test_fast_path_dispatch_plumbing(monkeypatch: pytest.MonkeyPatch) -> None:
         y, state = ssd_sequential_scan(scan, return_final_state=True)
         return (y, state.to(torch.bfloat16)) if return_final_states else y
 
-    monkeypatch.setattr(ssd, "_fast_path_applies", lambda x, chunk_size: True)
-    monkeypatch.setattr(ssd, "_mamba_chunk_scan_combined", lambda: fake_kernel)
+    monkeypatch.setattr(ssd, "_choose", lambda device, dtype, chunk_size: (fake_kernel, None))
     inputs = make_inputs(11, 1, 7, 2, 1, 2, 3, dtype=torch.float32)
     _, state = run(ssd_chunked_scan, inputs, 64)
     assert calls == [64] and state.dtype == torch.float32

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from factory.kernels.gated_norm import triton_gated_rmsnorm
+
 __all__ = ["GatedGroupRMSNorm", "RMSNorm"]
 
 
@@ -30,7 +32,10 @@ class RMSNorm(nn.Module):
 
 class GatedGroupRMSNorm(nn.Module):
     """``RMSNorm_group(y * silu(z)) * w``: the gate is applied before the norm (norm_before_gate=False),
-    and each of ``groups`` channel groups is normalised on its own, so the norm shards with TP."""
+    and each of ``groups`` channel groups is normalised on its own, so the norm shards with TP.
+
+    On CUDA mamba_ssm's fused Triton kernel computes it (``factory.kernels.gated_norm``: the
+    same values, rounded once); this PyTorch path is the reference."""
 
     def __init__(self, width: int, groups: int, eps: float) -> None:
         super().__init__()
@@ -39,6 +44,9 @@ class GatedGroupRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        fused = triton_gated_rmsnorm(y)
+        if fused is not None:
+            return fused(y, z, self.weight, self.groups, self.eps)
         dtype = y.dtype
         y = y.float() * F.silu(z.float())
         grouped = y.unflatten(-1, (self.groups, -1))

@@ -4,6 +4,11 @@ in_proj packs [z, xBC, dt]; a depthwise causal conv1d with SiLU runs over xBC;
 dt = softplus(dt + dt_bias) clamped to the blueprint's limits; A = -exp(A_log);
 the chunked SSD scan (``factory.kernels.ssd``) with a per-head D skip; then the
 gated group RMSNorm and out_proj.
+
+On CUDA the conv, the scan and the gated norm run the field's Triton kernels (our conv,
+mamba_ssm's ``mamba_chunk_scan_combined`` and ``rmsnorm_fn``), packed documents kept apart
+through ``seq_idx``; on CPU the PyTorch paths, the reference. :func:`kernel_choices` says
+which, and why a CUDA run fell back.
 """
 
 from __future__ import annotations
@@ -12,7 +17,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from factory.kernels.causal_conv import conv_kernel, triton_conv
 from factory.kernels.choice import KernelChoice
+from factory.kernels.gated_norm import gated_norm_kernel
 from factory.kernels.ssd import ScanInputs, ssd_chunked_scan, ssd_kernel
 from factory.nn.norms import GatedGroupRMSNorm
 from factory.nn.sequence_split import SequenceSplit
@@ -101,8 +108,12 @@ def _causal_depthwise_conv(
     bias: torch.Tensor | None,
     document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Depthwise causal conv1d over [B, L, C] (:class:`_CausalDepthwiseConv`); with
-    ``document_ids`` a tap that reaches into the previous document reads zeros."""
+    """Depthwise causal conv1d over [B, L, C]; with ``document_ids`` a tap that reaches into the
+    previous document reads zeros. The Triton kernel on CUDA (``factory.kernels.causal_conv``),
+    :class:`_CausalDepthwiseConv` elsewhere (the reference)."""
+    kernel = triton_conv(x)
+    if kernel is not None:
+        return kernel(x, weight, bias, document_ids)
     same = None
     if document_ids is not None:
         length, k = x.shape[1], weight.shape[-1]
@@ -243,7 +254,7 @@ def build(model: ModelConfig) -> Mamba2Mixer:
 def kernel_choices(model: ModelConfig, device: str) -> list[KernelChoice]:
     """The Mamba mixer's kernels on ``device``: the conv, the SSD scan and the gated norm."""
     return [
-        KernelChoice("causal conv", "PyTorch shifted multiply-adds"),
-        ssd_kernel(device),
-        KernelChoice("gated norm", "PyTorch"),
+        conv_kernel(device),
+        ssd_kernel(device, model.mamba.chunk_size),
+        gated_norm_kernel(device),
     ]
