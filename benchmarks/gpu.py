@@ -17,7 +17,7 @@ wall-clock budget on an H100). A plain run takes issue 38's, whose budgets add u
 6. ``attention``: document-masked attention against SDPA with a mask (``gpu_attention``).
 
 The sections whose figures are recorded in BENCHMARKS.md and which issue 38 does not change
-run on request (``--only``, or ``--all``; together 305 s, a second call):
+run on request (``--only``, or ``--all``; together 340 s, a second call):
 
 7. ``kernels``: Triton kernel bandwidth against the HBM peak (``gpu_kernels``);
 8. ``transformers``: the 1B step, ours against transformers' NemotronH (``gpu_transformers``);

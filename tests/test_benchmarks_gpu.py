@@ -114,7 +114,7 @@ def test_ours_and_transformers_hold_the_same_weights(dry_run: dict[str, Any]) ->
 
 def test_the_nano_slice_trains_in_both_recipes_beside_the_plan(dry_run: dict[str, Any]) -> None:
     nano = dry_run["results"]["sections"]["nano_slice"]["results"]
-    assert nano["blueprint"]["pattern"] == "MEMEM*EMEMEM*E"
+    assert nano["blueprint"]["pattern"] == "MEMEM*E"  # a dry run's: one period of the slice
     assert set(nano["runs"]) == {"bf16", "fp8"}
     for name, run in nano["runs"].items():
         assert run["tokens_per_s"] > 0 and run["first_step_s"] > 0, name
