@@ -29,7 +29,9 @@ def _benchmark(*args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run(
         [sys.executable, "-m", "benchmarks", "gpu", *args],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900,
+        # Every section is bounded by its dry-run budget: a loaded machine may need them all.
+        cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=len(gpu.SECTIONS) * gpu.DRY_RUN_BUDGET_S + 120,
     )  # fmt: skip
 
 
