@@ -92,8 +92,10 @@ def bf16_peak(device: torch.device) -> float | None:
 
 def table(header: list[str], rows: list[list[Any]]) -> str:
     """A Markdown table (numbers right-aligned)."""
-    first = rows[0] if rows else [None] * len(header)
-    align = ["--:" if isinstance(v, int | float) else "---" for v in first]
+    # A column is numeric by its first value given (a row may leave a cell None: n/a).
+    columns = list(zip(*rows, strict=True)) if rows else [()] * len(header)
+    firsts = [next((v for v in column if v is not None), None) for column in columns]
+    align = ["--:" if isinstance(v, int | float) else "---" for v in firsts]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
     lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
