@@ -8,7 +8,8 @@ it measures and its wall-clock budget on an H100):
 2. ``kernels``: Triton kernel bandwidth against the HBM peak (``gpu_kernels``);
 3. ``train_step``: the 1B blueprint's BF16 step, ours against transformers (``gpu_train``);
 4. ``moe``: ``torch._grouped_mm`` against padded bmm (``gpu_moe``);
-5. ``precision``: the emulated NVFP4 and MXFP8 steps against BF16 (``gpu_precision``);
+5. ``precision``: the emulated NVFP4 and MXFP8 and the real FP8 steps against BF16, and one
+   FP8 linear's GEMMs against BF16 (``gpu_precision``);
 6. ``attention``: document-masked attention against SDPA with a mask (``gpu_attention``);
 7. ``nccl``: the distributed code paths on one NCCL rank (``gpu_nccl``).
 

@@ -95,12 +95,13 @@ def as_finite_fp32(x: torch.Tensor, fmt: str) -> torch.Tensor:
 def scale_from_amax(amax: torch.Tensor, fmt: str, max_value: float | None = None) -> torch.Tensor:
     """TE's ``compute_scale_from_amax`` (epsilon 0, no power-of-two rounding): the fp32
     quantization scale ``max_value / amax`` (``FP8_MAX[fmt]`` by default), ``FLT_MAX``
-    where that overflows, 1 where amax is 0."""
+    where that overflows, 1 where amax is 0, inf or NaN."""
     amax = amax.to(torch.float32)
-    top = torch.tensor(FP8_MAX[fmt] if max_value is None else max_value, dtype=torch.float32)
-    scale = top / amax
+    top = FP8_MAX[fmt] if max_value is None else max_value
+    scale = torch.full_like(amax, top) / amax  # a true fp32 division (not 1 / amax * top)
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, _FP32_MAX), scale)
-    return torch.where(amax == 0, torch.ones_like(scale), scale)
+    unusable = (amax == 0) | ~torch.isfinite(amax)
+    return torch.where(unusable, torch.ones_like(scale), scale)
 
 
 def scale_inverse(scale: torch.Tensor) -> torch.Tensor:
@@ -141,18 +142,32 @@ class FP8Tensor:
 
 
 def quantize_tensorwise(
-    x: torch.Tensor, fmt: FP8Format = "e4m3", part: TensorPart = WHOLE
+    x: torch.Tensor,
+    fmt: FP8Format = "e4m3",
+    part: TensorPart = WHOLE,
+    *,
+    check_finite: bool = True,
 ) -> FP8Tensor:
     """Current per-tensor scaling (TE ``Float8CurrentScaling``): ``scale = FP8_MAX[fmt] /
     amax(|x|)``, the amax of the whole tensor when ``x`` is ``part`` of one
-    (``factory.kernels.tensor_parts``)."""
+    (``factory.kernels.tensor_parts``).
+
+    ``check_finite=False`` skips the finiteness checks, each a wait for the device: a
+    non-finite ``x`` then casts as TE casts it (scale 1, inf saturating to ``+-FP8_MAX``,
+    NaN staying NaN) instead of raising. The real FP8 GEMMs cast so."""
+    if not check_finite:
+        if fmt not in FP8_MAX:
+            raise ValueError(f"fmt must be one of {sorted(FP8_MAX)}, got {fmt!r}")
+        x = x.to(torch.float32)
+        scale = scale_from_amax(part.max(_amax(x)), fmt)
+        return FP8Tensor(_cast(x * scale, fmt), scale_inverse(scale), fmt)
     x = as_finite_fp32(x, fmt)
     return quantize_with_scale(x, scale_from_amax(part.max(_amax(x)), fmt), fmt)
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
     """``max(|x|)`` as a 0-d fp32 tensor, 0 for an empty tensor."""
-    return x.abs().max() if x.numel() else torch.zeros((), dtype=torch.float32)
+    return x.abs().max() if x.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
 
 
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor | float, fmt: FP8Format) -> FP8Tensor:

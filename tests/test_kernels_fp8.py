@@ -373,3 +373,20 @@ def test_te_order_differs_from_dividing_by_the_dequant_scale() -> None:
         old = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s
         differs += int(not torch.equal(old, quantize_tensorwise(x).dequantize()))
     assert differs >= 5
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_unchecked_cast_is_the_checked_one_and_casts_non_finite_as_te(fmt: str) -> None:
+    """``check_finite=False`` (the real GEMMs' cast, no wait for the device) gives the same
+    codes on finite input; a non-finite amax gets scale 1, inf saturates, NaN stays NaN."""
+    x = te_order_tensor(3, (16, 48), 10, -3)
+    checked, unchecked = (
+        quantize_tensorwise(x, fmt),
+        quantize_tensorwise(x, fmt, check_finite=False),
+    )
+    assert torch.equal(checked.data.view(torch.uint8), unchecked.data.view(torch.uint8))
+    assert torch.equal(checked.scale_inv, unchecked.scale_inv)
+    bad = torch.tensor([float("inf"), -2.0, float("nan")])
+    q = quantize_tensorwise(bad, fmt, check_finite=False)
+    assert q.scale_inv.item() == 1.0
+    assert q.data.float()[:2].tolist() == [FP8_MAX[fmt], -2.0] and q.data.float()[2].isnan()

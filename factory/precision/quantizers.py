@@ -342,15 +342,18 @@ class FP8Quantizer(GemmQuantizer):
         """FP8 codes and ``scale_inv`` of ``x`` for ``role`` (input, weight, grad), the values
         :meth:`input`, :meth:`weight` and :meth:`grad` dequantize to: per matrix of
         ``[..., rows, cols]`` under current scaling (a ``scale_inv`` per matrix), from the
-        role's amax history under delayed scaling (one shared)."""
+        role's amax history under delayed scaling (one shared). Current scaling checks no
+        finiteness here: non-finite operands give non-finite products, as in TE."""
         fmt = self.role_format(role)
         if self.options.scaling == "delayed":
             return self.delayed[role].quantize(x, part)
         if not self.per_tensor:
             raise ValueError("scaled_cast needs per-tensor scaling (tensorwise or delayed)")
+        # No finiteness check: it would wait for the device on every cast (TE checks none).
         if x.ndim == 2:
-            return fp8.quantize_tensorwise(x, fmt, part)
-        casts = [fp8.quantize_tensorwise(m, fmt, part) for m in x.reshape(-1, *x.shape[-2:])]
+            return fp8.quantize_tensorwise(x, fmt, part, check_finite=False)
+        matrices = x.reshape(-1, *x.shape[-2:])
+        casts = [fp8.quantize_tensorwise(m, fmt, part, check_finite=False) for m in matrices]
         data = torch.stack([c.data for c in casts]).reshape(x.shape)
         return fp8.FP8Tensor(data, torch.stack([c.scale_inv for c in casts]), fmt)
 
