@@ -278,3 +278,22 @@ def test_cuda_real_gemms_equal_the_emulation() -> None:
     assert within(y, x_q @ w_q.t(), x_q, w_q.t())
     assert within(dx, dy_q @ w_q, dy_q, w_q)
     assert within(dw, dy_q.t() @ x_q, dy_q.t(), x_q, rounded_to_bf16=False)
+
+
+def test_the_installed_runtime_lists_its_recipes_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PrecisionRuntime.kernel_choices``: one per recipe installed, asked of its quantizers;
+    the same as the blueprint's before any model is built."""
+    import factory
+    from factory.precision.apply import apply_precision
+
+    bp = load_blueprint("super", ["precision.recipe=fp8"])  # fp8 linears, mxfp8 overrides
+    compiled = factory.compile(bp, proxy=True, device="meta", precision="off")
+    bp = compiled.blueprint  # the proxy's
+    runtime = apply_precision(compiled.model, bp)
+    assert [c.op for c in runtime.kernel_choices("cpu")] == ["fp8 gemm (tensorwise)", "mxfp8 gemm"]
+    assert all(c.fallback is None for c in runtime.kernel_choices("cpu"))
+    cuda_with(monkeypatch, (9, 0))
+    fp8_choice, mx_choice = runtime.kernel_choices("cuda")
+    assert fp8_choice.kernel == fp8_gemm.TENSOR_CORES and fp8_choice.fallback is None
+    assert mx_choice.kernel == fp8_gemm.EMULATED and "Blackwell" in str(mx_choice.fallback)
+    assert runtime.kernel_choices("cuda") == kernel_choices(bp, "cuda")
