@@ -92,6 +92,7 @@ def _gemm_timings(ctx: SectionContext) -> dict[str, float]:
     dy = torch.randn(tokens, n, device=ctx.device, generator=gen, dtype=torch.bfloat16)
     x.requires_grad_()
     quantizer = FP8Quantizer(FP8Options())
+    ctx.record("fp8_linear_kernel", quantizer.gemm_kernel(ctx.device.type).describe())
     w_bf16 = w.detach().to(torch.bfloat16).requires_grad_()
     a, b = fp8.quantize_tensorwise(x.detach()), fp8.quantize_tensorwise(w.detach())
 
@@ -129,6 +130,7 @@ def markdown(results: dict[str, Any]) -> str:
     gemm_rows = [[name, seconds] for name, seconds in gemm.items()]
     return (
         steps
-        + f"\n\nOne linear (tokens x in x out = {shape}):\n\n"
+        + f"\n\nOne linear (tokens x in x out = {shape}; "
+        + f"{results.get('fp8_linear_kernel', '')}):\n\n"
         + table(["what", "seconds"], gemm_rows)
     )

@@ -13,6 +13,11 @@ results differ by at most ``d = (K + 4) * 2**-23 * P`` (each sum's rounding erro
 below ``K * 2**-24 * P``, the scalings add a few ``2**-24``), and rounding to BF16 adds
 half an ulp, ``2**-8`` relative: ``|real - emulated| <= 2**-8 * |emulated| + 2 * d``.
 fp32 outputs (the weight gradient of fp32 weights) drop the ``2**-8`` term.
+
+On a GPU the bound gets ``2**-8 * P`` more: Hopper's FP8 tensor cores add products in an
+accumulator narrower than fp32 before cuBLAS promotes the partial sums (DeepSeek-V3,
+arXiv:2412.19437, section 3.3.2, measured about 14 bits retained), an error no fp32 model
+bounds; a wrong layout or scale is still off by the order of ``P``.
 """
 
 from __future__ import annotations
@@ -50,11 +55,13 @@ def within(
     a: torch.Tensor,
     b: torch.Tensor,
     rounded_to_bf16: bool = True,
+    accumulator_slack: float = 0.0,
 ) -> bool:
     """The module docstring's bound for ``a @ b`` (dequantized operands); ``rounded_to_bf16``:
-    the GEMM wrote BF16 (fprop, dgrad), not fp32 (wgrad of fp32 weights)."""
+    the GEMM wrote BF16 (fprop, dgrad), not fp32 (wgrad of fp32 weights);
+    ``accumulator_slack``: more error allowed, as a fraction of ``|a| @ |b|``."""
     k = a.shape[-1]
-    d = (k + 4) * 2.0**-23 * (a.abs() @ b.abs())
+    d = ((k + 4) * 2.0**-23 + accumulator_slack / 2) * (a.abs() @ b.abs())
     rel = 2.0**-8 if rounded_to_bf16 else 0.0
     return bool(((real.float() - emulated).abs() <= rel * emulated.abs() + 2 * d).all())
 
@@ -264,20 +271,20 @@ def test_the_plan_says_which_gemms_run_on_tensor_cores() -> None:
     ]
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
-    reason="needs a CUDA GPU with FP8 tensor cores",
-)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_real_gemms_equal_the_emulation() -> None:
     """On the GPU the dispatch takes ``torch._scaled_mm`` by itself; same bound."""
+    if torch.cuda.get_device_capability() < fp8_gemm.MIN_CAPABILITY:
+        pytest.skip("needs a CUDA GPU with FP8 tensor cores")
     q = FP8Quantizer(FP8Options())
     assert q.runs_scaled_gemm("cuda")
     x, w, dy = (t.cuda() for t in data(7, 64, 128, 96))
     y, dx, dw = run(q, x, w, dy)
     x_q, w_q, dy_q = q.input(x), q.weight(w), q.grad(dy)
-    assert within(y, x_q @ w_q.t(), x_q, w_q.t())
-    assert within(dx, dy_q @ w_q, dy_q, w_q)
-    assert within(dw, dy_q.t() @ x_q, dy_q.t(), x_q, rounded_to_bf16=False)
+    slack = 2.0**-8  # see the module docstring: Hopper's narrower FP8 accumulator
+    assert within(y, x_q @ w_q.t(), x_q, w_q.t(), accumulator_slack=slack)
+    assert within(dx, dy_q @ w_q, dy_q, w_q, accumulator_slack=slack)
+    assert within(dw, dy_q.t() @ x_q, dy_q.t(), x_q, False, accumulator_slack=slack)
 
 
 def test_the_installed_runtime_lists_its_recipes_choices(monkeypatch: pytest.MonkeyPatch) -> None:
