@@ -9,8 +9,10 @@ operands, fp32 matmul) up to fp32 summation order and that final BF16 rounding.
 
 ``torch._scaled_mm`` takes its first operand row-major and its second column-major,
 with every dimension a multiple of 16 on the GPU; :func:`scaled_matmul` lays the
-operands out so, and :func:`misaligned` names the dimensions that are not, where the
-caller keeps the emulation. E4M3 x E4M3 (fprop) and E5M2 x E4M3 (dgrad, wgrad) are
+operands out so. The tokens are padded with zero codes to a multiple of 16
+(:func:`pad_rows`: zero rows leave the scales, the other rows and the weight
+gradient's sum unchanged); :func:`misaligned` names the weight dimensions that are
+not multiples, where the caller keeps the emulation. E4M3 x E4M3 (fprop) and E5M2 x E4M3 (dgrad, wgrad) are
 the pairs the hardware multiplies.
 
 FP8 tensor cores exist from compute capability 8.9 (Ada, Hopper) on.
@@ -31,6 +33,7 @@ __all__ = [
     "TENSOR_CORES",
     "fp8_gemm_kernel",
     "misaligned",
+    "pad_rows",
     "scaled_matmul",
     "scaled_mm_unavailable",
 ]
@@ -68,11 +71,22 @@ def fp8_gemm_kernel(device: str, op: str = OP) -> KernelChoice:
     return KernelChoice(op, EMULATED, reason if device == "cuda" else None)
 
 
-def misaligned(m: int, k: int, n: int) -> str | None:
-    """The dimensions of an ``[m, k] x [k, n]`` GEMM that ``torch._scaled_mm`` refuses (not a
-    multiple of 16), or None."""
-    bad = [f"{name}={size}" for name, size in (("m", m), ("k", k), ("n", n)) if size % ALIGN]
+def misaligned(in_features: int, out_features: int) -> str | None:
+    """The weight dimensions of a linear that ``torch._scaled_mm`` refuses (not a multiple of
+    16), or None. The tokens need no check: :func:`pad_rows` pads them."""
+    sizes = (("in_features", in_features), ("out_features", out_features))
+    bad = [f"{name}={size}" for name, size in sizes if size % ALIGN]
     return f"{', '.join(bad)} not a multiple of {ALIGN}" if bad else None
+
+
+def pad_rows(t: FP8Tensor) -> FP8Tensor:
+    """``t`` (``[.., rows, cols]``) with zero codes appended to a multiple of 16 rows (the
+    same tensor where it has them)."""
+    rows = t.data.shape[-2]
+    if rows % ALIGN == 0:
+        return t
+    bits = torch.nn.functional.pad(t.data.view(torch.uint8), (0, 0, 0, -rows % ALIGN))
+    return FP8Tensor(bits.view(t.data.dtype), t.scale_inv, t.fmt, t.block)
 
 
 def scaled_matmul(

@@ -104,9 +104,18 @@ def test_scaled_matmul_is_the_dequantized_product(b_column_major: bool) -> None:
                       a.dequantize(), b.dequantize().t())  # fmt: skip
 
 
-def test_misaligned_names_the_dimensions() -> None:
-    assert fp8_gemm.misaligned(32, 64, 48) is None
-    assert fp8_gemm.misaligned(30, 64, 40) == "m=30, n=40 not a multiple of 16"
+def test_misaligned_names_the_weight_dimensions() -> None:
+    assert fp8_gemm.misaligned(64, 48) is None
+    assert fp8_gemm.misaligned(60, 40) == "in_features=60, out_features=40 not a multiple of 16"
+
+
+def test_pad_rows_appends_zero_codes() -> None:
+    q = fp8.quantize_tensorwise(torch.randn(2, 5, 32), "e5m2")
+    padded = fp8_gemm.pad_rows(q)
+    assert padded.data.shape == (2, 16, 32) and padded.data.dtype == q.data.dtype
+    assert torch.equal(padded.dequantize()[:, :5], q.dequantize())
+    assert not padded.dequantize()[:, 5:].any()
+    assert fp8_gemm.pad_rows(padded) is padded
 
 
 # --- the quantized linear on the real path -----------------------------------------------
@@ -167,10 +176,29 @@ def test_real_path_after_the_forward_switch(forced: None, scaled_mm_calls: list)
     assert len(scaled_mm_calls) == 2
 
 
-def test_misaligned_shapes_are_emulated_with_a_warning(forced: None, scaled_mm_calls: list) -> None:
+@pytest.mark.parametrize("lead", [(), (2,)], ids=["linear", "experts"])
+def test_token_counts_off_16_are_padded(
+    lead: tuple[int, ...], forced: None, scaled_mm_calls: list
+) -> None:
+    """30 tokens: zero rows pad them to 32; the products are the 30 tokens' own."""
+    q = FP8Quantizer(FP8Options())
+    x, w, dy = data(4, 30, 64, 48, lead)
+    y, dx, dw = run(q, x, w, dy)
+    assert y.shape == (*lead, 30, 48) and dx.shape == x.shape and dw.shape == w.shape
+    assert len(scaled_mm_calls) == 3 * (lead[0] if lead else 1)
+    x_q, w_q, dy_q = q.input(x), q.weight(w), q.grad(dy)
+    dy_t = dy_q.transpose(-1, -2)
+    assert within(y, x_q @ w_q.transpose(-1, -2), x_q, w_q.transpose(-1, -2))
+    assert within(dx, dy_q @ w_q, dy_q, w_q)
+    assert within(dw, dy_t @ x_q, dy_t, x_q, rounded_to_bf16=False)
+
+
+def test_misaligned_weights_are_emulated_with_a_warning(
+    forced: None, scaled_mm_calls: list
+) -> None:
     q, reference = FP8Quantizer(FP8Options()), FP8Quantizer(FP8Options())
-    x, w, dy = data(4, 30, 64, 48)
-    with pytest.warns(UserWarning, match="m=30 not a multiple of 16"):
+    x, w, dy = data(4, 32, 64, 40)
+    with pytest.warns(UserWarning, match="out_features=40 not a multiple of 16"):
         got = run(q, x, w, dy)
     assert not scaled_mm_calls
     with pytest.MonkeyPatch.context() as m:

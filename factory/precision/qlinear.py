@@ -19,8 +19,9 @@ On a CUDA GPU with FP8 tensor cores the per-tensor FP8 recipes take the real
 path instead (``_ScaledMatmul``): the same casts as FP8 codes, each GEMM one
 ``torch._scaled_mm`` (``factory.kernels.fp8_gemm``) with E4M3 forward operands,
 E5M2 gradients under ``format: hybrid``, fp32 accumulation and BF16 output (the
-weight gradient in the weight's dtype). A GEMM whose dimensions are not multiples
-of 16 stays emulated, with a warning.
+weight gradient in the weight's dtype). The tokens are padded with zero codes to a
+multiple of 16; a weight whose dimensions are not multiples of 16 stays emulated,
+with a warning.
 
 Under tensor parallelism the modules run on this rank's local tensors and carry a
 :class:`~factory.precision.splits.GemmSplit` (``factory.distributed.tensor_parallel``
@@ -129,16 +130,17 @@ class _ScaledMatmul(torch.autograd.Function):
         xf = x.to(_F32)
         # x itself is kept only where a backward GEMM needs it unquantized or cast afresh.
         saved: tuple[torch.Tensor | None, ...] = (x, None, None, None, None)
+        tokens = x.shape[-2]
         if fwd:
-            x_q = quantizer.scaled_cast(xf, "input", split.part("tokens", "in"))
+            x_q = fp8_gemm.pad_rows(quantizer.scaled_cast(xf, "input", split.part("tokens", "in")))
             w_q = quantizer.scaled_fprop_weight(w, split, source)
-            y = _fp8_gemm(x_q, _transposed(w_q), torch.bfloat16)
+            y = _fp8_gemm(x_q, _transposed(w_q), torch.bfloat16)[..., :tokens, :]
             saved = (x if not bwd else None, x_q.data, x_q.scale_inv, w_q.data, w_q.scale_inv)
         else:
             y = xf @ _t(w.to(_F32))
         ctx.save_for_backward(w, *saved)
         ctx.quantizer, ctx.bwd, ctx.split, ctx.fwd_fmt = quantizer, bwd, split, quantizer.fwd_fmt
-        ctx.x_dtype = x.dtype
+        ctx.x_dtype, ctx.tokens = x.dtype, tokens
         return y.to(x.dtype)
 
     @staticmethod
@@ -158,16 +160,19 @@ class _ScaledMatmul(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 dw = (_t(dyf) @ x.to(_F32)).to(w.dtype)
             return dx, dw, None, None, None, None, None
+        # Padded token rows are zero codes: they add nothing to dW and their dx rows are cut.
         if ctx.needs_input_grad[0]:
-            dy_q = q.scaled_cast(dyf, "grad", split.part("tokens", "out"))
+            dy_q = fp8_gemm.pad_rows(q.scaled_cast(dyf, "grad", split.part("tokens", "out")))
             if w_q is None:
                 w_q = q.scaled_cast(w.detach().to(_F32), "weight", split.part("out", "in"))
-            dx = _fp8_gemm(dy_q, w_q, torch.bfloat16).to(ctx.x_dtype)
+            dx = _fp8_gemm(dy_q, w_q, torch.bfloat16)[..., : ctx.tokens, :].to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             if dy_q is None:
-                dy_q = q.scaled_cast(dyf, "grad", split.part("tokens", "out"))
+                dy_q = fp8_gemm.pad_rows(q.scaled_cast(dyf, "grad", split.part("tokens", "out")))
             if x_q is None:
-                x_q = q.scaled_cast(x.to(_F32), "input", split.part("tokens", "in"))
+                x_q = fp8_gemm.pad_rows(
+                    q.scaled_cast(x.to(_F32), "input", split.part("tokens", "in"))
+                )
             out = torch.float32 if w.dtype == torch.float32 else torch.bfloat16
             dw = _fp8_gemm(_transposed(dy_q), x_q, out).to(w.dtype)
         return dx, dw, None, None, None, None, None
@@ -181,7 +186,7 @@ def _scaled_path(
     its shape (else it is emulated, with a warning)."""
     if not (fwd or bwd) or not quantizer.runs_scaled_gemm(x.device.type):
         return False
-    misaligned = fp8_gemm.misaligned(x.shape[-2], x.shape[-1], w.shape[-2])
+    misaligned = fp8_gemm.misaligned(w.shape[-1], w.shape[-2])
     if misaligned is not None:
         quantizer.warn_emulated(misaligned)
         return False
