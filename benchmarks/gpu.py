@@ -21,7 +21,8 @@ run on request (``--only``, or ``--all``; together 340 s, a second call):
 
 7. ``kernels``: Triton kernel bandwidth against the HBM peak (``gpu_kernels``);
 8. ``transformers``: the 1B step, ours against transformers' NemotronH (``gpu_transformers``);
-9. ``precision``: the emulated NVFP4 and MXFP8 steps against BF16 (``gpu_precision``);
+9. ``precision``: the emulated NVFP4 and MXFP8 and the real FP8 steps against BF16, and one
+   FP8 linear's GEMMs against BF16 (``gpu_precision``);
 10. ``nccl``: the distributed code paths on one NCCL rank (``gpu_nccl``).
 
 Each section runs in its own process under its budget: one that fails or runs out of time

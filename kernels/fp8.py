@@ -13,22 +13,32 @@ them to Transformer Engine recipes):
 * :func:`quantize_mxfp8`: OCP Microscaling MXFP8 (TE ``MXFP8BlockScaling``):
   32-element blocks along the last dim with a power-of-two E8M0 shared scale.
 
-Conventions shared by all recipes:
+Conventions shared by the FP8 recipes with fp32 scales, in Transformer Engine's
+order and arithmetic (``transformer_engine/common/recipe/recipe_common.cuh``,
+``compute_scale_from_amax``), bit for bit:
 
-* ``scale`` is the *dequantization* multiplier: ``x ~= data.float() * scale``.
-  For amax scaling it is ``amax / FP8_MAX[fmt]``, so the amax maps onto the
-  largest finite FP8 value. An all-zero tensor or block gets scale 1, and a
-  scale that would underflow fp32 is raised to the smallest normal fp32.
-* Quantization computes ``y = x / scale`` in fp32, clamps ``y`` to
-  ``[-FP8_MAX, FP8_MAX]`` (saturation) and casts to the torch float8 dtype,
-  which rounds to nearest, ties to even. Inputs are converted to fp32 first.
+* ``scale`` is the *quantization* multiplier, TE's ``scale``:
+  ``scale = fp32(FP8_MAX[fmt] / amax)`` (one correctly rounded fp32 division), so
+  the amax maps onto the largest finite FP8 value. Where that division overflows
+  (an amax below ``FP8_MAX / FLT_MAX``) the scale is ``FLT_MAX``; an all-zero
+  tensor or block gets scale 1. TE's ``amax_epsilon`` and ``force_pow_2_scales``
+  are 0 and off in its current-scaling recipe, and so here.
+* Quantization computes ``y = x * scale`` in fp32, clamps ``y`` to
+  ``[-FP8_MAX, FP8_MAX]`` (saturation, TE's ``satfinite`` conversion) and casts to
+  the torch float8 dtype, which rounds to nearest, ties to even. Inputs are
+  converted to fp32 first.
+* :class:`FP8Tensor` keeps TE's ``scale_inv = fp32(1 / scale)``, the
+  *dequantization* multiplier: ``x ~= data.float() * scale_inv``; it is what a
+  scaled GEMM (``torch._scaled_mm``'s ``scale_a``/``scale_b``) takes.
 * Blocks that do not fill the tensor (the tail along a dim that is not a
   multiple of the block edge) are allowed; they are scaled from their own
   elements only.
 * A non-finite input (inf or NaN) raises :class:`ValueError`.
 
-TE by default uses power-of-two scales for ``Float8BlockScaling``; the blockwise
-recipe here uses plain fp32 ``amax / max`` scales (the DeepSeek-V3 form).
+TE's ``Float8BlockScaling`` computes its block scales with the same function, by
+default rounded down to a power of two (``force_pow_2_scales``); the blockwise
+recipe here keeps the plain fp32 scales (the DeepSeek-V3 form) in TE's order
+(``x * scale``, ``scale_inv = 1 / scale``).
 """
 
 from __future__ import annotations
@@ -55,6 +65,8 @@ __all__ = [
     "quantize_mxfp8",
     "quantize_tensorwise",
     "quantize_with_scale",
+    "scale_from_amax",
+    "scale_inverse",
 ]
 
 FP8Format = Literal["e4m3", "e5m2"]
@@ -65,7 +77,7 @@ FP8_DTYPE: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.
 MX_EMAX: dict[str, int] = {"e4m3": 8, "e5m2": 15}
 MX_BLOCK = 32
 _E8M0_BIAS = 127
-_FP32_TINY = torch.finfo(torch.float32).tiny
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 def as_finite_fp32(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -80,10 +92,21 @@ def as_finite_fp32(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return x
 
 
-def _scale_from_amax(amax: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``amax / FP8_MAX`` in fp32; 1 where amax is 0, at least the smallest normal fp32."""
-    scale = (amax / FP8_MAX[fmt]).clamp_min(_FP32_TINY)
-    return torch.where(amax == 0, torch.ones_like(scale), scale)
+def scale_from_amax(amax: torch.Tensor, fmt: str, max_value: float | None = None) -> torch.Tensor:
+    """TE's ``compute_scale_from_amax`` (epsilon 0, no power-of-two rounding): the fp32
+    quantization scale ``max_value / amax`` (``FP8_MAX[fmt]`` by default), ``FLT_MAX``
+    where that overflows, 1 where amax is 0, inf or NaN."""
+    amax = amax.to(torch.float32)
+    top = FP8_MAX[fmt] if max_value is None else max_value
+    scale = torch.full_like(amax, top) / amax  # a true fp32 division (not 1 / amax * top)
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, _FP32_MAX), scale)
+    unusable = (amax == 0) | ~torch.isfinite(amax)
+    return torch.where(unusable, torch.ones_like(scale), scale)
+
+
+def scale_inverse(scale: torch.Tensor) -> torch.Tensor:
+    """TE's ``scale_inv``: the fp32 reciprocal of the quantization scale, correctly rounded."""
+    return torch.reciprocal(scale.to(torch.float32))
 
 
 def _cast(y: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -94,50 +117,67 @@ def _cast(y: torch.Tensor, fmt: str) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class FP8Tensor:
-    """FP8 payload plus fp32 dequantization scale(s).
+    """FP8 payload plus fp32 dequantization scale(s) ``scale_inv`` (TE's name).
 
-    ``data`` has the original shape. ``scale`` is 0-d for per-tensor scaling and
+    ``data`` has the original shape. ``scale_inv`` is 0-d for per-tensor scaling and
     ``[ceil(R / br), ceil(C / bc)]`` for blockwise scaling, where the tensor is
     viewed as ``[R, C] = [numel // last_dim, last_dim]`` and ``block = (br, bc)``.
+    It is ``1 / scale`` of the quantization scale the codes were cast with.
     """
 
     data: torch.Tensor
-    scale: torch.Tensor
+    scale_inv: torch.Tensor
     fmt: str
     block: tuple[int, int] | None = None
 
-    def scale_per_element(self) -> torch.Tensor:
-        """The scale broadcast to ``data``'s shape."""
+    def scale_inv_per_element(self) -> torch.Tensor:
+        """``scale_inv`` broadcast to ``data``'s shape."""
         if self.block is None:
-            return self.scale.expand(self.data.shape)
-        return _expand_block_scale(self.scale, self.block, self.data.shape)
+            return self.scale_inv.expand(self.data.shape)
+        return _expand_block_scale(self.scale_inv, self.block, self.data.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``data * scale`` computed in fp32, returned as ``dtype``."""
-        return (self.data.to(torch.float32) * self.scale_per_element()).to(dtype)
+        """``data * scale_inv`` computed in fp32, returned as ``dtype``."""
+        return (self.data.to(torch.float32) * self.scale_inv_per_element()).to(dtype)
 
 
 def quantize_tensorwise(
-    x: torch.Tensor, fmt: FP8Format = "e4m3", part: TensorPart = WHOLE
+    x: torch.Tensor,
+    fmt: FP8Format = "e4m3",
+    part: TensorPart = WHOLE,
+    *,
+    check_finite: bool = True,
 ) -> FP8Tensor:
-    """Current per-tensor scaling: ``scale = amax(|x|) / FP8_MAX[fmt]``, the amax of the whole
-    tensor when ``x`` is ``part`` of one (``factory.kernels.tensor_parts``)."""
+    """Current per-tensor scaling (TE ``Float8CurrentScaling``): ``scale = FP8_MAX[fmt] /
+    amax(|x|)``, the amax of the whole tensor when ``x`` is ``part`` of one
+    (``factory.kernels.tensor_parts``).
+
+    ``check_finite=False`` skips the finiteness checks, each a wait for the device: a
+    non-finite ``x`` then casts as TE casts it (scale 1, inf saturating to ``+-FP8_MAX``,
+    NaN staying NaN) instead of raising. The real FP8 GEMMs cast so."""
+    if not check_finite:
+        if fmt not in FP8_MAX:
+            raise ValueError(f"fmt must be one of {sorted(FP8_MAX)}, got {fmt!r}")
+        x = x.to(torch.float32)
+        scale = scale_from_amax(part.max(_amax(x)), fmt)
+        return FP8Tensor(_cast(x * scale, fmt), scale_inverse(scale), fmt)
     x = as_finite_fp32(x, fmt)
-    return quantize_with_scale(x, _scale_from_amax(part.max(_amax(x)), fmt), fmt)
+    return quantize_with_scale(x, scale_from_amax(part.max(_amax(x)), fmt), fmt)
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
     """``max(|x|)`` as a 0-d fp32 tensor, 0 for an empty tensor."""
-    return x.abs().max() if x.numel() else torch.zeros((), dtype=torch.float32)
+    return x.abs().max() if x.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
 
 
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor | float, fmt: FP8Format) -> FP8Tensor:
-    """Quantize with a given 0-d dequantization ``scale`` (values beyond it saturate)."""
+    """Quantize with a given 0-d *quantization* ``scale``: ``fp8(x * scale)``, values beyond
+    ``FP8_MAX / scale`` saturating; the result keeps ``scale_inv = 1 / scale``."""
     x = as_finite_fp32(x, fmt)
     scale = torch.as_tensor(scale, dtype=torch.float32).reshape(())
     if not bool(scale > 0) or not bool(torch.isfinite(scale)):
         raise ValueError(f"scale must be positive and finite, got {float(scale)}")
-    return FP8Tensor(_cast(x / scale, fmt), scale, fmt)
+    return FP8Tensor(_cast(x * scale, fmt), scale_inverse(scale), fmt)
 
 
 class DelayedScaling:
@@ -149,12 +189,15 @@ class DelayedScaling:
       scale always lags the data by at least one call. Values that exceed the
       range implied by that scale saturate to ``+-FP8_MAX``.
     * Then it appends ``amax(|x|)`` to a rolling history of ``history_len``
-      entries and recomputes the scale from the history:
-      ``scale = amax_h * 2**margin / FP8_MAX`` with ``amax_h`` the history max
-      (``"max"``) or the amax just recorded (``"most_recent"``).
+      entries and recomputes the scale from the history as TE's
+      ``amax_and_scale_update`` does: ``scale = fp32(FP8_MAX * 2**-margin) / amax_h``
+      with ``amax_h`` the history max (``"max"``) or the amax just recorded
+      (``"most_recent"``); ``FLT_MAX`` where that overflows (TE's current scaling
+      does so; its delayed kernel would store inf).
     * If ``amax_h`` is 0 the previous scale is kept (as in TE).
 
-    ``scale`` here is the dequantization multiplier, i.e. TE's ``scale_inv``.
+    ``scale`` is TE's quantization multiplier; the tensors it returns carry
+    ``scale_inv = 1 / scale``.
     """
 
     def __init__(
@@ -183,8 +226,9 @@ class DelayedScaling:
         self.history.append(float(part.max(_amax(x.to(torch.float32)))))
         amax = max(self.history) if self.amax_compute == "max" else self.history[-1]
         if amax > 0:
-            amax_t = torch.tensor(amax * 2.0**self.margin, dtype=torch.float32)
-            self.scale = _scale_from_amax(amax_t, self.fmt)
+            scaled_max = float(torch.tensor(FP8_MAX[self.fmt] * 2.0**-self.margin).float())
+            amax_t = torch.tensor(amax, dtype=torch.float32)
+            self.scale = scale_from_amax(amax_t, self.fmt, scaled_max)
         return out
 
 
@@ -217,7 +261,8 @@ def _expand_block_scale(
 def quantize_blockwise(
     x: torch.Tensor, block: tuple[int, int] = (1, 128), fmt: FP8Format = "e4m3"
 ) -> FP8Tensor:
-    """DeepSeek-style blockwise current scaling, one fp32 scale per block.
+    """DeepSeek-style blockwise current scaling, one fp32 scale per block, each computed and
+    applied in TE's order (``scale = FP8_MAX / block_amax``, ``fp8(x * scale)``).
 
     ``x`` is viewed as ``[numel // last_dim, last_dim]``; use ``block=(1, 128)``
     for activations and gradients and ``(128, 128)`` for weights. Tail blocks
@@ -228,9 +273,9 @@ def quantize_blockwise(
         raise ValueError(f"need x.ndim >= 1 and a positive 2D block, got {x.ndim=} {block=}")
     block = (int(block[0]), int(block[1]))
     amax = block_view(_as_rows(x), block).abs().amax(dim=(1, 3))
-    scale = _scale_from_amax(amax, fmt)
-    data = _cast(x / _expand_block_scale(scale, block, x.shape), fmt)
-    return FP8Tensor(data, scale, fmt, block)
+    scale = scale_from_amax(amax, fmt)
+    data = _cast(x * _expand_block_scale(scale, block, x.shape), fmt)
+    return FP8Tensor(data, scale_inverse(scale), fmt, block)
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,9 @@ Two recipes, each quantize-and-dequantize in one pass over the elements:
 
 * :func:`fake_quantize_tensorwise`: current per-tensor scaling (TE
   ``Float8CurrentScaling``), one scale per matrix of ``[..., rows, cols]`` from its
-  amax (or a given one): ``scale = max(amax / FP8_MAX, FLT_MIN)`` (1 for a zero
-  amax), ``out = fp8(clamp(x / scale)) * scale``; the values of
+  amax (or a given one), in Transformer Engine's order: ``scale = FP8_MAX / amax``
+  (``FLT_MAX`` where that overflows, 1 for a zero amax), ``scale_inv = 1 / scale``,
+  ``out = fp8(clamp(x * scale)) * scale_inv``; the values of
   ``fp8.quantize_tensorwise(m).dequantize()`` for each matrix ``m``.
 * :func:`fake_quantize_mxfp8`: OCP MXFP8 (TE ``MXFP8BlockScaling``), one E8M0
   scale ``2**e`` per 32 elements of the last dim, ``e = floor(log2(block_amax)) -
@@ -14,8 +15,9 @@ Two recipes, each quantize-and-dequantize in one pass over the elements:
 
 Both refuse non-finite input with ValueError, as the emulation does. Rounding to
 FP8 is the integer-exact ``triton_tiles.round_to_fp8``, divisions are ``div_rn``
-and powers of two are built from their bit patterns, so the interpreter and
-compiled code agree bit for bit; scaling by a power of two is exact in fp32
+(TE's ``__fdiv_rn``), the product ``x * scale`` reaches the rounding only through
+``abs`` and ``min`` (so it is never contracted into an FMA), and powers of two are
+built from their bit patterns, so the interpreter and compiled code agree bit for bit; scaling by a power of two is exact in fp32
 except where the result is an fp32 subnormal, which rounds once, as the
 emulation's float64 product rounds once on its way to fp32.
 
@@ -44,7 +46,7 @@ __all__ = ["fake_quantize_mxfp8", "fake_quantize_tensorwise", "matrix_amax"]
 
 #: Per format: (mantissa bits, smallest normal, rounding constant of the subnormal grid).
 _GRID = {"e4m3": (3, 2.0**-6, 2.0**14), "e5m2": (2, 2.0**-14, 2.0**7)}
-_FP32_TINY = tl.constexpr(torch.finfo(torch.float32).tiny)
+_FP32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
 _ROWS, _COLS = 32, 64
 
 
@@ -68,12 +70,16 @@ def _tensorwise_kernel(
     rows = (pid // npc) * BR + tl.arange(0, BR)[:, None]
     cols = (pid % npc) * BC + tl.arange(0, BC)[None, :]
     mask = (rows < R) & (cols < C)
-    x = tl.load(x_ptr + b.to(tl.int64) * sb + rows.to(tl.int64) * sr + cols * sc, mask=mask)
+    x = tl.load(
+        x_ptr + b.to(tl.int64) * sb + rows.to(tl.int64) * sr + cols * sc, mask=mask, other=0.0
+    )
     amax = tl.load(amax_ptr + b)
-    scale = tl.maximum(tl.div_rn(amax, tl.full([], MAX, tl.float32)), _FP32_TINY)
+    scale = tl.div_rn(tl.full([], MAX, tl.float32), amax)
+    scale = tl.where(scale == float("inf"), _FP32_MAX, scale)
     scale = tl.where(amax == 0.0, 1.0, scale)
-    y = tl.div_rn(x.to(tl.float32), tl.full([BR, BC], 1.0, tl.float32) * scale)
-    out = _to_fp8_and_back(y, scale, MANT, MIN_NORMAL, MAGIC, MAX)
+    scale_inv = tl.div_rn(tl.full([], 1.0, tl.float32), scale)
+    y = x.to(tl.float32) * scale
+    out = _to_fp8_and_back(y, scale_inv, MANT, MIN_NORMAL, MAGIC, MAX)
     tl.store(out_ptr + b.to(tl.int64) * R * C + rows.to(tl.int64) * C + cols, out, mask=mask)
 
 

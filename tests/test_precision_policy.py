@@ -71,3 +71,5 @@ def test_cli_prints_the_table(cli) -> None:
     doc = json.loads(out)
     assert set(doc["flops_share"]) == {"bf16", "mxfp8", "nvfp4"}
     assert doc["modules"][0]["module"] == "backbone.layers.0.mixer.in_proj"
+    assert len(doc["gemm_paths"]) == 2  # one line per quantizing recipe: nvfp4, mxfp8
+    assert all("emulated" in line for line in doc["gemm_paths"])

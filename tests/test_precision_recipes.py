@@ -56,12 +56,13 @@ def with_scale(
 
 
 def scale_of(a: torch.Tensor, fmt: fp8.FP8Format = "e4m3") -> torch.Tensor:
-    return torch.tensor(float(a.abs().max())) / fp8.FP8_MAX[fmt]
+    """TE's quantization scale for ``a``'s amax: ``fp32(FP8_MAX / amax)``."""
+    return torch.tensor(fp8.FP8_MAX[fmt]) / torch.tensor(float(a.abs().max()))
 
 
 def test_fp8_delayed_scale_lags_one_call() -> None:
     """Each role (input, weight, grad) quantizes with the scale of the amaxes seen before:
-    1 on the first call, amax(previous) / FP8_MAX on the next. wgrad reuses the scales
+    1 on the first call, FP8_MAX / amax(previous) on the next. wgrad reuses the scales
     that fprop and dgrad used in the same step."""
     q = FP8Quantizer(FP8Options(scaling="delayed", format="hybrid", amax_history_len=4))
     x1, w, dy1 = data(18, 48, 64, 32)

@@ -24,7 +24,7 @@ from factory.errors import did_you_mean
 from factory.io import atomic_write_text
 from factory.layout_search import search_layouts
 from factory.planner.program_plan import plan_program, plan_stage
-from factory.precision.policy import flops_share, resolve_policy
+from factory.precision.policy import flops_share, gemm_paths, resolve_policy
 from factory.proxy import derive_program_proxy, derive_proxy
 from factory.report.plan_text import (
     cost_summary,
@@ -250,7 +250,10 @@ def _print_precision(blueprint: Blueprint, as_json: bool) -> None:
             }
             for r in table
         ]
-        typer.echo(json.dumps({"modules": rows, "flops_share": shares}, indent=2))
+        paths = gemm_paths(blueprint)
+        typer.echo(
+            json.dumps({"modules": rows, "flops_share": shares, "gemm_paths": paths}, indent=2)
+        )
         return
 
     grid = Table(title=Text(f"{blueprint.meta.name}: precision per linear module"))
@@ -269,3 +272,5 @@ def _print_precision(blueprint: Blueprint, as_json: bool) -> None:
     console = Console()
     console.print(grid)
     console.print(share)
+    for line in gemm_paths(blueprint):
+        typer.echo(f"gemms: {line}")

@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from factory.kernels.choice import KernelChoice
 from factory.precision.policy import ModulePrecision, resolve_policy
 from factory.precision.qlinear import QuantizedExpertLinear, QuantizedLinear
 from factory.precision.quantizers import GemmQuantizer, MoRQuantizer, make_quantizer
@@ -30,7 +31,7 @@ from factory.schemas.blueprint import Blueprint
 from factory.schemas.precision import SwitchToBF16
 from factory.schemas.precision_recipes import recipe_named
 
-__all__ = ["PrecisionRuntime", "apply_precision"]
+__all__ = ["PrecisionRuntime", "apply_precision", "kernel_choices"]
 
 
 @dataclass
@@ -56,6 +57,14 @@ class PrecisionRuntime:
         if not stats:
             return None
         return sum(s.fp8_units for s in stats) / total if total else 1.0
+
+    def kernel_choices(self, device: str) -> list[KernelChoice]:
+        """What runs the quantized GEMMs of each recipe installed, on ``device``: one choice
+        per recipe (its first module's quantizer answers for all of its modules)."""
+        first: dict[str, GemmQuantizer] = {}
+        for quantizer in self.quantizers.values():
+            first.setdefault(quantizer.recipe, quantizer)
+        return [quantizer.gemm_kernel(device) for quantizer in first.values()]
 
     def set_quantization(self, forward: bool, backward: bool) -> None:
         """Turn quantization of the forward / backward GEMMs on or off everywhere."""
@@ -138,3 +147,16 @@ def apply_precision(model: nn.Module, blueprint: Blueprint, seed: int = 0) -> Pr
         model.get_submodule(path).linear = hook
         runtime.ops.append(hook)
     return runtime
+
+
+def kernel_choices(blueprint: Blueprint, device: str) -> list[KernelChoice]:
+    """What runs the quantized GEMMs of each recipe ``blueprint``'s precision policy uses, on
+    ``device``, before any model is built: one choice per recipe, in policy-table order."""
+    precision = blueprint.precision
+    recipes = dict.fromkeys(
+        row.recipe for row in resolve_policy(blueprint) if recipe_named(row.recipe).quantizes
+    )
+    return [
+        make_quantizer(recipe, precision.options_for(recipe)).gemm_kernel(device)
+        for recipe in recipes
+    ]

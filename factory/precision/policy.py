@@ -28,6 +28,7 @@ from fnmatch import fnmatchcase
 from factory.layers.model_spec import model_spec
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.model import ModelConfig
+from factory.schemas.parallelism import GPU_SPECS
 from factory.schemas.precision_recipes import HIGH_PRECISION, recipe_named
 from factory.spec.tensors import Role
 
@@ -35,6 +36,7 @@ __all__ = [
     "ModulePrecision",
     "excluded_gemm_names",
     "flops_share",
+    "gemm_paths",
     "generalized_gemm_names",
     "index_free",
     "quantizable_gemm_names",
@@ -125,3 +127,28 @@ def flops_share(table: list[ModulePrecision]) -> dict[str, float]:
         totals[row.recipe] += row.flops_per_token
     whole = sum(totals.values()) or 1
     return {recipe: totals[recipe] / whole for recipe in sorted(totals)}
+
+
+def gemm_paths(bp: Blueprint) -> list[str]:
+    """One line per quantizing recipe the policy uses: whether factory's PyTorch runtime runs
+    its GEMMs on the tensor cores of the blueprint's GPU (``torch._scaled_mm``) or emulates
+    them (dequantized operands, fp32 matmul), and why (``PrecisionRecipe.emulated_because``;
+    a GPU without the recipe's ``peak_format``). The performance model's times assume the
+    tensor cores either way (Transformer Engine's kernels)."""
+    gpu = bp.parallelism.gpu
+    lines = []
+    for recipe in dict.fromkeys(row.recipe for row in resolve_policy(bp)):
+        record = recipe_named(recipe)
+        if not record.quantizes:
+            continue
+        reason = record.emulated_because(bp.precision.options_for(recipe))
+        if reason is None and record.peak_format not in GPU_SPECS[gpu].dense_flops:
+            reason = f"{gpu} has no {record.peak_format} tensor cores"
+        if reason is None:
+            lines.append(
+                f"{recipe}: fprop, dgrad and wgrad on {gpu}'s {record.peak_format} tensor cores "
+                "(torch._scaled_mm)"
+            )
+        else:
+            lines.append(f"{recipe}: GEMMs emulated by factory's runtime ({reason})")
+    return lines

@@ -15,6 +15,14 @@ in the paper, §4.1). ``fwd``/``bwd`` switch quantization of the forward GEMM an
 of the two backward GEMMs independently (``switch_to_bf16`` with scope
 ``forward`` keeps the backward quantized).
 
+On a CUDA GPU with FP8 tensor cores the per-tensor FP8 recipes take the real
+path instead (``_ScaledMatmul``): the same casts as FP8 codes, each GEMM one
+``torch._scaled_mm`` (``factory.kernels.fp8_gemm``) with E4M3 forward operands,
+E5M2 gradients under ``format: hybrid``, fp32 accumulation and BF16 output (the
+weight gradient in the weight's dtype). The tokens are padded with zero codes to a
+multiple of 16; a weight whose dimensions are not multiples of 16 stays emulated,
+with a warning.
+
 Under tensor parallelism the modules run on this rank's local tensors and carry a
 :class:`~factory.precision.splits.GemmSplit` (``factory.distributed.tensor_parallel``
 sets it), which every quantizer call receives: split operands are quantized with the
@@ -27,7 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from factory.precision.quantizers import GemmQuantizer
+from factory.kernels import fp8_gemm
+from factory.kernels.fp8 import FP8Tensor
+from factory.precision.quantizers import FP8Quantizer, GemmQuantizer
 from factory.precision.splits import WHOLE_GEMM, GemmSplit
 
 __all__ = ["QuantizedExpertLinear", "QuantizedLinear", "quantized_matmul"]
@@ -82,6 +92,107 @@ class _QuantizedMatmul(torch.autograd.Function):
         return dx, dw, None, None, None, None, None
 
 
+def _t(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(-1, -2)
+
+
+def _fp8_gemm(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` of FP8 operands ``[.., m, k]`` and ``[.., k, n]`` (views, transposed as the
+    GEMM needs them): one ``torch._scaled_mm`` per matrix."""
+    if a.data.ndim == 2:
+        return fp8_gemm.scaled_matmul(a.data, a.scale_inv, b.data, b.scale_inv, out_dtype)
+    products = [
+        fp8_gemm.scaled_matmul(*fp8_gemm.matrix(a, e), *fp8_gemm.matrix(b, e), out_dtype)
+        for e in range(a.data.shape[0])
+    ]
+    return torch.stack(products)
+
+
+def _transposed(t: FP8Tensor) -> FP8Tensor:
+    return FP8Tensor(_t(t.data), t.scale_inv, t.fmt)
+
+
+class _ScaledMatmul(torch.autograd.Function):
+    """The quantized linear on FP8 tensor cores: the operands of :class:`_QuantizedMatmul`
+    as codes (``FP8Quantizer.scaled_cast``), each GEMM a ``torch._scaled_mm``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        quantizer: FP8Quantizer,
+        fwd: bool,
+        bwd: bool,
+        split: GemmSplit,
+        source: torch.Tensor | None,
+    ) -> torch.Tensor:
+        xf = x.to(_F32)
+        # x itself is kept only where a backward GEMM needs it unquantized or cast afresh.
+        saved: tuple[torch.Tensor | None, ...] = (x, None, None, None, None)
+        tokens = x.shape[-2]
+        if fwd:
+            x_q = fp8_gemm.pad_rows(quantizer.scaled_cast(xf, "input", split.part("tokens", "in")))
+            w_q = quantizer.scaled_fprop_weight(w, split, source)
+            y = _fp8_gemm(x_q, _transposed(w_q), torch.bfloat16)[..., :tokens, :]
+            saved = (x if not bwd else None, x_q.data, x_q.scale_inv, w_q.data, w_q.scale_inv)
+        else:
+            y = xf @ _t(w.to(_F32))
+        ctx.save_for_backward(w, *saved)
+        ctx.quantizer, ctx.bwd, ctx.split, ctx.fwd_fmt = quantizer, bwd, split, quantizer.fwd_fmt
+        ctx.x_dtype, ctx.tokens = x.dtype, tokens
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        w, x, x_data, x_scale_inv, w_data, w_scale_inv = ctx.saved_tensors
+        q: FP8Quantizer = ctx.quantizer
+        split: GemmSplit = ctx.split
+        x_q = None if x_data is None else FP8Tensor(x_data, x_scale_inv, ctx.fwd_fmt)
+        w_q = None if w_data is None else FP8Tensor(w_data, w_scale_inv, ctx.fwd_fmt)
+        dyf = dy.to(_F32)
+        dx = dw = dy_q = None
+        if not ctx.bwd:
+            if ctx.needs_input_grad[0]:
+                dx = (dyf @ w.to(_F32)).to(ctx.x_dtype)
+            if ctx.needs_input_grad[1]:
+                dw = (_t(dyf) @ x.to(_F32)).to(w.dtype)
+            return dx, dw, None, None, None, None, None
+        # Padded token rows are zero codes: they add nothing to dW and their dx rows are cut.
+        if ctx.needs_input_grad[0]:
+            dy_q = fp8_gemm.pad_rows(q.scaled_cast(dyf, "grad", split.part("tokens", "out")))
+            if w_q is None:
+                w_q = q.scaled_cast(w.detach().to(_F32), "weight", split.part("out", "in"))
+            dx = _fp8_gemm(dy_q, w_q, torch.bfloat16)[..., : ctx.tokens, :].to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            if dy_q is None:
+                dy_q = fp8_gemm.pad_rows(q.scaled_cast(dyf, "grad", split.part("tokens", "out")))
+            if x_q is None:
+                x_q = fp8_gemm.pad_rows(
+                    q.scaled_cast(x.to(_F32), "input", split.part("tokens", "in"))
+                )
+            out = torch.float32 if w.dtype == torch.float32 else torch.bfloat16
+            dw = _fp8_gemm(_transposed(dy_q), x_q, out).to(w.dtype)
+        return dx, dw, None, None, None, None, None
+
+
+def _scaled_path(
+    x: torch.Tensor, w: torch.Tensor, quantizer: GemmQuantizer, fwd: bool, bwd: bool
+) -> bool:
+    """Whether this GEMM runs on FP8 tensor cores: the recipe can there
+    (``runs_scaled_gemm``, the test ``gemm_kernel`` reports) and ``torch._scaled_mm`` takes
+    its shape (else it is emulated, with a warning)."""
+    if not (fwd or bwd) or not quantizer.runs_scaled_gemm(x.device.type):
+        return False
+    misaligned = fp8_gemm.misaligned(w.shape[-1], w.shape[-2])
+    if misaligned is not None:
+        quantizer.warn_emulated(misaligned)
+        return False
+    return True
+
+
 def quantized_matmul(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -99,12 +210,12 @@ def quantized_matmul(
     ``source`` is the parameter ``w`` is a local view of, which keys the weight cast
     cache (``GemmQuantizer.fprop_weight``).
     """
+    lead = x.shape[:-1]
     if w.ndim == 2:
-        lead = x.shape[:-1]
-        flat = x.reshape(-1, x.shape[-1])
-        y = _QuantizedMatmul.apply(flat, w, quantizer, fwd, bwd, split, source)
-        return y.reshape(*lead, w.shape[0])
-    return _QuantizedMatmul.apply(x, w, quantizer, fwd, bwd, split, source)
+        x = x.reshape(-1, x.shape[-1])
+    function = _ScaledMatmul if _scaled_path(x, w, quantizer, fwd, bwd) else _QuantizedMatmul
+    y = function.apply(x, w, quantizer, fwd, bwd, split, source)
+    return y.reshape(*lead, w.shape[-2]) if w.ndim == 2 else y
 
 
 class QuantizedLinear(nn.Linear):

@@ -26,18 +26,27 @@ which leaves ``dyᵀ @ x`` unchanged.
 
 One quantizer instance serves one module: delayed scaling keeps its amax
 history there, MoR its statistics, NVFP4 its stochastic-rounding generator.
+
+Where a recipe's GEMMs can run on tensor cores (FP8 with per-tensor scales, on a
+GPU of compute capability >= 8.9), its quantizer also casts operands to FP8 codes
+and ``scale_inv`` (:meth:`FP8Quantizer.scaled_cast`) and
+``factory.precision.qlinear`` multiplies them with ``torch._scaled_mm``
+(``factory.kernels.fp8_gemm``); :meth:`GemmQuantizer.gemm_kernel` says which
+path runs on a device and why a fallback was taken.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from factory.kernels import cast_dispatch, fp8, hadamard, mor
+from factory.kernels import cast_dispatch, fp8, fp8_gemm, hadamard, mor
+from factory.kernels.choice import KernelChoice
 from factory.kernels.tensor_parts import TensorPart
 from factory.precision.splits import WHOLE_GEMM, GemmSplit
 from factory.schemas.base import Section
@@ -76,27 +85,60 @@ class GemmQuantizer:
     reuses_casts: bool = False
     """wgrad takes the transposes of the fprop/dgrad casts (so fprop's input cast is kept)."""
 
-    _cached_source: torch.Tensor | None = None
-    _cached_version: int = -1
-    _cached_weight: torch.Tensor | None = None
+    def _weight_casts(self) -> dict[str, tuple[torch.Tensor, int, Any]]:
+        """kind -> (source tensor, its version when cast, the cast): per instance, made on
+        first use (subclasses need not call an ``__init__`` here)."""
+        return self.__dict__.setdefault("_weight_cast_cache", {})
 
-    def fprop_weight(
-        self, w: torch.Tensor, split: GemmSplit = WHOLE_GEMM, source: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """``weight(w)``, cast once per weight update: later micro-batches of the same step
+    def cached_weight_cast(
+        self, kind: str, w: torch.Tensor, source: torch.Tensor | None, cast: Callable[[], Any]
+    ) -> Any:
+        """``cast()``, done once per weight update: later micro-batches of the same step
         reuse it (as TE casts weights on the first micro-batch only). The cache holds the
         tensor itself (or ``source``, the parameter ``w`` is a local view of under tensor
         parallelism), so the in-place optimizer step, which bumps its version, is seen."""
         source = w if source is None else source
-        if source is not self._cached_source or source._version != self._cached_version:
-            self._cached_weight = self.weight(w.detach().to(torch.float32), split)
-            self._cached_source, self._cached_version = source, source._version
-        assert self._cached_weight is not None
-        return self._cached_weight
+        casts = self._weight_casts()
+        entry = casts.get(kind)
+        if entry is None or entry[0] is not source or entry[1] != source._version:
+            entry = casts[kind] = (source, source._version, cast())
+        return entry[2]
+
+    def fprop_weight(
+        self, w: torch.Tensor, split: GemmSplit = WHOLE_GEMM, source: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``weight(w)``, cast once per weight update (:meth:`cached_weight_cast`)."""
+        return self.cached_weight_cast(
+            "dequantized", w, source, lambda: self.weight(w.detach().to(torch.float32), split)
+        )
 
     def forget_weight_cast(self) -> None:
-        """Drop the cached cast: the next ``fprop_weight`` casts again."""
-        self._cached_source, self._cached_version, self._cached_weight = None, -1, None
+        """Drop the cached casts: the next ``fprop_weight`` casts again."""
+        self._weight_casts().clear()
+
+    def runs_scaled_gemm(self, device: str) -> bool:
+        """Whether its GEMMs run as real low-precision GEMMs on ``device`` (``"cuda"``) rather
+        than emulated; the same test :meth:`gemm_kernel` reports."""
+        return False
+
+    def gemm_kernel(self, device: str) -> KernelChoice:
+        """What runs its GEMMs on ``device``: the emulation, with the recipe's reason on CUDA
+        (``PrecisionRecipe.emulated_because``); on CPU the emulation is the reference."""
+        record = recipe_named(self.recipe)
+        reason = record.emulated_because(getattr(self, "options", None))
+        return KernelChoice(
+            f"{self.recipe} gemm",
+            fp8_gemm.EMULATED,
+            (reason or "no tensor-core GEMM is wired for it") if device == "cuda" else None,
+        )
+
+    def warn_emulated(self, why: str) -> None:
+        """Say once per quantizer and reason that a GEMM it would run on tensor cores is
+        emulated (a shape ``torch._scaled_mm`` refuses): never silently."""
+        seen: set[str] = self.__dict__.setdefault("_emulated_reasons", set())
+        if why not in seen:
+            seen.add(why)
+            warnings.warn(f"{self.recipe} gemm emulated: {why}", stacklevel=3)
 
     def input(self, x: torch.Tensor, split: GemmSplit = WHOLE_GEMM) -> torch.Tensor:
         raise NotImplementedError
@@ -236,6 +278,10 @@ class FP8Quantizer(GemmQuantizer):
     transposes of the fprop and dgrad casts when they ran (TE casts once into
     both layouts) and casts afresh only when they did not (e.g. the forward
     switched to BF16, or x needs no gradient).
+
+    The per-tensor recipes run on FP8 tensor cores where ``fp8_gemm`` can
+    (:meth:`runs_scaled_gemm`), from the same casts as FP8 codes
+    (:meth:`scaled_cast`); blockwise scaling is emulated everywhere.
     """
 
     recipe = "fp8"
@@ -275,12 +321,60 @@ class FP8Quantizer(GemmQuantizer):
             delayed.history.extend(entry["history"])
             delayed.scale = entry["scale"].clone()
 
+    @property
+    def per_tensor(self) -> bool:
+        """One scale per tensor (tensorwise, delayed): what ``torch._scaled_mm`` takes."""
+        return self.options.scaling != "blockwise"
+
+    def runs_scaled_gemm(self, device: str) -> bool:
+        return self.per_tensor and fp8_gemm.scaled_mm_unavailable(device) is None
+
+    def gemm_kernel(self, device: str) -> KernelChoice:
+        if not self.per_tensor:
+            return super().gemm_kernel(device)
+        return fp8_gemm.fp8_gemm_kernel(device, f"{self.recipe} gemm ({self.options.scaling})")
+
+    def role_format(self, role: str) -> fp8.FP8Format:
+        """E5M2 for gradients under ``format: hybrid`` (per-tensor), E4M3 otherwise."""
+        return self.bwd_fmt if role == "grad" else self.fwd_fmt
+
+    def scaled_cast(self, x: torch.Tensor, role: str, part: TensorPart) -> fp8.FP8Tensor:
+        """FP8 codes and ``scale_inv`` of ``x`` for ``role`` (input, weight, grad), the values
+        :meth:`input`, :meth:`weight` and :meth:`grad` dequantize to: per matrix of
+        ``[..., rows, cols]`` under current scaling (a ``scale_inv`` per matrix), from the
+        role's amax history under delayed scaling (one shared). Current scaling checks no
+        finiteness here: non-finite operands give non-finite products, as in TE."""
+        fmt = self.role_format(role)
+        if self.options.scaling == "delayed":
+            return self.delayed[role].quantize(x, part)
+        if not self.per_tensor:
+            raise ValueError("scaled_cast needs per-tensor scaling (tensorwise or delayed)")
+        # No finiteness check: it would wait for the device on every cast (TE checks none).
+        if x.ndim == 2:
+            return fp8.quantize_tensorwise(x, fmt, part, check_finite=False)
+        matrices = x.reshape(-1, *x.shape[-2:])
+        casts = [fp8.quantize_tensorwise(m, fmt, part, check_finite=False) for m in matrices]
+        data = torch.stack([c.data for c in casts]).reshape(x.shape)
+        return fp8.FP8Tensor(data, torch.stack([c.scale_inv for c in casts]), fmt)
+
+    def scaled_fprop_weight(
+        self, w: torch.Tensor, split: GemmSplit = WHOLE_GEMM, source: torch.Tensor | None = None
+    ) -> fp8.FP8Tensor:
+        """:meth:`scaled_cast` of the weight, once per weight update."""
+        part = split.part("out", "in")
+        return self.cached_weight_cast(
+            "codes",
+            w,
+            source,
+            lambda: self.scaled_cast(w.detach().to(torch.float32), "weight", part),
+        )
+
     def _q(
         self, x: torch.Tensor, role: str, block: tuple[int, int], part: TensorPart
     ) -> torch.Tensor:
         """Blockwise scales need nothing from other ranks (splits hold whole blocks); the
         per-tensor amaxes are ``part``'s whole tensor's."""
-        fmt = self.bwd_fmt if role == "grad" else self.fwd_fmt
+        fmt = self.role_format(role)
         scaling = self.options.scaling
         if scaling == "tensorwise":
             return cast_dispatch.fp8_tensorwise(x, fmt, part)

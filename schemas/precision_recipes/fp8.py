@@ -50,6 +50,14 @@ def _te_recipe(te: Any, options: FP8Options) -> Any:
     return te.Float8CurrentScaling(fp8_format=fmt)
 
 
+def _emulated_because(options: FP8Options) -> str | None:
+    """Per-tensor scales are what ``torch._scaled_mm`` takes (``factory.kernels.fp8_gemm``);
+    block scales are not wired to it."""
+    if options.scaling == "blockwise":
+        return "blockwise scales: block-scaled FP8 GEMMs are not wired to torch._scaled_mm"
+    return None
+
+
 def _megatron(options: FP8Options) -> MegatronPreset:
     delayed = options.scaling == "delayed"  # per-module recipes have no amax history
     return MegatronPreset(
@@ -96,5 +104,6 @@ FP8 = PrecisionRecipe(
     te_recipe=_te_recipe,
     megatron=_megatron,
     megatron_refusals=_megatron_refusals,
+    emulated_because=_emulated_because,
     checks=(RecipeCheck("precision.delayed_scaling_first_last", delayed_scaling_first_last),),
 )

@@ -27,5 +27,8 @@ MOR = PrecisionRecipe(
     options="mor",
     split_block=_split_block,
     quantizer="factory.precision.quantizers.MoRQuantizer",
+    emulated_because=lambda options: (
+        "MoR picks FP8 or BF16 per tensor or block at run time; no GEMM is wired for the mix"
+    ),
     # No Transformer Engine recipe: MoR always runs emulated. No Megatron recipe either.
 )

@@ -21,6 +21,9 @@ MXFP8 = PrecisionRecipe(
     split_block=lambda options: BLOCK,
     quantizer="factory.precision.quantizers.MXFP8Quantizer",
     te_recipe=lambda te, options: te.MXFP8BlockScaling(fp8_format=te.Format.E4M3),
+    emulated_because=lambda options: (
+        "MXFP8 GEMMs need block-scaled torch._scaled_mm on Blackwell (sm100), not built yet"
+    ),
     megatron=lambda options: MegatronPreset(
         "bf16_with_mxfp8_mixed",
         {"fp8": "e4m3", "fp8_recipe": "mxfp8"},

@@ -58,4 +58,7 @@ NVFP4 = PrecisionRecipe(
     te_recipe=_te_recipe,
     megatron=_megatron,
     megatron_refusals=_megatron_refusals,
+    emulated_because=lambda options: (
+        "NVFP4 GEMMs need block-scaled torch._scaled_mm on Blackwell (sm100), not built yet"
+    ),
 )

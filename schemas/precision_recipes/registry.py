@@ -84,6 +84,10 @@ def _nothing_refused(precision: Any) -> list[tuple[str, str]]:
     return []
 
 
+def _no_gemm_wired(options: Any) -> str | None:
+    return "no tensor-core GEMM is wired for it"
+
+
 @dataclass(frozen=True)
 class PrecisionRecipe:
     """One recipe, torch-free. Callables take the recipe's own settings section
@@ -124,6 +128,12 @@ class PrecisionRecipe:
     megatron_refusals: Callable[[Any], list[tuple[str, str]]] = _nothing_refused
     """The ``precision`` section (``PrecisionConfig``) -> (blueprint path, reason) for what
     Megatron cannot express of it when this is its default recipe."""
+    emulated_because: Callable[[Any], str | None] = _no_gemm_wired
+    """Its settings -> why factory's PyTorch runtime emulates its GEMMs on every GPU
+    (dequantized operands, fp32 matmul), or None where they run on tensor cores
+    (``torch._scaled_mm``) on a GPU that has its ``peak_format``. ``factory plan --precision``
+    prints it and the run's kernel report (``GemmQuantizer.gemm_kernel``) gives it as the
+    fallback reason."""
     checks: tuple[RecipeCheck, ...] = ()
     """Its own validate rules."""
 
