@@ -223,7 +223,8 @@ def test_the_model_leaves_its_head_to_the_loss_only_when_asked(tiny: factory.Com
     assert fused.logits is None and fused.mtp_logits == ()
     assert len(fused.head_inputs) == 1 + tiny.blueprint.model.mtp_depth
     assert fused.head_weight is model.lm_head.weight
-    for logits, head_input in zip((plain.logits, *plain.mtp_logits), fused.head_inputs):
+    heads = (plain.logits, *plain.mtp_logits)
+    for logits, head_input in zip(heads, fused.head_inputs, strict=True):
         torch.testing.assert_close(model.lm_head(head_input), logits)
     assert fused.rows == plain.rows == ids.shape
 
@@ -314,3 +315,35 @@ def test_the_precision_policy_never_quantizes_the_head(name: str) -> None:
     """The fused loss multiplies by the head weight itself: right only while no precision
     recipe quantizes the head's GEMM."""
     assert "lm_head" in excluded_gemm_names(factory.load_blueprint(name).model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_fused_equals_unfused_and_holds_one_chunk() -> None:
+    """BF16 on the device (cuBLAS GEMMs per chunk), and the peak memory the fused loss's
+    forward and backward add: under one [tokens, vocab] fp32 tensor, which the unfused one
+    allocates (several times)."""
+    tokens, width, vocab, chunk = 4096, 512, 32768, 256
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(tokens, width, generator=gen) / width**0.5).cuda().bfloat16()
+    weight = (torch.randn(vocab, width, generator=gen) * 0.02).cuda().bfloat16()
+    labels = torch.randint(0, vocab, (tokens,), generator=gen).cuda()
+    results = {}
+    for name in ("fused", "unfused"):
+        h, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        if name == "fused":
+            losses = linear_cross_entropy(h, w, labels, chunk)
+        else:
+            losses = F.cross_entropy((h @ w.T).float(), labels, reduction="none")
+        grads = torch.autograd.grad(losses.mean(), (h, w))
+        torch.cuda.synchronize()
+        results[name] = (losses.detach(), *grads, torch.cuda.max_memory_allocated() - base)
+    *fused, fused_peak = results["fused"]
+    *unfused, unfused_peak = results["unfused"]
+    _close(fused[0], unfused[0], torch.float32)
+    for got, want in zip(fused[1:], unfused[1:], strict=True):
+        _close(got, want, torch.bfloat16)
+    all_logits = tokens * vocab * 4
+    assert fused_peak < all_logits <= unfused_peak

@@ -15,11 +15,11 @@ pipeline's last stage (the schedule's loss reads its output). The head is never 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 
 from factory.kernels.choice import KernelChoice
@@ -55,8 +55,12 @@ def _fused_problem(vocab_split: bool, pipelined: bool) -> str | None:
 
 def fused_head_problem(weight: torch.Tensor) -> str | None:
     """Why a head with ``weight`` must return logits instead of leaving itself to the fused
-    loss; None when it need not. Tensor parallelism makes the head weight a DTensor."""
-    return _fused_problem(vocab_split=isinstance(weight, DTensor), pipelined=False)
+    loss; None when it need not. Tensor parallelism makes the head weight a DTensor (looked
+    up only when loaded: importing ``torch.distributed.tensor`` imports sympy, which
+    building a model must not)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    vocab_split = dtensor is not None and isinstance(weight, dtensor.DTensor)
+    return _fused_problem(vocab_split, pipelined=False)
 
 
 def loss_kernel(
