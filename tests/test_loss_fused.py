@@ -5,6 +5,7 @@ one; no [tokens, vocab] tensor anywhere in the fused step; the kernel report's a
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -15,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from runtime_helpers import tiny_blueprint
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -295,19 +297,45 @@ def test_kernel_choice() -> None:
 
 def test_a_vocab_split_head_keeps_its_logits() -> None:
     """The model's dispatch asks the report's test: a DTensor head (tensor parallelism)."""
-    from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+    from torch.distributed.tensor import Shard, distribute_tensor
 
     assert fused_head_problem(torch.zeros(8, 4)) is None
+    with _one_gloo_process() as mesh:
+        weight = distribute_tensor(torch.zeros(8, 4), mesh, [Shard(0)])
+        split = loss_kernel(factory.load_blueprint("nano").model, "cuda", tensor_parallel=2)
+        assert fused_head_problem(weight) == split.fallback
+
+
+@contextmanager
+def _one_gloo_process() -> Iterator[DeviceMesh]:
     store = torch.distributed.HashStore()
     torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        weight = distribute_tensor(torch.zeros(8, 4), DeviceMesh("cpu", [0]), [Shard(0)])
-        assert (
-            fused_head_problem(weight)
-            == loss_kernel(factory.load_blueprint("nano").model, "cuda", tensor_parallel=2).fallback
-        )
+        yield DeviceMesh("cpu", [0])
     finally:
         torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("shard", [True, False], ids=["fully_shard", "replicate"])
+def test_fsdp2_wrapped_model_fuses_and_steps_as_unwrapped(
+    tiny: factory.Compiled, shard: bool
+) -> None:
+    """FSDP2 does not reshard its root after the forward, so the head weight the output
+    carries is the gathered one the loss may use; its gradient reaches the parameter."""
+    from factory.distributed.data_parallel import apply_data_parallel
+
+    micro = _micro(tiny.blueprint.model.vocab_size, seed=8)
+    plain, plain_grads = _step(tiny.model.train(), micro, "token")
+    with _one_gloo_process() as mesh:
+        model = copy.deepcopy(tiny.model)
+        apply_data_parallel(model, mesh, mesh, shard=shard)
+        with torch.no_grad():
+            assert model(micro[0].input_ids, logits=False).logits is None
+        wrapped, wrapped_grads = _step(model, micro, "token")
+        full = {n: getattr(g, "full_tensor", lambda g=g: g)() for n, g in wrapped_grads.items()}
+    assert wrapped.loss == plain.loss
+    assert full.keys() == plain_grads.keys()
+    assert all(torch.equal(full[n], g) for n, g in plain_grads.items())
 
 
 @pytest.mark.parametrize("name", ["nano", "super", "ultra"])

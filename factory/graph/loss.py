@@ -156,9 +156,9 @@ def _shifted(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows of ``head_rows``, labels, the weight of each, the whole sequence's denominator)
     of the rows that predict the token ``shift`` ahead; ``head_rows`` [B, S, ...] are the
-    logits, or the head's inputs for the fused loss. Under context parallelism a rank's mean is taken
-    over the whole sequence's denominator (the weights are the whole sequence's too), so the
-    ranks' means add up to the sequence's."""
+    logits, or the head's inputs for the fused loss. Under context parallelism a rank's
+    mean is taken over the whole sequence's denominator (the weights are the whole
+    sequence's too), so the ranks' means add up to the sequence's."""
     weights, denominator = target_weights(mask, document_ids, shift, average)
     if positions is None:
         return head_rows[:, :-shift], input_ids[:, shift:], weights, denominator
