@@ -17,8 +17,10 @@ layer type (device events around each block: forward hooks, and gradient hooks o
 block's input and output for the backward); and the performance model's prediction for
 the same run (``factory.plan(...).performance``: H100, world size 1, the same batch)
 beside the measurement. Ours against transformers' NemotronH on the same weights is
-section ``transformers`` (``gpu_transformers``). The dry run does all of it on the
-blueprint's CPU proxy at a tiny batch.
+section ``transformers`` (``gpu_transformers``). Also the LM head and loss alone, fused
+and chunked (what the step runs) against the unfused head and fp32 cross-entropy: forward
++ backward seconds, the peak memory each adds, and their difference in loss and gradients
+(``head_loss``). The dry run does all of it on the blueprint's CPU proxy at a tiny batch.
 """
 
 from __future__ import annotations
@@ -75,8 +77,10 @@ def our_step(model: torch.nn.Module, ids: torch.Tensor, mtp_scale: float) -> Ste
     """Ours: its training loss (LM + MTP + aux), backward, AdamW; returns its seconds."""
     from factory.graph.loss import language_model_loss
 
-    return timed_step(model, lambda: language_model_loss(model(ids), ids, mtp_loss_scale=mtp_scale).total,
-                 ids.device)  # fmt: skip
+    def loss() -> torch.Tensor:  # the training step's fused head and loss (logits=False)
+        return language_model_loss(model(ids, logits=False), ids, mtp_loss_scale=mtp_scale).total
+
+    return timed_step(model, loss, ids.device)
 
 
 def timed_step(
@@ -171,6 +175,50 @@ def layer_type_times(model: torch.nn.Module, step: Step, device: torch.device) -
     return {symbol: dict(v) for symbol, v in sorted(totals.items())}
 
 
+def head_loss(
+    blueprint: Any, tokens: int, device: torch.device, repeats: int
+) -> dict[str, dict[str, float]]:
+    """The LM head and its cross-entropy alone on ``tokens`` random BF16 hidden states, fused
+    (``factory.kernels.linear_cross_entropy``) and unfused: median forward + backward seconds,
+    the peak memory each allocates beyond its inputs (CUDA), and the fused one's largest
+    difference from the unfused in the loss and in each gradient, over that gradient's scale."""
+    from factory.kernels.linear_cross_entropy import chunk_tokens_for, linear_cross_entropy
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, width = blueprint.model.vocab_size, blueprint.model.hidden_size
+    hidden = (torch.randn(tokens, width, generator=gen) / width**0.5).to(device, torch.bfloat16)
+    weight = (torch.randn(vocab, width, generator=gen) * 0.02).to(device, torch.bfloat16)
+    labels = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
+    chunk = chunk_tokens_for(vocab)
+    ways = {
+        "fused": lambda h, w: linear_cross_entropy(h, w, labels, chunk),
+        "unfused": lambda h, w: F.cross_entropy((h @ w.T).float(), labels, reduction="none"),
+    }
+    measured: dict[str, dict[str, float]] = {}
+    outputs = {}
+    for name, losses in ways.items():
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+
+        def once(h: torch.Tensor = h, w: torch.Tensor = w, losses: Any = losses) -> Any:
+            value = losses(h, w).mean()
+            return value.detach(), *torch.autograd.grad(value, (h, w))
+
+        outputs[name] = once()  # warm-up, and the values compared below
+        sync(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        times = sorted(timed(once, device) for _ in range(repeats))
+        peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else 0
+        measured[name] = {"seconds": times[len(times) // 2], "peak_bytes": peak}
+    measured["fused"]["chunk_tokens"] = chunk
+    for part, got, want in zip(("loss", "grad_hidden", "grad_weight"), *outputs.values(),
+                               strict=True):  # fmt: skip
+        scale = max(float(want.float().abs().max()), 1e-30)
+        measured["fused"][f"{part}_difference"] = float((got - want).float().abs().max()) / scale
+    return measured
+
+
 def prediction(blueprint: Any) -> dict[str, float]:
     """The performance model's step for this blueprint (its GPU, world size, batch)."""
     import factory
@@ -208,6 +256,10 @@ def run(ctx: SectionContext) -> None:
     eager = our_step(ours, ids, scale)
     layers = attempt(ctx, "layer types", lambda: layer_type_times(ours, eager, ctx.device))
     ctx.record("layer_types", layers or {})
+    loss = attempt(ctx, "head loss", lambda: head_loss(blueprint, batch * seq, ctx.device, 3))
+    ctx.record("head_loss", loss or {})
+    if loss and max(v for k, v in loss["fused"].items() if k.endswith("_difference")) > 2e-2:
+        ctx.fail(f"fused head loss differs from the unfused one: {loss['fused']}")
     compiled = copy.deepcopy(ours)
     compile_blocks(compiled, backend="aot_eager" if ctx.dry_run else "inductor")
     steps = working(ctx, {"ours eager": eager, "ours compiled": our_step(compiled, ids, scale)})
@@ -248,6 +300,12 @@ def markdown(results: dict[str, Any]) -> str:
         text += "\nOurs eager, per layer type (one step):\n\n" + table(
             ["layer type", "forward s", "backward s"],
             [[symbol, t["forward_s"], t["backward_s"]] for symbol, t in layers.items()],
+        )
+    head = results.get("head_loss", {})
+    if head:
+        text += "\nLM head + cross-entropy alone (forward + backward, BF16):\n\n" + table(
+            ["loss", "seconds", "peak MiB"],
+            [[name, h["seconds"], h["peak_bytes"] / 2**20] for name, h in head.items()],
         )
     return text
 

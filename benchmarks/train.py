@@ -116,7 +116,7 @@ class Trainer:
         for batch, count in zip(micro, counts, strict=True):
             start = time.perf_counter()
             weight = count / max(1, sum(counts))
-            output = self.model(batch.input_ids, batch.document_ids)
+            output = self.model(batch.input_ids, batch.document_ids, logits=False)
             for name, tokens in output.tokens_per_expert.items():
                 previous = outcome.tokens_per_expert.get(name)
                 outcome.tokens_per_expert[name] = tokens if previous is None else previous + tokens

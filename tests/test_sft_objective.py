@@ -47,7 +47,9 @@ class TableModel(nn.Module):
             nn.Parameter(torch.randn(VOCAB, VOCAB, generator=gen)) for _ in range(depths)
         )
 
-    def forward(self, ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> ModelOutput:
+    def forward(
+        self, ids: torch.Tensor, document_ids: torch.Tensor | None = None, logits: bool = True
+    ) -> ModelOutput:
         position = self.position[: ids.shape[1]]
         logits = self.token[ids] + position
         mtp = tuple(table[ids] + position for table in self.depths)

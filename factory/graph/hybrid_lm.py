@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from factory.graph.blocks import Block
+from factory.graph.loss import fused_head_problem
 from factory.graph.mtp_head import MultiTokenPrediction
 from factory.layers.model_spec import ModelSpec, model_spec
 from factory.nn.norms import RMSNorm
@@ -70,12 +71,18 @@ class HybridLM(nn.Module):
         check_against_spec(self, spec)
 
     def forward(
-        self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        document_ids: torch.Tensor | None = None,
+        logits: bool = True,
     ) -> ModelOutput:
         """``document_ids`` [B, S] (``factory.nn.packed_documents``) keeps packed documents apart:
         each position's logits are those of its document run alone. Under context
         parallelism ``input_ids`` and ``document_ids`` are the whole sequence and the
-        outputs are this rank's positions (``ModelOutput.positions``)."""
+        outputs are this rank's positions (``ModelOutput.positions``). ``logits=False``
+        leaves the head to the fused loss (``factory.graph.loss``): the output carries the
+        head's inputs and weight instead of logits, unless the head cannot be fused
+        (``fused_head_problem``: a vocab-parallel head), which returns logits anyway."""
         routed: dict[str, torch.Tensor] = {}
         aux: list[torch.Tensor] = []
         rms: dict[str, torch.Tensor] = {}
@@ -85,22 +92,26 @@ class HybridLM(nn.Module):
             positions = self.sequence_split.positions(input_ids.shape[1], input_ids.device)
             tokens = input_ids[:, positions]
         hidden = self.backbone(tokens, routed, aux, document_ids, rms)
-        logits = self.lm_head(self.backbone.norm_f(hidden))
-        mtp_logits: tuple[torch.Tensor, ...] = ()
+        fused = not logits and fused_head_problem(self.lm_head.weight) is None
+        head = None if fused else self.lm_head
+        normed = self.backbone.norm_f(hidden)
+        mtp_rows: tuple[torch.Tensor, ...] = ()
         if self.mtp is not None:
-            mtp_logits = self.mtp(
+            mtp_rows = self.mtp(
                 hidden,
                 input_ids,
                 self.backbone.embeddings,
-                self.lm_head,
+                head,
                 routed,
                 aux,
                 document_ids,
                 positions,
             )
         return ModelOutput(
-            logits=logits,
-            mtp_logits=mtp_logits,
+            logits=None if fused else self.lm_head(normed),
+            mtp_logits=() if fused else mtp_rows,
+            head_inputs=(normed, *mtp_rows) if fused else (),
+            head_weight=self.lm_head.weight if fused else None,
             aux_loss=torch.stack(aux).sum() if aux else None,
             tokens_per_expert=routed,
             hidden=hidden,

@@ -3,15 +3,27 @@
 Each target carries a weight (``target_weights``) and each loss is the weighted sum over
 the sum of the weights: 1 per target for the token average, 1 / (the targets of its
 document) for the per-conversation average of ``training.objective.loss_average``.
+
+The head and the cross-entropy are fused when the model leaves its head to the loss
+(``ModelOutput.head_inputs``, what the training step asks for): each head's loss is
+computed ``chunk_tokens_for(vocab)`` rows at a time (``factory.kernels.linear_cross_entropy``)
+and the [tokens, vocab] logits never exist. The unfused path stays for models that return
+logits: a vocab-parallel head (tensor parallelism gathers its logits over the ranks) and a
+pipeline's last stage (the schedule's loss reads its output). The head is never quantized
+(``factory.precision.policy.excluded_gemm_names``), so the fused GEMM is the head's own.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.nn import functional as F
 
+from factory.kernels.choice import KernelChoice
+from factory.kernels.linear_cross_entropy import chunk_tokens_for, linear_cross_entropy
 from factory.nn.outputs import ModelOutput
 from factory.nn.packed_documents import same_document
 from factory.schemas.model import ModelConfig, MTPConfig
@@ -19,11 +31,48 @@ from factory.schemas.training import LossAverage
 
 __all__ = [
     "LossBreakdown",
+    "fused_head_problem",
     "language_model_loss",
+    "loss_kernel",
     "micro_batch_share",
     "mtp_loss_scale",
     "target_weights",
 ]
+
+
+LOSS_OP = "lm loss"
+_VOCAB_SPLIT = "the head is vocab-parallel (tensor parallelism): its logits are gathered"
+_PIPELINED = "pipeline parallelism: the schedule's loss reads the last stage's logits"
+
+
+def _fused_problem(vocab_split: bool, pipelined: bool) -> str | None:
+    """Why the fused head and loss cannot run (None: they can): the one test that both the
+    model's head (``fused_head_problem``) and the kernel report (``loss_kernel``) ask."""
+    if vocab_split:
+        return _VOCAB_SPLIT
+    return _PIPELINED if pipelined else None
+
+
+def fused_head_problem(weight: torch.Tensor) -> str | None:
+    """Why a head with ``weight`` must return logits instead of leaving itself to the fused
+    loss; None when it need not. Tensor parallelism makes the head weight a DTensor (looked
+    up only when loaded: importing ``torch.distributed.tensor`` imports sympy, which
+    building a model must not)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    vocab_split = dtensor is not None and isinstance(weight, dtensor.DTensor)
+    return _fused_problem(vocab_split, pipelined=False)
+
+
+def loss_kernel(
+    model: ModelConfig, device: str, tensor_parallel: int = 1, pipeline_parallel: int = 1
+) -> KernelChoice:
+    """How the LM loss of ``model`` is computed on ``device`` (the same PyTorch code on
+    every device) under a layout with ``tensor_parallel`` and ``pipeline_parallel`` ranks."""
+    problem = _fused_problem(tensor_parallel > 1, pipeline_parallel > 1)
+    if problem is not None:
+        return KernelChoice(LOSS_OP, "unfused linear + cross-entropy (fp32 logits)", problem)
+    chunk = chunk_tokens_for(model.vocab_size)
+    return KernelChoice(LOSS_OP, f"fused chunked linear + cross-entropy ({chunk}-token chunks)")
 
 
 def mtp_loss_scale(cfg: ModelConfig) -> float:
@@ -97,7 +146,7 @@ def micro_batch_share(
 
 
 def _shifted(
-    logits: torch.Tensor,
+    head_rows: torch.Tensor,
     positions: torch.Tensor | None,
     input_ids: torch.Tensor,
     mask: torch.Tensor,
@@ -105,24 +154,55 @@ def _shifted(
     shift: int,
     average: LossAverage,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logits, labels, the weight of each, the whole sequence's denominator) of the rows
-    that predict the token ``shift`` ahead. Under context parallelism a rank's mean is taken
-    over the whole sequence's denominator (the weights are the whole sequence's too), so the
-    ranks' means add up to the sequence's."""
+    """(rows of ``head_rows``, labels, the weight of each, the whole sequence's denominator)
+    of the rows that predict the token ``shift`` ahead; ``head_rows`` [B, S, ...] are the
+    logits, or the head's inputs for the fused loss. Under context parallelism a rank's
+    mean is taken over the whole sequence's denominator (the weights are the whole
+    sequence's too), so the ranks' means add up to the sequence's."""
     weights, denominator = target_weights(mask, document_ids, shift, average)
     if positions is None:
-        return logits[:, :-shift], input_ids[:, shift:], weights, denominator
+        return head_rows[:, :-shift], input_ids[:, shift:], weights, denominator
     rows = (positions < input_ids.shape[1] - shift).nonzero().flatten()
     here = positions[rows]
-    return logits[:, rows], input_ids[:, here + shift], weights[:, here], denominator
+    return head_rows[:, rows], input_ids[:, here + shift], weights[:, here], denominator
+
+
+def _weighted_mean(
+    losses: torch.Tensor, weights: torch.Tensor, count: torch.Tensor
+) -> torch.Tensor:
+    return (losses * weights.flatten().to(losses.dtype)).sum() / count.clamp(min=1)
 
 
 def _shifted_ce(
     logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, count: torch.Tensor
 ) -> torch.Tensor:
     losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
-    weights = weights.flatten().to(losses.dtype)
-    return (losses * weights).sum() / count.clamp(min=1)
+    return _weighted_mean(losses, weights, count)
+
+
+_HeadLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _head_losses(
+    output: ModelOutput, chunk_tokens: int | None
+) -> list[tuple[torch.Tensor, _HeadLoss]]:
+    """Per head (the main one, then each MTP depth): a function of (rows, labels, weights,
+    denominator) giving its loss: the unfused cross-entropy of its logits, or the fused
+    head and loss of its inputs."""
+    if output.logits is not None:
+        return [(logits, _shifted_ce) for logits in (output.logits, *output.mtp_logits)]
+    weight = output.head_weight
+    if weight is None:
+        raise ValueError("a ModelOutput without logits must carry head_inputs and head_weight")
+    chunk = chunk_tokens or chunk_tokens_for(weight.shape[0])
+
+    def fused(
+        hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, count: torch.Tensor
+    ) -> torch.Tensor:
+        losses = linear_cross_entropy(hidden.flatten(0, 1), weight, labels.flatten(), chunk)
+        return _weighted_mean(losses, weights, count)
+
+    return [(hidden, fused) for hidden in output.head_inputs]
 
 
 def language_model_loss(
@@ -132,6 +212,7 @@ def language_model_loss(
     mtp_loss_scale: float = 0.0,
     document_ids: torch.Tensor | None = None,
     loss_average: LossAverage = "token",
+    chunk_tokens: int | None = None,
 ) -> LossBreakdown:
     """``lm + mtp_loss_scale * mean(mtp depths) + aux``.
 
@@ -144,19 +225,22 @@ def language_model_loss(
     (a row is one document without ``document_ids``); every MTP depth over its own targets.
     Under context parallelism (``output.positions``) the logits are this rank's rows of
     the whole sequence that ``input_ids`` holds, and the losses are over those rows.
+    A model that left its head to the loss (``output.head_inputs``) gets the fused head and
+    cross-entropy, ``chunk_tokens`` rows of logits at a time (None: ``chunk_tokens_for``).
     """
     mask = torch.ones_like(input_ids, dtype=torch.bool) if loss_mask is None else loss_mask.bool()
-    lm = _shifted_ce(
-        *_shifted(output.logits, output.positions, input_ids, mask, document_ids, 1, loss_average)
+    (main, main_loss), *depths = _head_losses(output, chunk_tokens)
+    lm = main_loss(
+        *_shifted(main, output.positions, input_ids, mask, document_ids, 1, loss_average)
     )
     mtp = []
-    for depth, depth_logits in enumerate(output.mtp_logits, start=1):
+    for depth, (rows, depth_loss) in enumerate(depths, start=1):
         shift = depth + 1
         if input_ids.shape[1] > shift:
             pieces = _shifted(
-                depth_logits, output.positions, input_ids, mask, document_ids, shift, loss_average
+                rows, output.positions, input_ids, mask, document_ids, shift, loss_average
             )
-            mtp.append(_shifted_ce(*pieces))
+            mtp.append(depth_loss(*pieces))
     total = lm
     if mtp:
         total = total + mtp_loss_scale * torch.stack(mtp).mean()

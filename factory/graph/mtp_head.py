@@ -48,14 +48,15 @@ class MultiTokenPrediction(nn.Module):
         hidden: torch.Tensor,
         input_ids: torch.Tensor,
         embed: nn.Embedding,
-        head: nn.Module,
+        head: nn.Module | None,
         routed: dict[str, torch.Tensor],
         aux: list[torch.Tensor],
         document_ids: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """Logits per depth; depth k's position i predicts token i+k+1 (the last k+1 have no
-        label). Routing statistics of the inner MoE layers are added to ``routed``/``aux``.
+        label). Without ``head``, each depth's head input (its final norm's output), for the
+        fused loss. Routing statistics of the inner MoE layers are added to ``routed``/``aux``.
         ``positions``: the sequence positions of ``hidden``'s rows (context parallelism;
         ``input_ids`` is then the whole sequence)."""
         size = len(self.layers) // self.blocks
@@ -72,5 +73,6 @@ class MultiTokenPrediction(nn.Module):
             for layer in layers:
                 hidden, out = layer(hidden, document_ids)
                 collect_routing(routed, aux, layer.path, out)
-            logits.append(head(layers[-1].final_layernorm(hidden)))
+            normed = layers[-1].final_layernorm(hidden)
+            logits.append(normed if head is None else head(normed))
         return tuple(logits)

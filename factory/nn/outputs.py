@@ -25,10 +25,12 @@ class RoutedOutput(NamedTuple):
 
 
 class ModelOutput(NamedTuple):
-    logits: torch.Tensor
-    """[B, S, V]: position i predicts token i+1."""
+    logits: torch.Tensor | None
+    """[B, S, V]: position i predicts token i+1. None when the model left the head to the
+    fused loss (``head_inputs``)."""
     mtp_logits: tuple[torch.Tensor, ...]
-    """One [B, S, V] tensor per MTP depth; depth k at position i predicts token i+k+1."""
+    """One [B, S, V] tensor per MTP depth; depth k at position i predicts token i+k+1
+    (empty when the head is left to the fused loss)."""
     aux_loss: torch.Tensor | None
     """Sum of the MoE layers' load-balancing losses (training mode only)."""
     tokens_per_expert: dict[str, torch.Tensor]
@@ -43,6 +45,17 @@ class ModelOutput(NamedTuple):
     positions: torch.Tensor | None = None
     """Under context parallelism, the sequence position of each row of the outputs (this
     rank's chunks, ``factory.nn.sequence_split``); None: row i is position i."""
+    head_inputs: tuple[torch.Tensor, ...] = ()
+    """When the model leaves its head to the fused loss (``factory.graph.loss``): the head's
+    [B, S, d] input, of the main head then of each MTP depth, instead of their logits."""
+    head_weight: torch.Tensor | None = None
+    """The [V, d] head weight that ``head_inputs`` are to be multiplied with."""
+
+    @property
+    def rows(self) -> torch.Size:
+        """[B, S]: the positions this output predicts from (this rank's, under CP)."""
+        head = self.logits if self.logits is not None else self.head_inputs[0]
+        return head.shape[:2]
 
 
 def collect_routing(

@@ -91,7 +91,7 @@ def forward_backward(
     lm_sum = torch.zeros((), dtype=torch.float64)
     for batch, count in zip(micro, counts, strict=True):
         weight = count / max(1, step_targets)
-        output = model(batch.input_ids, batch.document_ids)
+        output = model(batch.input_ids, batch.document_ids, logits=False)  # the fused loss
         for name, tokens in output.tokens_per_expert.items():
             previous = outcome.tokens_per_expert.get(name)
             outcome.tokens_per_expert[name] = tokens if previous is None else previous + tokens
@@ -110,7 +110,7 @@ def forward_backward(
         loss.backward()
         loss_sum += loss.item()
         lm_sum += weight * losses.lm.item()
-        outcome.tokens += output.logits.shape[:2].numel()  # this rank's positions
+        outcome.tokens += output.rows.numel()  # this rank's positions
     totals = ranks.sum_over_tokens(
         torch.stack([loss_sum, lm_sum, torch.tensor(outcome.tokens).double()])
     )
