@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from benchmarks.gpu_common import SectionContext, attempt, bf16_peak, sync, table, timed
 from benchmarks.timing import interleaved
