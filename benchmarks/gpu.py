@@ -7,7 +7,7 @@ it measures and its wall-clock budget on an H100):
 1. ``tests``: every test that skips without CUDA (``gpu_tests``);
 2. ``kernels``: Triton kernel bandwidth against the HBM peak (``gpu_kernels``);
 3. ``train_step``: the 1B blueprint's BF16 step, ours against transformers (``gpu_train``);
-4. ``moe``: ``torch._grouped_mm`` against padded bmm (``gpu_moe``);
+4. ``moe``: ``torch._grouped_mm`` against padded bmm, the Nano-width MoE block (``gpu_moe``);
 5. ``precision``: the emulated NVFP4 and MXFP8 steps against BF16 (``gpu_precision``);
 6. ``attention``: document-masked attention against SDPA with a mask (``gpu_attention``);
 7. ``nccl``: the distributed code paths on one NCCL rank (``gpu_nccl``).
@@ -15,7 +15,7 @@ it measures and its wall-clock budget on an H100):
 Each section runs in its own process under its budget: one that fails or runs out of time
 is recorded with its error (and whatever it measured before) and the command goes on; the
 exit status is 1 when any failed. The results files are rewritten after every section, so
-a device call cut short still returns what was done. The budgets add up to 560 s, so the
+a device call cut short still returns what was done. The budgets add up to 590 s, so the
 whole command, offline install included, fits one 10-minute device call. ``--only a,b`` runs some sections.
 
 ``--dry-run`` runs every section on CPU at tiny sizes (Triton under its interpreter, gloo
