@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -330,9 +330,65 @@ def grouped_mm_sorted(xs: torch.Tensor, dispatch: Dispatch, experts: ExpertWeigh
     offsets = dispatch.offsets
 
     def grouped(name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
+        w = w.transpose(1, 2)
+        if torch.compiler.is_compiling() and not _meta_traces(x, w):
+            return _traced_grouped_mm(x, w, offsets)
+        return torch._grouped_mm(x, w, offs=offsets)
 
     return experts.mlp(xs, grouped)
+
+
+def _meta_traces(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether torch.compile can trace ``_grouped_mm(a, b)`` itself: its meta kernel applies
+    CUDA's rules on every device, BF16 with 16-byte-aligned rows only
+    (``torch/_meta_registrations.py``, ``_meta_grouped_mm_common``)."""
+    aligned = all(n * a.dtype.itemsize % 16 == 0 for n in (a.shape[-1], b.shape[-1]))
+    return a.dtype == b.dtype == torch.bfloat16 and aligned
+
+
+@torch.library.custom_op("factory::grouped_mm", mutates_args=())
+def _traced_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``_grouped_mm(a [M, K], b [E, K, N], offs)`` -> [M, N] as an opaque op with its own
+    shape rule, so torch.compile traces it where the meta kernel refuses (fp32 on CPU; the
+    eager kernel runs these there, verified by :func:`grouped_mm_works`)."""
+    return torch._grouped_mm(a.contiguous(), b, offs=offs)
+
+
+@_traced_grouped_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
+@torch.library.custom_op("factory::grouped_mm_weight_grad", mutates_args=())
+def _grouped_mm_weight_grad(
+    a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
+    """Per group ``a_g^T grad_g``: [M, K], [M, N] -> [E, K, N], ``_grouped_mm`` over the
+    contraction (what its own backward computes for the weight)."""
+    return torch._grouped_mm(a.t(), grad.contiguous(), offs=offs)
+
+
+@_grouped_mm_weight_grad.register_fake
+def _(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(offs.shape[0], a.shape[1], grad.shape[1])
+
+
+def _traced_grouped_mm_setup(ctx: Any, inputs: tuple[torch.Tensor, ...], output: Any) -> None:
+    a, b, offs = inputs
+    ctx.save_for_backward(a, b, offs)
+
+
+def _traced_grouped_mm_backward(
+    ctx: Any, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, None]:
+    a, b, offs = ctx.saved_tensors
+    grad_a = _traced_grouped_mm(grad, b.transpose(1, 2), offs)
+    return grad_a, _grouped_mm_weight_grad(a, grad, offs), None
+
+
+_traced_grouped_mm.register_autograd(
+    _traced_grouped_mm_backward, setup_context=_traced_grouped_mm_setup
+)
 
 
 _GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
@@ -386,24 +442,19 @@ def grouped_mm_problem(
     dtype: torch.dtype,
     d_in: int,
     ff: int,
-    *,
-    compiled: bool = False,
 ) -> str | None:
     """Why ``torch._grouped_mm`` cannot run the experts of width ``d_in`` and ffn ``ff`` in
-    ``dtype`` on ``device`` (under ``torch.compile`` with ``compiled``), or None when it can:
-    the one test behind the sync-free path, asked by the dispatch, the kernel report and
-    whether an MoE block compiles."""
+    ``dtype`` on ``device``, or None when it can: the one test behind the sync-free path,
+    asked by the dispatch, the kernel report and whether an MoE block compiles (eager or
+    traced alike: where torch.compile's own rule refuses, :func:`grouped_mm_sorted` traces
+    the same kernel as an opaque op)."""
     device = torch.device(device)
     if not hasattr(torch, "_grouped_mm"):
         return "this torch has no torch._grouped_mm"
-    # CUDA's grouped GEMM wants 16-byte-aligned rows, and torch.compile traces it on any
-    # device through a meta kernel with CUDA's rules: BF16 only, aligned rows
-    # (torch/_meta_registrations.py, _meta_grouped_mm_common). CPU's eager one has neither.
+    # Its kernels (CUDA's and CPU's) want 16-byte-aligned rows.
     aligned = all(width * dtype.itemsize % 16 == 0 for width in (d_in, ff))
-    if (device.type == "cuda" or compiled) and not aligned:
+    if not aligned:
         return f"expert widths {d_in} and {ff} are not 16-byte aligned in {dtype}"
-    if compiled and dtype != torch.bfloat16:
-        return f"torch.compile traces torch._grouped_mm in BF16 only, not {dtype}"
     if not grouped_mm_works(device, dtype):
         return f"torch._grouped_mm does not run or differs from bmm on {device.type} in {dtype}"
     return None

@@ -84,10 +84,10 @@ def test_grouped_mm_path_equals_padded_bmm(
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def _moe(**cfg: object) -> MoE:
-    """A small MoE layer in BF16 (router in fp32, as factory.compile casts it): 8 experts,
-    top-2, aligned widths, a shared expert, sigmoid scores with an expert bias and the
-    sequence-wise aux loss; ``cfg`` overrides MoEConfig fields."""
+def _moe(dtype: torch.dtype = BF16, **cfg: object) -> MoE:
+    """A small MoE layer in ``dtype`` (router in fp32, as factory.compile casts it): 8
+    experts, top-2, aligned widths, a shared expert, sigmoid scores with an expert bias and
+    the sequence-wise aux loss; ``cfg`` overrides MoEConfig fields."""
     router = RouterConfig(score_function="sigmoid", expert_bias=True, aux_loss="seq_aux_loss",
                           aux_loss_coeff=1e-2, **cfg.pop("router", {}))  # fmt: skip
     fields = {"num_experts": 8, "top_k": 2, "expert_intermediate_size": 32,
@@ -98,7 +98,7 @@ def _moe(**cfg: object) -> MoE:
         torch.nn.init.normal_(p, std=0.2)
     with torch.no_grad():  # a bias that changes the choice, as a trained one does
         module.gate.e_score_correction_bias.copy_(torch.linspace(-0.3, 0.3, 8))
-    module.to(BF16)
+    module.to(dtype)
     module.gate.float()
     return module.train()
 
@@ -116,6 +116,7 @@ def _run(module: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 
 CONFIGS = {
     "plain": {},
+    "fp32": {"dtype": torch.float32},
     "latent": {"latent_size": 8},
     "swiglu": {"activation": "swiglu"},
     "capacity": {"capacity_factor": 1.0},
@@ -128,10 +129,12 @@ CONFIGS = {
 def test_moe_block_traces_in_one_graph_and_equals_eager(name: str) -> None:
     """``fullgraph=True`` fails on any graph break: a ``.item()``/``.tolist()``, a boolean
     mask or ``nonzero`` with a data-dependent size. aot_eager runs the traced graph's ops
-    unfused, so it equals eager bit for bit."""
+    unfused, so it equals eager bit for bit. BF16 traces ``_grouped_mm`` itself; fp32, which
+    its meta kernel refuses, through factory's opaque op over the same kernel."""
     module = _moe(**CONFIGS[name])
     assert module.sync_free()
-    x = torch.randn(2, 24, 16, generator=torch.Generator().manual_seed(1)).to(BF16)
+    dtype = module.experts.up_proj.dtype
+    x = torch.randn(2, 24, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
     eager = _run(module, x)
     torch._dynamo.reset()
     traced = torch.compile(module, fullgraph=True, backend="aot_eager", dynamic=False)
@@ -192,16 +195,17 @@ def test_route_tokens_unchecked_matches_checked_and_reads_nothing(monkeypatch) -
 
 
 def test_blocks_that_would_sync_are_not_sync_free() -> None:
-    """fp32 (compile traces ``_grouped_mm`` in BF16 only), a quantized GEMM hook (padded
-    batches), a forced padded path: each keeps the block eager."""
-    assert not _moe().float().sync_free()
+    """fp64 (no ``_grouped_mm``), unaligned widths (its kernels refuse them), a quantized
+    GEMM hook (padded batches), a forced padded path: each keeps the block eager."""
+    assert not _moe(torch.float64).sync_free()
+    assert not _moe(expert_intermediate_size=30).sync_free()
     hooked = _moe()
     hooked.experts.linear = lambda name, x, w: torch.bmm(x, w.transpose(1, 2))
     assert not hooked.sync_free()
     forced = _moe()
     forced.experts.path = "padded_bmm"
     assert not forced.sync_free()
-    assert grouped_mm_problem("cpu", BF16, 12, 32, compiled=True) is not None  # unaligned
+    assert grouped_mm_problem("cpu", BF16, 12, 32) is not None  # 24-byte rows
 
 
 def test_expert_module_takes_the_path_the_report_names(monkeypatch) -> None:

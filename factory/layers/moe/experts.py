@@ -53,8 +53,7 @@ def choose_path(dispatch: Dispatch, x: torch.Tensor, ff: int) -> ExpertPath:
     (``docs/architecture.md``, 'Expert GEMM path'). Without it, CPU takes padded bmm until
     its padding rows outweigh the per-expert calls' fixed cost (reading the counts on the
     host); other devices take padded bmm, which these CPU numbers say nothing against."""
-    compiling = torch.compiler.is_compiling()
-    if grouped_mm_problem(x.device, x.dtype, x.shape[1], ff, compiled=compiling) is None:
+    if grouped_mm_problem(x.device, x.dtype, x.shape[1], ff) is None:
         return "grouped_mm"
     pairs = dispatch.num_tokens * dispatch.top_k
     if x.device.type != "cpu" or pairs == 0:

@@ -148,17 +148,15 @@ class RoutedExperts(nn.Module):
 
     def sync_free(self) -> bool:
         """Whether :meth:`forward`, as set up now, runs with no host sync and shapes from
-        ``T``, ``k`` and ``E`` alone, and ``torch.compile`` traces it once: the ``grouped_mm``
-        path, verified for the weights' device, dtype and widths, compiled (BF16 with
-        16-byte-aligned rows, what its meta kernel accepts). Not with a quantized GEMM hook
-        installed (it takes padded batches, sized by the largest count on the host) nor with
-        another path forced. Asking runs the ``_grouped_mm`` probe eagerly, before any
+        ``T``, ``k`` and ``E`` alone, so ``torch.compile`` traces it once: the ``grouped_mm``
+        path, verified for the weights' device, dtype and widths. Not with a quantized GEMM
+        hook installed (it takes padded batches, sized by the largest count on the host) nor
+        with another path forced. Asking runs the ``_grouped_mm`` probe eagerly, before any
         tracing."""
         if self.linear is not None or self.path not in (None, "grouped_mm"):
             return False
         up = self.up_proj
-        widths = (up.shape[2], up.shape[1])
-        return grouped_mm_problem(up.device, up.dtype, *widths, compiled=True) is None
+        return grouped_mm_problem(up.device, up.dtype, up.shape[2], up.shape[1]) is None
 
     def _hook_matters(self) -> bool:
         """Whether the installed GEMM hook changes this call. After a precision switch to bf16
