@@ -96,7 +96,8 @@ class Dispatch:
     @cached_property
     def max_tokens_per_expert(self) -> int:
         """Largest entry of ``tokens_per_expert`` (the padded buffer's row count). Reading it
-        syncs with the host, once per dispatch: only the padded-bmm path asks."""
+        syncs with the host, once per dispatch: only the padded-bmm path (and CPU's choice
+        of path where ``_grouped_mm`` is not verified) asks."""
         return int(self.tokens_per_expert.max()) if self.tokens_per_expert.numel() else 0
 
     @property

@@ -276,7 +276,7 @@ def kernel_choices(model: ModelConfig, device: str) -> list[KernelChoice]:
     if problem is None:
         return [
             KernelChoice("moe dispatch", "device sort, int32 offsets on the device (no host sync)"),
-            KernelChoice("expert gemms", f"torch._grouped_mm, compiled with the block{quantized}"),
+            KernelChoice("expert gemms", f"torch._grouped_mm, the block compiles{quantized}"),
         ]
     # CPU's PyTorch paths are the reference there: no fallback to report.
     fallback = None if device == "cpu" else problem
