@@ -108,7 +108,8 @@ def _run(module: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     module.zero_grad(set_to_none=True)
     xl = x.clone().requires_grad_()
     out: RoutedOutput = module(xl)
-    probe = torch.cos(torch.arange(out.y.numel(), dtype=torch.float32)).view_as(out.y)
+    probe = torch.arange(out.y.numel(), dtype=torch.float32, device=out.y.device)
+    probe = torch.cos(probe).view_as(out.y)
     ((out.y.float() * probe).sum() + out.aux_loss).backward()
     grads = [p.grad for p in module.parameters() if p.requires_grad]
     return [out.y.detach(), out.aux_loss.detach(), out.tokens_per_expert, xl.grad, *grads]
@@ -247,7 +248,9 @@ def test_expert_module_takes_the_path_the_report_names(monkeypatch) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_block_makes_no_host_sync() -> None:
     """On the device: forward and backward of the MoE block under
-    ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronizing call."""
+    ``torch.cuda.set_sync_debug_mode("error")``, which raises on any synchronizing call; the
+    results equal the padded-bmm path's within BF16 rounding (2**-6 of each tensor's largest
+    magnitude: the GEMM kernels differ)."""
     module = _moe().cuda()
     if not module.sync_free():
         pytest.skip(f"no sync-free path: {grouped_mm_problem('cuda', BF16, 16, 32)}")
@@ -259,7 +262,8 @@ def test_cuda_block_makes_no_host_sync() -> None:
         out = _run(module, x)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    reference = _run(_moe(), x.cpu())
+    module.experts.path = "padded_bmm"  # the reference, on the same device and routing
+    reference = _run(module, x)
     for a, b in zip(out, reference, strict=True):
         scale = b.float().abs().max().clamp_min(1e-6)
-        assert float((a.cpu().float() - b.float()).abs().max()) <= 2**-6 * float(scale)
+        assert float((a.float() - b.float()).abs().max()) <= 2**-6 * float(scale)
