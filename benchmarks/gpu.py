@@ -13,7 +13,7 @@ wall-clock budget on an H100). A plain run takes issue 38's, whose budgets add u
    39.8k tokens/s (``gpu_train``);
 4. ``layers``: each layer type's block against its kernel alone and its GEMM floor
    (``gpu_layers``);
-5. ``moe``: ``torch._grouped_mm`` against padded bmm (``gpu_moe``);
+5. ``moe``: ``torch._grouped_mm`` against padded bmm, the Nano-width MoE block (``gpu_moe``);
 6. ``attention``: document-masked attention, flex vs varlen vs masked SDPA (``gpu_attention``).
 
 The sections whose figures are recorded in BENCHMARKS.md and which issue 38 does not change

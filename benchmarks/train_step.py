@@ -123,9 +123,10 @@ def load_skew(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, float]:
 
 
 def compile_both(ours: torch.nn.Module, theirs: torch.nn.Module) -> None:
-    """``torch.compile`` the same blocks of both models: ours by ``compile_blocks``, theirs
-    the decoder layers whose Hugging Face block type is one of those layer types' (every
-    type but MoE). The warm-up steps pay the compile."""
+    """``torch.compile`` the blocks of both models: ours by ``compile_blocks`` (the MoE blocks
+    too where their dispatch is sync-free: BF16 ``_grouped_mm``), theirs the decoder layers
+    whose Hugging Face block type has static shapes (every type but MoE: transformers' experts
+    loop reads the counts on the host). The warm-up steps pay the compile."""
     from factory.graph.block_compile import compile_blocks
     from factory.spec.layer_type import LAYER_TYPES
 

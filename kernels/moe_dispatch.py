@@ -16,6 +16,14 @@ routing is badly skewed. ``torch._grouped_mm`` runs the ragged matmuls with no
 padding; it is used on CUDA when a one-off probe shows it works there for the
 dtype (and can be requested explicitly with ``impl="grouped_mm"``).
 
+The ``_grouped_mm`` path never synchronizes with the host: the sort, the counts
+(a ``searchsorted`` over the sorted experts), the offsets (their int32 cumsum,
+a device tensor) and the gathers that sort and unsort the pairs all have sizes
+fixed by ``T``, ``k`` and ``E``, so ``torch.compile`` traces the whole MoE
+block as one graph. The padded path reads its buffer size (the largest count)
+on the host; it stays for the quantized GEMM hooks, which take [E, C, in]
+batches.
+
 The per-token combine gathers each pair's output back into (token, slot) order
 and sums over the ``k`` slots in fp32. That is the same sum an fp32
 ``index_add_`` scatter would form, but in a fixed order without atomics, so the
@@ -26,7 +34,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from functools import cached_property
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -37,11 +46,14 @@ __all__ = [
     "ExpertWeights",
     "activate",
     "combine",
+    "gather_pairs",
     "grouped_mlp",
+    "grouped_mm_problem",
     "grouped_mm_sorted",
     "grouped_mm_works",
     "relu_squared",
     "route_tokens",
+    "unsort_pairs",
 ]
 
 Activation = Literal["relu2", "swiglu"]
@@ -53,7 +65,10 @@ class Dispatch:
     """Expert-sorted layout of the ``T*k`` (token, slot) pairs of one routing.
 
     A *pair index* ``q = token * k + slot`` names a pair in the router's order;
-    a *sorted position* names it after the stable sort by expert.
+    a *sorted position* names it after the stable sort by expert. Every tensor
+    here has a size fixed by ``T``, ``k`` and ``E`` alone and lives on the
+    routing's device: building a dispatch reads nothing back to the host (only
+    :attr:`max_tokens_per_expert`, which the padded path needs, does).
     """
 
     num_tokens: int
@@ -71,8 +86,19 @@ class Dispatch:
     """[T*k] sorted position -> 0-based rank among that expert's pairs."""
     tokens_per_expert: torch.Tensor
     """[E] int64 pairs routed to each expert (for load-balancing statistics)."""
-    max_tokens_per_expert: int
-    """Largest entry of ``tokens_per_expert`` (the padded buffer's row count)."""
+
+    @property
+    def offsets(self) -> torch.Tensor:
+        """[E] int32 end of each expert's run of sorted pairs: ``torch._grouped_mm``'s
+        ``offs``, on the device."""
+        return torch.cumsum(self.tokens_per_expert, 0, dtype=torch.int32)
+
+    @cached_property
+    def max_tokens_per_expert(self) -> int:
+        """Largest entry of ``tokens_per_expert`` (the padded buffer's row count). Reading it
+        syncs with the host, once per dispatch: only the padded-bmm path (and CPU's choice
+        of path where ``_grouped_mm`` is not verified) asks."""
+        return int(self.tokens_per_expert.max()) if self.tokens_per_expert.numel() else 0
 
     @property
     def slot_index(self) -> torch.Tensor:
@@ -89,12 +115,17 @@ class Dispatch:
         return unsorted.reshape(self.num_tokens, self.top_k, *sorted_values.shape[1:])
 
 
-def route_tokens(top_k_index: torch.Tensor, num_experts: int) -> Dispatch:
+def route_tokens(top_k_index: torch.Tensor, num_experts: int, *, check: bool = True) -> Dispatch:
     """Sort the (token, slot) pairs of ``top_k_index`` [T, k] by expert.
 
-    Raises ValueError for an index outside ``[0, num_experts)``. Costs one
-    device-to-host sync (the range check and the largest expert count, read
-    together), which the padded buffer's size needs anyway.
+    With ``check`` (the default), raises ValueError for an index outside
+    ``[0, num_experts)``, at the cost of one device-to-host read. ``check=False``
+    is for indices that cannot be out of range (a top-k over ``num_experts``
+    scores, as the MoE router's): then nothing is read back to the host and every
+    shape follows from ``T``, ``k`` and ``E``, so ``torch.compile`` traces it in one
+    graph. The counts come from a ``searchsorted`` over the sorted experts rather
+    than ``bincount`` (whose CUDA kernel reads the largest index to size its
+    output) or an atomic scatter.
     """
     if top_k_index.ndim != 2:
         raise ValueError(f"top_k_index must be [tokens, k], got {tuple(top_k_index.shape)}")
@@ -106,21 +137,19 @@ def route_tokens(top_k_index: torch.Tensor, num_experts: int) -> Dispatch:
     flat = top_k_index.reshape(-1).long()
     pairs = flat.numel()
     device = flat.device
-
-    tokens_per_expert = torch.bincount(flat.clamp(0, num_experts - 1), minlength=num_experts)
-    if pairs:
-        lo, hi, max_count = torch.stack([flat.min(), flat.max(), tokens_per_expert.max()]).tolist()
+    if check and pairs:
+        lo, hi = torch.stack([flat.min(), flat.max()]).tolist()
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"expert indices must lie in [0, {num_experts}), got [{lo}, {hi}]")
-    else:
-        max_count = 0
 
     order = torch.argsort(flat, stable=True)
     expert_index = flat[order]
+    experts = torch.arange(num_experts, device=device)
+    expert_start = torch.searchsorted(expert_index, experts)
+    expert_end = torch.searchsorted(expert_index, experts, right=True)
     positions = torch.arange(pairs, device=device)
-    inverse_order = torch.empty_like(order)
-    inverse_order[order] = positions
-    expert_start = torch.cumsum(tokens_per_expert, 0) - tokens_per_expert
+    # A permutation's inverse by scatter: each position is written once, no accumulation.
+    inverse_order = torch.empty_like(order).scatter_(0, order, positions)
     return Dispatch(
         num_tokens=num_tokens,
         top_k=top_k,
@@ -129,10 +158,71 @@ def route_tokens(top_k_index: torch.Tensor, num_experts: int) -> Dispatch:
         inverse_order=inverse_order,
         token_index=order // max(top_k, 1),
         expert_index=expert_index,
-        rank_in_expert=positions - expert_start[expert_index],
-        tokens_per_expert=tokens_per_expert,
-        max_tokens_per_expert=int(max_count),
+        rank_in_expert=positions - expert_start.index_select(0, expert_index),
+        tokens_per_expert=expert_end - expert_start,
     )
+
+
+class _GatherPairs(torch.autograd.Function):
+    """Token rows [T, d] -> their pairs sorted by expert [T*k, d], a gather whose gradient is
+    also a gather: the pairs' gradients back in router order, summed over the k slots. The
+    plain ``index_select``'s backward is an ``index_add_``, which on CUDA adds a token's k
+    gradients with float atomics in no fixed order; this sum has one order everywhere."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        token_index: torch.Tensor,
+        inverse_order: torch.Tensor,
+        top_k: int,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(inverse_order)
+        ctx.shape = (x.shape[0], top_k, x.shape[1])
+        return x.index_select(0, token_index)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None, None]:
+        (inverse_order,) = ctx.saved_tensors
+        by_pair = grad.index_select(0, inverse_order)
+        return by_pair.view(ctx.shape).sum(1), None, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """Rows reordered by a permutation ``index`` (``out[i] = rows[index[i]]``); the gradient
+    goes back through ``inverse`` as a gather too, with no scatter-add."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        rows: torch.Tensor,
+        index: torch.Tensor,
+        inverse: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return rows.index_select(0, index)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def gather_pairs(x: torch.Tensor, dispatch: Dispatch) -> torch.Tensor:
+    """Token rows [T, d] -> one row per pair in sorted order [T*k, d] (each expert's run
+    contiguous), with a deterministic gradient (the k slots summed in slot order)."""
+    if dispatch.top_k == 0:
+        return x.new_zeros(0, x.shape[1])
+    return _GatherPairs.apply(x, dispatch.token_index, dispatch.inverse_order, dispatch.top_k)
+
+
+def unsort_pairs(sorted_rows: torch.Tensor, dispatch: Dispatch) -> torch.Tensor:
+    """Pair rows in sorted order [T*k, d] -> router order [T*k, d], gathers both ways."""
+    return _Permute.apply(sorted_rows, dispatch.inverse_order, dispatch.order)
 
 
 class _ReluSquared(torch.autograd.Function):
@@ -230,19 +320,76 @@ def _experts_padded_bmm(
 def _experts_grouped_mm(
     x: torch.Tensor, dispatch: Dispatch, experts: ExpertWeights
 ) -> torch.Tensor:
-    """Same as :func:`_experts_padded_bmm` through ``torch._grouped_mm`` (no padding)."""
-    return grouped_mm_sorted(x[dispatch.token_index], dispatch, experts)[dispatch.inverse_order]
+    """Same as :func:`_experts_padded_bmm` through ``torch._grouped_mm`` (no padding): no host
+    sync, and every shape is ``T*k`` rows."""
+    return unsort_pairs(grouped_mm_sorted(gather_pairs(x, dispatch), dispatch, experts), dispatch)
 
 
 def grouped_mm_sorted(xs: torch.Tensor, dispatch: Dispatch, experts: ExpertWeights) -> torch.Tensor:
     """The expert MLPs on pairs sorted by expert [T*k, d] -> [T*k, d], one ``_grouped_mm``
     per projection over the experts' runs."""
-    offsets = torch.cumsum(dispatch.tokens_per_expert, 0).to(torch.int32)
+    offsets = dispatch.offsets
 
     def grouped(name: str, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
+        w = w.transpose(1, 2)
+        if torch.compiler.is_compiling() and not _meta_traces(x, w):
+            return _traced_grouped_mm(x, w, offsets)
+        return torch._grouped_mm(x, w, offs=offsets)
 
     return experts.mlp(xs, grouped)
+
+
+def _meta_traces(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether torch.compile can trace ``_grouped_mm(a, b)`` itself: its meta kernel applies
+    CUDA's rules on every device, BF16 with 16-byte-aligned rows only
+    (``torch/_meta_registrations.py``, ``_meta_grouped_mm_common``)."""
+    aligned = all(n * a.dtype.itemsize % 16 == 0 for n in (a.shape[-1], b.shape[-1]))
+    return a.dtype == b.dtype == torch.bfloat16 and aligned
+
+
+@torch.library.custom_op("factory::grouped_mm", mutates_args=())
+def _traced_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``_grouped_mm(a [M, K], b [E, K, N], offs)`` -> [M, N] as an opaque op with its own
+    shape rule, so torch.compile traces it where the meta kernel refuses (fp32 on CPU; the
+    eager kernel runs these there, verified by :func:`grouped_mm_works`)."""
+    return torch._grouped_mm(a.contiguous(), b, offs=offs)
+
+
+@_traced_grouped_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[-1])
+
+
+@torch.library.custom_op("factory::grouped_mm_weight_grad", mutates_args=())
+def _grouped_mm_weight_grad(
+    a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
+    """Per group ``a_g^T grad_g``: [M, K], [M, N] -> [E, K, N], ``_grouped_mm`` over the
+    contraction (what its own backward computes for the weight)."""
+    return torch._grouped_mm(a.t(), grad.contiguous(), offs=offs)
+
+
+@_grouped_mm_weight_grad.register_fake
+def _(a: torch.Tensor, grad: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(offs.shape[0], a.shape[1], grad.shape[1])
+
+
+def _traced_grouped_mm_setup(ctx: Any, inputs: tuple[torch.Tensor, ...], output: Any) -> None:
+    a, b, offs = inputs
+    ctx.save_for_backward(a, b, offs)
+
+
+def _traced_grouped_mm_backward(
+    ctx: Any, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, None]:
+    a, b, offs = ctx.saved_tensors
+    grad_a = _traced_grouped_mm(grad, b.transpose(1, 2), offs)
+    return grad_a, _grouped_mm_weight_grad(a, grad, offs), None
+
+
+_traced_grouped_mm.register_autograd(
+    _traced_grouped_mm_backward, setup_context=_traced_grouped_mm_setup
+)
 
 
 _GROUPED_MM_WORKS: dict[tuple[str, torch.dtype], bool] = {}
@@ -256,6 +403,10 @@ def grouped_mm_works(device: torch.device | str, dtype: torch.dtype) -> bool:
     """
     device = torch.device(device)
     key = (device.type, dtype)
+    if torch.compiler.is_compiling():
+        # The probe runs eagerly before tracing (``RoutedExperts.sync_free``, which decides
+        # whether a block compiles, asks first); tracing it would break the graph.
+        return _GROUPED_MM_WORKS.get(key, False)
     if key not in _GROUPED_MM_WORKS:
         _GROUPED_MM_WORKS[key] = _probe_grouped_mm(device, dtype)
     return _GROUPED_MM_WORKS[key]
@@ -287,6 +438,29 @@ def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+def grouped_mm_problem(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    d_in: int,
+    ff: int,
+) -> str | None:
+    """Why ``torch._grouped_mm`` cannot run the experts of width ``d_in`` and ffn ``ff`` in
+    ``dtype`` on ``device``, or None when it can: the one test behind the sync-free path,
+    asked by the dispatch, the kernel report and whether an MoE block compiles (eager or
+    traced alike: where torch.compile's own rule refuses, :func:`grouped_mm_sorted` traces
+    the same kernel as an opaque op)."""
+    device = torch.device(device)
+    if not hasattr(torch, "_grouped_mm"):
+        return "this torch has no torch._grouped_mm"
+    # Its kernels (CUDA's and CPU's) want 16-byte-aligned rows.
+    aligned = all(width * dtype.itemsize % 16 == 0 for width in (d_in, ff))
+    if not aligned:
+        return f"expert widths {d_in} and {ff} are not 16-byte aligned in {dtype}"
+    if not grouped_mm_works(device, dtype):
+        return f"torch._grouped_mm does not run or differs from bmm on {device.type} in {dtype}"
+    return None
+
+
 def _use_grouped_mm(impl: Impl, x: torch.Tensor, experts: ExpertWeights) -> bool:
     if impl == "bmm":
         return False
@@ -294,14 +468,12 @@ def _use_grouped_mm(impl: Impl, x: torch.Tensor, experts: ExpertWeights) -> bool
         if not hasattr(torch, "_grouped_mm"):
             raise RuntimeError("impl='grouped_mm' but this torch has no torch._grouped_mm")
         return True
-    # "auto": only where verified, and only for the 16-byte-aligned row strides it needs.
+    # "auto": only where verified (CPU's choice by load is ``layers.moe.experts``').
     weights = (experts.up, experts.down, experts.gate)
     return (
         x.device.type == "cuda"
-        and x.shape[1] % 8 == 0
-        and experts.up.shape[1] % 8 == 0
         and all(w is None or w.is_contiguous() for w in weights)
-        and grouped_mm_works(x.device, x.dtype)
+        and grouped_mm_problem(x.device, x.dtype, x.shape[1], experts.up.shape[1]) is None
     )
 
 

@@ -113,10 +113,10 @@ def test_choose_path_by_load() -> None:
     for index in (balanced, hot):
         expected = "grouped_mm" if grouped_mm_works("cpu", torch.float32) else None
         if expected:
-            assert choose_path(route_tokens(index, 8), torch.randn(1, 8)) == expected
+            assert choose_path(route_tokens(index, 8), torch.randn(1, 8), 16) == expected
     x64 = torch.randn(1, 8, dtype=torch.float64)
-    assert choose_path(route_tokens(balanced, 8), x64) == "padded_bmm"
-    assert choose_path(route_tokens(hot, 8), x64) == "per_expert"
+    assert choose_path(route_tokens(balanced, 8), x64, 16) == "padded_bmm"
+    assert choose_path(route_tokens(hot, 8), x64, 16) == "per_expert"
 
 
 def test_quantized_linear_keeps_padded_path() -> None:

@@ -2,9 +2,12 @@
 
 Compiling block by block, as torchtitan does, keeps each graph small (it compiles in
 seconds, and identical blocks share one compiled graph) and leaves the rest of the step
-eager. Which blocks qualify is the layer type's ``static_shapes``: Mamba, attention and
-the dense MLP do; the MoE block does not, because the router decides how many rows each
-expert multiplies, and a graph traced for one routing would be retraced for the next.
+eager. Which blocks qualify is the layer type's ``compiles(block)``: Mamba, attention and
+the dense MLP always do; the MoE block does where its dispatch is sync-free (the
+``torch._grouped_mm`` path, verified for its device and dtype, no quantized expert GEMM
+hook, no expert-parallel all-to-all). Elsewhere the router decides how many rows the padded
+path multiplies, read on the host, and a graph traced for one routing would be retraced
+for the next.
 
 On CPU the gain is inductor fusing the elementwise passes between the GEMMs into one
 loop each (the Mamba mixer's conv, gating, decays and their gradients); the GEMMs stay
@@ -22,8 +25,7 @@ __all__ = ["compile_blocks"]
 
 
 def compile_blocks(model: nn.Module, backend: str = "inductor") -> list[str]:
-    """Compile every :class:`Block` of ``model`` whose layer type has static shapes, in
-    place; return their paths (``backbone.layers.0`` ...). The first step then pays the
+    """Compile every :class:`Block` of ``model`` its layer type says compiles, in place; return their paths (``backbone.layers.0`` ...). The first step then pays the
     compile time (seconds per distinct block type); later steps with the same batch shape
     reuse the graphs. Blocks are compiled with ``dynamic=False``: a new batch shape compiles
     again, rather than every shape paying for symbolic sizes. ``backend`` is torch.compile's
@@ -31,7 +33,7 @@ def compile_blocks(model: nn.Module, backend: str = "inductor") -> list[str]:
     run checks the compiled path on CPU with it, in seconds)."""
     compiled = []
     for name, module in model.named_modules():
-        if isinstance(module, Block) and layer_type(module.symbol).static_shapes:
+        if isinstance(module, Block) and layer_type(module.symbol).compiles(module):
             module.compile(dynamic=False, backend=backend)
             compiled.append(name)
     return compiled

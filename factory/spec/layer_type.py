@@ -165,9 +165,10 @@ class LayerType:
     (``mixer.q_proj`` -> ``self_attention.linear_qkv``): several of ours may share one fused
     Megatron module. Read by the Megatron export's per-module quantization recipe."""
     static_shapes: ClassVar[bool] = True
-    """Every tensor's shape in the block follows from the batch's shape alone, so
-    ``torch.compile`` traces the block once (``factory.graph.block_compile``). False where
-    the data decides shapes, as routing decides each expert's rows."""
+    """Every tensor's shape in the block follows from the batch's shape alone on every path,
+    so ``torch.compile`` traces the block once (``factory.graph.block_compile``). False where
+    the data decides shapes on some path, as routing decides each expert's rows on the
+    padded one; :meth:`compiles` then asks the block."""
 
     title: ClassVar[str | None] = None
     """How pages and pictures name the layer type ('Mamba-2', 'MoE'); None: its ``name``."""
@@ -335,6 +336,13 @@ class LayerType:
     def build(self, model: ModelConfig) -> nn.Module:
         """The mixer module: ``build(model)`` of the folder's ``module.py``."""
         return self.torch_side().build(model)
+
+    def compiles(self, block: nn.Module) -> bool:
+        """Whether ``compile_blocks`` compiles ``block``, a built block of this type, as it is
+        set up now (device, dtype, installed hooks): its forward has no host sync and no shape
+        the data decides, so one graph serves every batch of a shape. :attr:`static_shapes`
+        unless the layer type overrides it to ask its module."""
+        return self.static_shapes
 
     def kernel_choices(self, model: ModelConfig, device: str) -> list[KernelChoice]:
         """The kernels this layer's module runs on ``device`` (``"cuda"``, ``"cpu"``), each

@@ -21,7 +21,13 @@ One MoE layer's forward on one rank:
    one ``all_to_all_single`` of ``E`` integers over EP, then what each rank
    receives (``EP*L`` integers) is all-gathered over ETP, so every rank knows
    how many rows each ETP peer will bring for each local expert; all split sizes
-   are read to the host together (one sync).
+   are read to the host together. That is the layer's one host sync, and it is
+   inherent to the exchange: ``all_to_all_single`` takes its split sizes as
+   host lists, and the receive buffer's size is the peers' data (Megatron-Core's
+   ``MoEAlltoAllTokenDispatcher`` syncs there too). Everything else (the routing,
+   the send buffer, the local experts' sort and their ``_grouped_mm`` path, the
+   combine) reads nothing back, so the EP block is not compiled
+   (``MoE.sync_free``) but costs one sync per layer, not one per step of it.
 3. Dispatch over EP: ``route_tokens`` already sorted the pairs by expert, and
    EP rank ``j``'s experts are contiguous, so the kept pairs in sorted order are
    grouped by destination: one ``index_select`` builds the send buffer and one
@@ -138,14 +144,18 @@ class AllToAllDispatcher:
                 f"{self.num_experts}"
             )
         num_tokens, d_in = x.shape
-        # Sorted positions of the pairs sent (all, or each expert's first `capacity`).
-        if capacity is None:
-            sent, kept_per_expert = None, dispatch.tokens_per_expert
-        else:
-            sent = (dispatch.rank_in_expert < capacity).nonzero().squeeze(1)
-            kept_per_expert = dispatch.tokens_per_expert.clamp(max=capacity)
-        sources = dispatch.token_index if sent is None else dispatch.token_index[sent]
+        kept_per_expert = dispatch.tokens_per_expert
+        if capacity is not None:
+            kept_per_expert = kept_per_expert.clamp(max=capacity)
         splits = self._exchange_counts(kept_per_expert)
+        # Sorted positions of the pairs sent (all, or each expert's first `capacity`): the
+        # kept ones in sorted order lead a stable argsort of "dropped", and their number is
+        # already on the host, so no nonzero() with its own sync.
+        sent = None
+        if capacity is not None:
+            dropped = (dispatch.rank_in_expert >= capacity).to(torch.int8)
+            sent = torch.argsort(dropped, stable=True)[: sum(splits.send)]
+        sources = dispatch.token_index if sent is None else dispatch.token_index[sent]
 
         rows = x.index_select(0, sources)
         if self.ep_size > 1:
@@ -154,9 +164,9 @@ class AllToAllDispatcher:
             rows = gather_rows(rows, splits.peers, self.etp_group)
         local_expert = torch.arange(self.num_local, device=x.device)
         local_expert = local_expert.repeat(self.etp_size * self.ep_size)
-        local_dispatch = route_tokens(
-            local_expert.repeat_interleave(splits.per_expert)[:, None], self.num_local
-        )
+        # The row count is on the host already: repeat_interleave need not read it back.
+        local_index = local_expert.repeat_interleave(splits.per_expert, output_size=rows.shape[0])
+        local_dispatch = route_tokens(local_index[:, None], self.num_local, check=False)
         # Through the module, not grouped_mlp on its weights: FSDP's hooks gather them.
         out = experts(rows, local_dispatch, None)
         if self.etp_size > 1:

@@ -13,6 +13,10 @@ contiguous run of ``n_e`` pairs. The three paths compute the same expert MLPs on
 Which one is fastest was measured, not guessed (``python -m benchmarks train_step
 --experts``; numbers in ``docs/architecture.md``, 'Expert GEMM path'). :func:`choose_path`
 applies the rule derived from them.
+
+Only ``grouped_mm`` runs without a host sync (padded bmm reads the largest count to size
+its buffer, per-expert the counts to split the runs), so it is the path on every device
+where it is verified, and the one ``torch.compile`` traces (``RoutedExperts.sync_free``).
 """
 
 from __future__ import annotations
@@ -25,8 +29,10 @@ import torch.nn.functional as F
 from factory.kernels.moe_dispatch import (
     Dispatch,
     ExpertWeights,
+    gather_pairs,
+    grouped_mm_problem,
     grouped_mm_sorted,
-    grouped_mm_works,
+    unsort_pairs,
 )
 
 __all__ = ["PATHS", "ExpertPath", "choose_path", "pair_outputs"]
@@ -39,18 +45,19 @@ PER_EXPERT_ROWS = 64
 per buffer row (fwd + bwd at d=128, ff=256) and a per-expert call ~0.8 ms of fixed cost."""
 
 
-def choose_path(dispatch: Dispatch, x: torch.Tensor) -> ExpertPath:
-    """The path for this routing's load, on CPU by the measurements in ``docs/architecture.md``
-    ('Expert GEMM path'): ``_grouped_mm`` wherever it is verified for the dtype (a probe
-    against padded bmm, forward and backward, cached), being as fast as padded bmm when the
-    load is even and 3-6x faster when skewed; otherwise padded bmm until its padding rows
-    outweigh the per-expert calls' fixed cost. Other devices keep ``grouped_mlp``'s own choice
-    (grouped_mm on CUDA where verified), which these CPU numbers say nothing about."""
+def choose_path(dispatch: Dispatch, x: torch.Tensor, ff: int) -> ExpertPath:
+    """The path for experts of ffn width ``ff`` on this routing: ``_grouped_mm`` on any device
+    where it is verified for the dtype and widths (:func:`grouped_mm_problem`: a probe against
+    padded bmm, forward and backward, cached), the one path with no host sync; on CPU it is
+    also as fast as padded bmm when the load is even and 3-6x faster when skewed
+    (``docs/architecture.md``, 'Expert GEMM path'). Without it, CPU takes padded bmm until
+    its padding rows outweigh the per-expert calls' fixed cost (reading the counts on the
+    host); other devices take padded bmm, which these CPU numbers say nothing against."""
+    if grouped_mm_problem(x.device, x.dtype, x.shape[1], ff) is None:
+        return "grouped_mm"
     pairs = dispatch.num_tokens * dispatch.top_k
     if x.device.type != "cpu" or pairs == 0:
         return "padded_bmm"
-    if grouped_mm_works(x.device, x.dtype):
-        return "grouped_mm"
     wasted = dispatch.num_experts * dispatch.max_tokens_per_expert - pairs
     used = int((dispatch.tokens_per_expert > 0).sum())
     return "padded_bmm" if wasted <= PER_EXPERT_ROWS * used else "per_expert"
@@ -72,9 +79,9 @@ def pair_outputs(
 ) -> torch.Tensor:
     """Expert output of every (token, slot) pair in router order [T*k, d] by an unpadded path.
 
-    ``index_select`` both ways: its backward is an ``index_add_`` (advanced indexing's is a
-    slower accumulating ``index_put_``) and it hands ``_grouped_mm`` the contiguous gradient
-    its CPU backward needs (an expanded one fails there with 'Invalid strides')."""
-    xs = x.index_select(0, dispatch.token_index)
+    The pairs are sorted and unsorted by gathers whose gradients are gathers too
+    (``gather_pairs``, ``unsort_pairs``): no scatter-add, so the gradients are deterministic
+    on every device, and ``_grouped_mm`` gets the contiguous gradient its CPU backward needs
+    (an expanded one fails there with 'Invalid strides')."""
     run = grouped_mm_sorted if path == "grouped_mm" else _per_expert
-    return run(xs, dispatch, experts).index_select(0, dispatch.inverse_order)
+    return unsort_pairs(run(gather_pairs(x, dispatch), dispatch, experts), dispatch)

@@ -20,6 +20,7 @@ from factory.kernels.moe_dispatch import (
     ExpertWeights,
     combine,
     grouped_mlp,
+    grouped_mm_problem,
     route_tokens,
 )
 from factory.layers.mlp.module import MLP
@@ -95,7 +96,8 @@ class Router(nn.Module):
         """Aux-loss-free balancing (DeepSeek-V3): raise the bias of experts that received fewer
         than the mean of ``load`` (tokens per expert over the optimizer step), lower the others."""
         bias = self.e_score_correction_bias
-        if bias is not None and load.sum() > 0:
+        # No `load.sum() > 0` test (a host read): with no load every sign is 0 anyway.
+        if bias is not None:
             load = load.to(bias.device, torch.float32)
             bias += self.cfg.expert_bias_update_rate * torch.sign(load.mean() - load)
 
@@ -135,10 +137,26 @@ class RoutedExperts(nn.Module):
         experts = ExpertWeights(up, down, self.activation, gate)
         linear = self.linear if self._hook_matters() else None
         # The quantized GEMMs take padded [E, C, in] batches, so they keep the padded path.
-        path = "padded_bmm" if linear is not None else self.path or choose_path(dispatch, x)
+        path = (
+            "padded_bmm"
+            if linear is not None
+            else self.path or choose_path(dispatch, x, up.shape[1])
+        )
         if path != "padded_bmm":
             return combine(pair_outputs(path, x, dispatch, experts), dispatch, weights, x.dtype)
         return grouped_mlp(x, dispatch, experts, weights, linear=linear)
+
+    def sync_free(self) -> bool:
+        """Whether :meth:`forward`, as set up now, runs with no host sync and shapes from
+        ``T``, ``k`` and ``E`` alone, so ``torch.compile`` traces it once: the ``grouped_mm``
+        path, verified for the weights' device, dtype and widths. Not with a quantized GEMM
+        hook installed (it takes padded batches, sized by the largest count on the host) nor
+        with another path forced. Asking runs the ``_grouped_mm`` probe eagerly, before any
+        tracing."""
+        if self.linear is not None or self.path not in (None, "grouped_mm"):
+            return False
+        up = self.up_proj
+        return grouped_mm_problem(up.device, up.dtype, up.shape[2], up.shape[1]) is None
 
     def _hook_matters(self) -> bool:
         """Whether the installed GEMM hook changes this call. After a precision switch to bf16
@@ -206,6 +224,12 @@ class MoE(nn.Module):
         kept = dispatch.unpermute(dispatch.rank_in_expert < capacity)
         return weights * kept.to(weights.dtype)
 
+    def sync_free(self) -> bool:
+        """Whether :meth:`forward` runs with no host sync and static shapes, so the block
+        compiles (``MixtureOfExperts.compiles``): the routed experts' sync-free path, and no
+        expert-parallel dispatcher (its all-to-all takes the split sizes as host lists)."""
+        return self.dispatcher is None and self.experts.sync_free()
+
     def update_expert_bias(self, load: torch.Tensor) -> None:
         """The routing mixer's half of the aux-loss-free step (every mixer that returns a
         :class:`RoutedOutput` has one): the router moves its expert bias by ``load``."""
@@ -217,7 +241,8 @@ class MoE(nn.Module):
         flat = x.reshape(-1, width)
         weights, indices, scores = self.gate(flat)
         aux = self.gate.aux_loss(scores, indices, batch) if self.training else None
-        dispatch = route_tokens(indices, self.cfg.num_experts)
+        # A top-k over num_experts scores cannot leave the range: no check, no host read.
+        dispatch = route_tokens(indices, self.cfg.num_experts, check=False)
         weights = self._drop_over_capacity(dispatch, weights)
         h = self.fc1_latent_proj(flat) if self.fc1_latent_proj is not None else flat
         if self.dispatcher is None:
@@ -237,8 +262,26 @@ def build(model: ModelConfig) -> MoE:
 
 
 def kernel_choices(model: ModelConfig, device: str) -> list[KernelChoice]:
-    """The MoE block's kernels on ``device``: the routing's sort and the expert GEMMs."""
+    """The MoE block's kernels on ``device``: the routing's sort and the expert GEMMs, from the
+    test :func:`choose_path` makes (``grouped_mm_problem``), for the dtype a run computes in
+    there (BF16 on CUDA, fp32 elsewhere). A precision recipe's quantized expert GEMMs take
+    padded [E, C, in] batches whatever the device, so they keep the padded path and their
+    blocks stay eager (``RoutedExperts.sync_free``)."""
+    moe = model.moe
+    assert moe is not None
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    width = moe.latent_size or model.hidden_size
+    problem = grouped_mm_problem(device, dtype, width, moe.expert_intermediate_size)
+    quantized = "; quantized expert GEMMs: padded bmm, eager"
+    if problem is None:
+        return [
+            KernelChoice("moe dispatch", "device sort, int32 offsets on the device (no host sync)"),
+            KernelChoice("expert gemms", f"torch._grouped_mm, the block compiles{quantized}"),
+        ]
+    # CPU's PyTorch paths are the reference there: no fallback to report.
+    fallback = None if device == "cpu" else problem
+    gemms = "padded bmm or per-expert mm, by load" if device == "cpu" else "padded bmm"
     return [
-        KernelChoice("moe dispatch", "stable sort, token counts read on the host"),
-        KernelChoice("expert gemms", "torch._grouped_mm or padded bmm, chosen per routing"),
+        KernelChoice("moe dispatch", "stable sort, largest count read on the host", fallback),
+        KernelChoice("expert gemms", f"{gemms}, block eager{quantized}", fallback),
     ]

@@ -62,7 +62,7 @@ class MixtureOfExperts(LayerType):
     section = "moe"
     context_parallel = "token_wise"
     hf_block_type = "moe"
-    static_shapes = False  # each expert's rows are the router's choice
+    static_shapes = False  # each expert's rows are the router's choice (padded path)
     checkpoint_marker = "gate.weight"
     upcycles_from = DenseMLP.symbol
     megatron_modules: ClassVar[dict[str, str]] = {
@@ -238,6 +238,12 @@ class MixtureOfExperts(LayerType):
                 f"with MoE layers need etp=1, got etp={par.expert_tp}; Megatron-Core refuses "
                 "'Bias in Moe is only supported when ETP==1'",
             )
+
+    def compiles(self, block: nn.Module) -> bool:
+        """Where its dispatch is sync-free (``MoE.sync_free``: the ``torch._grouped_mm`` path,
+        no quantized expert GEMMs, no expert-parallel all-to-all), every shape follows from
+        ``T``, ``k`` and ``E``, and the block compiles as the others do."""
+        return block.mixer.sync_free()
 
     def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
         cfg: MoEConfig = self.config(model)
