@@ -9,6 +9,13 @@ expert multiplies, and a graph traced for one routing would be retraced for the 
 On CPU the gain is inductor fusing the elementwise passes between the GEMMs into one
 loop each (the Mamba mixer's conv, gating, decays and their gradients); the GEMMs stay
 the same library calls. ``benchmarks/train_step.py --compile`` measures it.
+
+Under a parallel layout the blocks are compiled where torchtitan compiles them: after
+tensor, expert and context parallelism have rewritten their modules and before FSDP2
+wraps them (``factory.distributed.parallelize``), so each graph traces the block's
+DTensor and sequence-parallel hooks and FSDP2's gathers stay outside it (its hooks are
+never traced). The precision policy's quantized GEMMs run eagerly inside the compiled
+blocks (``factory.precision.qlinear``).
 """
 
 from __future__ import annotations
@@ -18,20 +25,27 @@ from torch import nn
 from factory.graph.blocks import Block
 from factory.spec.layer_type import layer_type
 
-__all__ = ["compile_blocks"]
+__all__ = ["DEFAULT_BACKEND", "compile_blocks"]
+
+DEFAULT_BACKEND = "inductor"
+"""The backend ``training.compile`` uses. Multi-process tests set ``aot_eager`` in their
+workers: it traces the same graphs without generating C++, in seconds."""
 
 
-def compile_blocks(model: nn.Module, backend: str = "inductor") -> list[str]:
+def compile_blocks(model: nn.Module, backend: str | None = None) -> list[str]:
     """Compile every :class:`Block` of ``model`` whose layer type has static shapes, in
     place; return their paths (``backbone.layers.0`` ...). The first step then pays the
     compile time (seconds per distinct block type); later steps with the same batch shape
     reuse the graphs. Blocks are compiled with ``dynamic=False``: a new batch shape compiles
     again, rather than every shape paying for symbolic sizes. ``backend`` is torch.compile's
     (``aot_eager`` traces the same graphs without generating code: the GPU benchmark's dry
-    run checks the compiled path on CPU with it, in seconds)."""
+    run checks the compiled path on CPU with it, in seconds); None is
+    :data:`DEFAULT_BACKEND`. A block compiled already is left as it is, so the training
+    loop may call this again on a model its layout compiled."""
     compiled = []
     for name, module in model.named_modules():
         if isinstance(module, Block) and layer_type(module.symbol).static_shapes:
-            module.compile(dynamic=False, backend=backend)
+            if module._compiled_call_impl is None:
+                module.compile(dynamic=False, backend=backend or DEFAULT_BACKEND)
             compiled.append(name)
     return compiled
