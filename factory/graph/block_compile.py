@@ -20,16 +20,27 @@ blocks (``factory.precision.qlinear``).
 
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 
 from factory.graph.blocks import Block
 from factory.spec.layer_type import layer_type
 
-__all__ = ["DEFAULT_BACKEND", "compile_blocks"]
+__all__ = ["DEFAULT_BACKEND", "compile_blocks", "compiled_with"]
 
 DEFAULT_BACKEND = "inductor"
 """The backend ``training.compile`` uses. Multi-process tests set ``aot_eager`` in their
 workers: it traces the same graphs without generating C++, in seconds."""
+
+_BACKENDS: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+"""The backend each block was compiled with, for the run's kernel report."""
+
+
+def compiled_with(block: nn.Module) -> str | None:
+    """The ``torch.compile`` backend ``block`` was compiled with by :func:`compile_blocks`;
+    None when it runs eagerly."""
+    return _BACKENDS.get(block) if block._compiled_call_impl is not None else None
 
 
 def compile_blocks(model: nn.Module, backend: str | None = None) -> list[str]:
@@ -46,6 +57,7 @@ def compile_blocks(model: nn.Module, backend: str | None = None) -> list[str]:
     for name, module in model.named_modules():
         if isinstance(module, Block) and layer_type(module.symbol).static_shapes:
             if module._compiled_call_impl is None:
-                module.compile(dynamic=False, backend=backend or DEFAULT_BACKEND)
+                _BACKENDS[module] = backend or DEFAULT_BACKEND
+                module.compile(dynamic=False, backend=_BACKENDS[module])
             compiled.append(name)
     return compiled

@@ -1,0 +1,67 @@
+"""The kernel report of a training run: what its first lines say and ``train.json`` records.
+
+The model's layer types answer for their operations (``factory.graph.kernel_report``);
+the run adds what only the built model knows, each from one :data:`KernelSource`: whether
+each layer type's blocks run compiled (``training.compile``; a type left eager says why),
+and, where their dispatch functions exist, the precision policy's GEMMs and the loss.
+A source is a function of the built model and the device, so adding one is one line in
+:data:`KERNEL_SOURCES`, and nothing here asks which source it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from factory.compilation import Compiled
+from factory.graph.block_compile import compiled_with
+from factory.graph.blocks import Block
+from factory.graph.kernel_report import kernel_lines
+from factory.kernels.choice import KernelChoice
+from factory.spec.layer_type import layer_type
+
+__all__ = ["KERNEL_SOURCES", "KernelSource", "compiled_blocks", "run_kernel_lines"]
+
+KernelSource = Callable[[Compiled, str], list[tuple[str, KernelChoice]]]
+"""(built model, device type) -> (name, choice) entries for the run's kernel report."""
+
+
+def compiled_blocks(compiled: Compiled, device: str) -> list[tuple[str, KernelChoice]]:
+    """Per layer type, how its blocks run: ``torch.compile`` with its backend, or eagerly,
+    with the reason when ``training.compile`` asked for more (its shapes depend on the data)."""
+    backends: dict[str, set[str | None]] = {}
+    static: dict[str, bool] = {}
+    for module in compiled.model.modules():
+        if isinstance(module, Block):
+            kind = layer_type(module.symbol)
+            backends.setdefault(kind.name, set()).add(compiled_with(module))
+            static[kind.name] = kind.static_shapes
+    asked = compiled.blueprint.training.compile
+    entries = []
+    for name, used in backends.items():
+        if used != {None}:
+            kinds = ", ".join(sorted(b or "eager" for b in used))
+            choice = KernelChoice("block", f"torch.compile ({kinds})")
+        elif asked and not static[name]:
+            choice = KernelChoice(
+                "block", "eager", "its shapes depend on the data (static_shapes false)"
+            )
+        else:
+            choice = KernelChoice("block", "eager")
+        entries.append((name, choice))
+    return entries
+
+
+KERNEL_SOURCES: tuple[KernelSource, ...] = (
+    compiled_blocks,
+    # The precision policy's GEMMs (one entry per quantizing recipe of compiled.precision)
+    # and the LM-head loss add their KernelSource here, one line each.
+)
+
+
+def run_kernel_lines(
+    compiled: Compiled, device: str, sources: tuple[KernelSource, ...] = KERNEL_SOURCES
+) -> list[str]:
+    """The run's report on ``device`` (``"cuda"``, ``"cpu"``): the layer types' lines
+    (``factory.graph.kernel_report.kernel_lines``), then each source's, in order."""
+    extra = [entry for source in sources for entry in source(compiled, device)]
+    return kernel_lines(compiled.blueprint.model, device, extra)
