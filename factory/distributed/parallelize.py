@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from factory.distributed.data_parallel import apply_data_parallel
 from factory.distributed.mesh import Meshes
-from factory.distributed.tensor_parallel import apply_tensor_parallel
+from factory.distributed.tensor_parallel import apply_tensor_parallel, runs_local_views
 from factory.graph.block_compile import compile_blocks
 from factory.graph.hybrid_lm import held_submodule
 from factory.layers.model_spec import LayerSpec, model_spec
@@ -46,7 +46,7 @@ def parallelize(
     if layout.cp > 1:
         apply_context_parallel(model, meshes.dense["cp"], layout.tp)
     if compile:
-        compile_blocks(model)
+        compile_blocks(model, keep_eager=runs_local_views)
     # Context-parallel ranks hold the same weights and different tokens: their gradients
     # are reduced with the data-parallel replicas' (Megatron's DP-CP group).
     apply_data_parallel(

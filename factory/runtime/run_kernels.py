@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from factory.compilation import Compiled
-from factory.graph.block_compile import compiled_with
+from factory.graph.block_compile import compiled_with, kept_eager
 from factory.graph.blocks import Block
 from factory.graph.kernel_report import kernel_lines
 from factory.kernels.choice import KernelChoice
@@ -30,15 +30,24 @@ def compiled_blocks(compiled: Compiled, device: str) -> list[tuple[str, KernelCh
     with the reason when ``training.compile`` asked for more (its shapes depend on the data)."""
     backends: dict[str, set[str | None]] = {}
     static: dict[str, bool] = {}
+    kept: dict[str, str] = {}
     for module in compiled.model.modules():
         if isinstance(module, Block):
             kind = layer_type(module.symbol)
             backends.setdefault(kind.name, set()).add(compiled_with(module))
             static[kind.name] = kind.static_shapes
+            if (why := kept_eager(module)) is not None:
+                kept[kind.name] = why
     asked = compiled.blueprint.training.compile
     entries = []
     for name, used in backends.items():
-        if used != {None}:
+        if name in kept:  # some or all of its blocks: the layout's rewrite does not trace
+            compiled_too = sorted(b for b in used if b is not None)
+            kernel = (
+                f"eager (torch.compile ({compiled_too[0]}) elsewhere)" if compiled_too else "eager"
+            )
+            choice = KernelChoice("block", kernel, kept[name])
+        elif used != {None}:
             kinds = ", ".join(sorted(b or "eager" for b in used))
             choice = KernelChoice("block", f"torch.compile ({kinds})")
         elif asked and not static[name]:
