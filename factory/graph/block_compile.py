@@ -68,12 +68,13 @@ def compile_blocks(
     run checks the compiled path on CPU with it, in seconds); None is
     :data:`DEFAULT_BACKEND`. A block compiled already is left as it is, so the training
     loop may call this again on a model its layout compiled. ``keep_eager`` gives the reason
-    a block must stay eager (its layout's rewrite does not trace correctly), or None.
+    a block must stay eager (its layout's rewrite does not trace correctly), or None; a
+    block kept eager once stays so when called again without it.
     """
     compiled = []
     for name, module in model.named_modules():
         if isinstance(module, Block) and layer_type(module.symbol).static_shapes:
-            why = keep_eager(module) if keep_eager is not None else None
+            why = keep_eager(module) if keep_eager is not None else _KEPT_EAGER.get(module)
             if why is not None:
                 _KEPT_EAGER[module] = why
                 continue
