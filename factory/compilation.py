@@ -21,7 +21,7 @@ from factory.graph.weights import load_weights, read_state_dict
 from factory.layers.model_spec import model_spec
 from factory.precision import te_backend
 from factory.precision.apply import PrecisionRuntime, apply_precision
-from factory.precision.backends import PRECISION_OFF, PrecisionBackend, require_te
+from factory.precision.backends import PrecisionBackend, require_te
 from factory.precision.policy import uses_low_precision
 from factory.proxy import derive_proxy
 from factory.schemas.blueprint import Blueprint
@@ -117,8 +117,6 @@ def _cast_keeping_fp32(model: HybridLM, dtype: torch.dtype) -> None:
 
 
 def compile_for_training(compiled: Compiled) -> None:
-    """``training.compile``: the blocks of ``compiled.model`` compiled, or ValueError when a
-    precision policy is installed."""
-    if compiled.precision is not None:
-        raise ValueError(f"{PRECISION_OFF}; build with factory.compile(..., precision='off')")
+    """``training.compile``: the blocks of ``compiled.model`` compiled (those its layout
+    compiled already are kept), with or without a precision policy."""
     compile_blocks(compiled.model)

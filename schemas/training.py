@@ -158,8 +158,10 @@ class TrainingConfig(Section):
     """``torch.compile`` each block whose shapes follow from the batch alone (Mamba,
     attention, dense MLP; the MoE blocks stay eager, their routing decides shapes). The
     first step pays the compile (seconds per block type); needs a C++ compiler on CPU.
-    For now only in one process and with precision off (inductor cannot compile the
-    quantized GEMMs' emulated casts)."""
+    Works under every layout (blocks are compiled after tensor, expert and context
+    parallelism and before FSDP2, per pipeline stage; under TP the Mamba blocks stay
+    eager) and with the precision policy on, whose quantized GEMMs run eagerly between
+    the compiled regions. The run's first lines say which blocks are compiled."""
     loggers: Loggers = (JSONL,)
     """Where the run's metrics go. ``jsonl``: ``metrics.jsonl`` in the run folder, which every
     run writes whether listed or not (resuming and the run report read it). Every other name

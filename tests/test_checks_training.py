@@ -59,13 +59,6 @@ CASES = [
         ("1000", "16384"),
         "error",
     ),
-    (
-        "training.compile_single_process",
-        {"training.compile": True},
-        "training.compile",
-        ("8",),
-        "error",
-    ),
 ]
 
 
@@ -94,12 +87,3 @@ def test_cosine_schedule_ignores_decay_fraction():
         **{"training.schedule": {"kind": "cosine", "warmup_fraction": 0.5, "decay_fraction": 0.6}}
     )
     assert findings("training.schedule_fractions", bp) == []
-
-
-def test_compile_is_allowed_in_one_process():
-    one = {
-        "training.compile": True,
-        "parallelism.world_size": 1,
-        "parallelism.global_batch_size": 1,
-    }
-    assert findings("training.compile_single_process", make(**one)) == []

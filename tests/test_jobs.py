@@ -92,10 +92,6 @@ def test_train_refuses_before_any_work(tmp_path: Path, monkeypatch: pytest.Monke
         factory.train(bp, out=tmp_path / "x")
     assert isinstance(info.value, factory.TrainRefused)
     assert info.value.need_bytes == 31_577_940_288 * BYTES_PER_PARAM
-    nvfp4 = factory.load_blueprint("super")
-    on = {"training": nvfp4.training.model_copy(update={"compile": True})}
-    with pytest.raises(ValueError, match=r"training\.compile needs precision off"):
-        factory.train(nvfp4.model_copy(update=on), proxy=True, out=tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
 
@@ -147,6 +143,7 @@ def test_train_on_built_data_reports_every_step(proxy_data, tmp_path: Path, nano
     summary = json.loads((result.out / "train.json").read_text())
     assert summary["seed"] == result.seed == bp.training.seed
     assert [r["lm_loss"] for r in summary["records"]] == [r.lm_loss for r in result.records]
+    assert summary["kernels"] == list(result.kernels) and result.kernels
     assert (result.out / "model" / "model.safetensors").is_file()
     assert not (result.out / "data").exists()
     assert [r for r in seen if r[0] == "train"] == [
@@ -221,8 +218,9 @@ def test_off_a_terminal_training_logs_a_timestamped_line_per_few_steps() -> None
     from factory.runtime.history import RunHistory
 
     out, now = io.StringIO(), [0.0]
+    kernels = ["kernels: mamba ssd scan: PyTorch chunked"]
     display = StepDisplay(False, 10, log_every_s=30.0, console=Console(file=out),
-                          clock=lambda: now[0])  # fmt: skip
+                          clock=lambda: now[0], first_lines=lambda trainer: kernels)  # fmt: skip
     trainer = SimpleNamespace(
         ranks=SimpleNamespace(is_main=True), steps=25, position=SimpleNamespace(step=0)
     )
@@ -242,6 +240,7 @@ def test_off_a_terminal_training_logs_a_timestamped_line_per_few_steps() -> None
     assert all(re.match(stamp, line) for line in lines), lines
     said = [re.sub(f"^{stamp}", "", line) for line in lines]
     assert said == [
+        "train: kernels: mamba ssd scan: PyTorch chunked",
         "train: step 1/25, loss 6.0000, lr 3.00e-04, grad norm 1.250, 1,024 tok/s, ETA 48 s",
         "train: [warn] loss_spike: loss 9.1 > 3 x median",
         "train: rollback from step 4 to 2, 16 samples skipped",
@@ -268,6 +267,14 @@ def test_a_piped_train_logs_its_steps(proxy_data, tmp_path: Path, nano: str) -> 
     for step in (1, 2):
         pattern = f"{stamp}train: step {step}/2, {numbers}$"
         assert any(re.match(pattern, line) for line in lines), lines
+    # The kernel report comes first, one line per layer type's operation and block, and
+    # train.json records the same lines.
+    kernels = json.loads((tmp_path / "run" / "train.json").read_text())["kernels"]
+    assert any(k.startswith("kernels: mamba ") for k in kernels), kernels
+    assert "kernels: moe block: eager" in kernels  # training.compile is off
+    said = [re.sub(f"^{stamp}train: ", "", line) for line in lines if re.match(stamp, line)]
+    first_step = next(i for i, line in enumerate(said) if line.startswith("step 1/2"))
+    assert said[first_step - len(kernels) : first_step] == kernels
 
 
 def _in_a_terminal(args: list[str], timeout: float = 600) -> tuple[int, str]:

@@ -32,3 +32,33 @@ def test_lines_name_layer_operation_and_kernel(nano_model) -> None:
     assert len(lines) == len(ops)
     for line, (name, op) in zip(lines, ops, strict=True):
         assert line.startswith(f"kernels: {name} {op}: ")
+
+
+def test_a_run_adds_how_each_layer_types_blocks_run_and_any_source() -> None:
+    """``factory.runtime.run_kernels``: the layer types' lines, then per layer type whether its
+    blocks are compiled (the MoE block, left eager under training.compile, says why), then
+    each extra source's entries (the precision GEMMs' and the loss's plug in the same way)."""
+    from runtime_helpers import tiny_blueprint
+
+    import factory
+    from factory.compilation import Compiled
+    from factory.graph.block_compile import compile_blocks
+    from factory.kernels.choice import KernelChoice
+    from factory.runtime.run_kernels import KERNEL_SOURCES, run_kernel_lines
+
+    bp = tiny_blueprint(training={"compile": True})
+    compiled = factory.compile(bp, seed=0, precision="off")
+    eager = run_kernel_lines(compiled, "cpu")
+    assert eager[: len(kernel_lines(bp.model, "cpu"))] == kernel_lines(bp.model, "cpu")
+    assert "kernels: mamba block: eager" in eager
+    compile_blocks(compiled.model, backend="aot_eager")  # lazy: nothing is traced here
+    lines = run_kernel_lines(compiled, "cpu")
+    assert "kernels: mamba block: torch.compile (aot_eager)" in lines
+    assert "kernels: attention block: torch.compile (aot_eager)" in lines
+    assert "kernels: moe block: eager (fallback: its shapes depend on the data" in " ".join(lines)
+
+    def loss(compiled: Compiled, device: str) -> list[tuple[str, KernelChoice]]:
+        return [("loss", KernelChoice("cross entropy", "PyTorch"))]
+
+    extended = run_kernel_lines(compiled, "cpu", (*KERNEL_SOURCES, loss))
+    assert extended == [*lines, "kernels: loss cross entropy: PyTorch"]

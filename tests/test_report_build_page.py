@@ -134,6 +134,10 @@ def test_the_smoke_runs_plots_are_inlined(full_build: Path) -> None:
     images = re.findall(r'<img alt="([^"]+)" src="data:image/png;base64,', page)
     assert images == ["loss.png", "distributed loss", "max_vio.png", "residual_rms.png"]
     assert 'href="smoke/report/report.html"' in page
+    kernels = json.loads((full_build / "smoke" / "train.json").read_text())["kernels"]
+    assert kernels and "<h3>Smoke run: kernels</h3>" in page
+    for line in kernels:  # the run's first lines, on the page
+        assert html.escape(line.removeprefix("kernels: ")) in page, line
 
 
 def test_the_page_fetches_nothing_and_links_every_artifact(full_build: Path) -> None:

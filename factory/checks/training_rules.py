@@ -87,15 +87,3 @@ def at_least_one_step(bp: Blueprint) -> Iterator[Finding]:
             f"training.tokens={tokens} is less than one step (global_batch_size*seq_len = "
             f"{bp.parallelism.global_batch_size}*{bp.data.seq_len} = {per_step} tokens)",
         )
-
-
-@rule("training.compile_single_process")
-def compile_single_process(bp: Blueprint) -> Iterator[Finding]:
-    """Compiled blocks run in single-process training only (not yet under the parallel layout)."""
-    if bp.training.compile and bp.parallelism.world_size > 1:
-        yield Finding(
-            "training.compile",
-            f"training.compile is supported only with parallelism.world_size 1, not "
-            f"{bp.parallelism.world_size}: compiled blocks are not yet tested under TP, EP "
-            "or FSDP2",
-        )

@@ -1,12 +1,16 @@
-"""Apply a layout to a model: tensor, expert, context, then data parallelism (torchtitan's order).
+"""Apply a layout to a model: tensor, expert, context, compile, then data parallelism
+(torchtitan's order).
 
 Tensor parallelism first (DTensor plans from the model spec's sharding rules),
 then expert parallelism (every layer whose type routes tokens to experts shards
 them over the expert grid's EP and ETP groups, as its layer type says:
 ``LayerType.expert_parallel_problems`` and ``apply_expert_parallel``), then context
 parallelism (every layer takes its type's ``context_parallel`` style over the CP
-group; weights are not split), then FSDP2 / DDP over the data-parallel and
-context-parallel ranks together, which wraps the already-distributed parameters.
+group; weights are not split), then, with ``training.compile``, ``torch.compile`` per
+block (``factory.graph.block_compile``: after the rewrites above, so the graphs trace
+them, and before FSDP2, whose hooks stay out of the graphs, as torchtitan does), then
+FSDP2 / DDP over the data-parallel and context-parallel ranks together, which wraps the
+already-distributed parameters.
 
 Pipeline stages are cut before this (``factory.distributed.pipeline_stages``) and
 each stage is parallelized on its own; the training runtime puts them behind one
@@ -20,7 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from factory.distributed.data_parallel import apply_data_parallel
 from factory.distributed.mesh import Meshes
-from factory.distributed.tensor_parallel import apply_tensor_parallel
+from factory.distributed.tensor_parallel import apply_tensor_parallel, runs_local_views
+from factory.graph.block_compile import compile_blocks
 from factory.graph.hybrid_lm import held_submodule
 from factory.layers.model_spec import LayerSpec, model_spec
 from factory.nn.sequence_split import SequenceSplit
@@ -28,8 +33,11 @@ from factory.nn.sequence_split import SequenceSplit
 __all__ = ["apply_context_parallel", "apply_expert_parallel", "parallelize"]
 
 
-def parallelize(model: nn.Module, meshes: Meshes, distributed_optimizer: bool = True) -> None:
-    """Shard ``model`` (a whole model, or one pipeline stage of it) over ``meshes``."""
+def parallelize(
+    model: nn.Module, meshes: Meshes, distributed_optimizer: bool = True, compile: bool = False
+) -> None:
+    """Shard ``model`` (a whole model, or one pipeline stage of it) over ``meshes``;
+    ``compile`` compiles its blocks before the data-parallel wrap."""
     layout = meshes.layout
     if layout.tp > 1:
         apply_tensor_parallel(model, meshes.dense["tp"], layout.sequence_parallel)
@@ -37,6 +45,8 @@ def parallelize(model: nn.Module, meshes: Meshes, distributed_optimizer: bool = 
         apply_expert_parallel(model, meshes.expert["ep", "etp"])
     if layout.cp > 1:
         apply_context_parallel(model, meshes.dense["cp"], layout.tp)
+    if compile:
+        compile_blocks(model, keep_eager=runs_local_views)
     # Context-parallel ranks hold the same weights and different tokens: their gradients
     # are reduced with the data-parallel replicas' (Megatron's DP-CP group).
     apply_data_parallel(

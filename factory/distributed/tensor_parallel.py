@@ -282,6 +282,8 @@ def _plan(
         # Norms under SP and everything in a routing mixer see only this rank's tokens.
         local_tokens = id(owner) in routing_ids or (sequence_parallel and id(owner) not in mixer_of)
         parallelize_module(owner, mesh, _LocalViews(params, partial_grads=local_tokens))
+        if mixer_of.get(id(owner)) is owner:  # a norm's own views trace; a mixer's do not
+            _LOCAL_VIEW_OWNERS.add(owner)
     for mixer in routing:
         mixer.register_forward_hook(partial(_sum_routed_tokens, mesh.get_group()))
         gathered = [p for p in token_mlps.values() if mixer_of.get(id(p)) is mixer]
@@ -319,6 +321,23 @@ def _style(
     if column:
         return ColwiseParallel()
     return RowwiseParallel(output_layouts=Shard(0) if in_routing else stream)
+
+
+_LOCAL_VIEW_OWNERS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+LOCAL_VIEWS_STAY_EAGER = (
+    "its mixer's local parameter views under TP (to_local, read through the module's "
+    "__dict__) do not trace: the compiled backward hands a plain gradient to a DTensor"
+)
+
+
+def runs_local_views(block: nn.Module) -> str | None:
+    """Why ``block`` stays eager under ``training.compile``: its mixer runs on local views of
+    its DTensor parameters (:class:`_LocalViews`: Mamba's conv and SSM vectors), whose traced
+    backward hands a plain gradient to a DTensor (torch 2.13 with ``aot_eager``); None when
+    it does not. A norm's views of its own weight trace correctly."""
+    held = any(module in _LOCAL_VIEW_OWNERS for module in block.modules())
+    return LOCAL_VIEWS_STAY_EAGER if held else None
 
 
 class _LocalViews(ParallelStyle):

@@ -7,6 +7,8 @@ layer types exist.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import factory.layers  # noqa: F401  (registers the built-in layer types)
 from factory.kernels.choice import KernelChoice
 from factory.schemas.model import ModelConfig
@@ -26,6 +28,11 @@ def kernel_choices(model: ModelConfig, device: str) -> list[tuple[str, KernelCho
     ]
 
 
-def kernel_lines(model: ModelConfig, device: str) -> list[str]:
-    """One line per operation, ``kernels: <layer> <op>: <kernel> (fallback: <why>)``."""
-    return [f"kernels: {name} {c.describe()}" for name, c in kernel_choices(model, device)]
+def kernel_lines(
+    model: ModelConfig, device: str, extra: Iterable[tuple[str, KernelChoice]] = ()
+) -> list[str]:
+    """One line per operation, ``kernels: <layer> <op>: <kernel> (fallback: <why>)``, then
+    one per ``extra`` entry (a run adds what only its built model knows:
+    ``factory.runtime.run_kernels``)."""
+    entries = [*kernel_choices(model, device), *extra]
+    return [f"kernels: {name} {c.describe()}" for name, c in entries]

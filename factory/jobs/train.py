@@ -54,8 +54,7 @@ from factory.jobs.train_request import (
     ignore_notice,
 )
 from factory.planner.params import count_params
-from factory.precision.backends import PRECISION_OFF, PrecisionBackend, require_te
-from factory.precision.policy import uses_low_precision
+from factory.precision.backends import PrecisionBackend, require_te
 from factory.progress import Progress, silent
 from factory.proxy_layout import derive_proxy_layout
 from factory.runtime.loggers import require_loggers
@@ -78,8 +77,7 @@ def prepare_training(
 
     Raises :class:`CannotLaunch`, :class:`ModelTooBig` or :class:`BackendUnavailable` (also
     for a tracker of ``training.loggers`` that is not installed), and
-    ``ValueError`` for a precision backend that does not exist or one training.compile
-    cannot take. On several processes the launch is checked first (the layout must fit
+    ``ValueError`` for a precision backend that does not exist. On several processes the launch is checked first (the layout must fit
     them); on one, the model's size (a model too big for one process says to train its
     proxy).
     """
@@ -110,8 +108,6 @@ def checked_request(
         raise ValueError(f"precision must be one of {', '.join(backends)}, not {precision!r}")
     if world > 1:  # several processes were asked for: the layout must fit them first
         _check_launch(bp, world, precision)
-    if bp.training.compile and precision != "off" and uses_low_precision(bp):
-        raise ValueError(f"{PRECISION_OFF}; run with --precision off or training.compile: false")
     if precision == "te":
         try:
             require_te()

@@ -55,6 +55,7 @@ from factory.runtime.history import RunHistory, StepRecord
 from factory.runtime.loader import DataError, ShardLoader
 from factory.runtime.placement import full_weights, lay_out, materialize_shards
 from factory.runtime.ranks import Ranks, is_transport_failure, joined_ranks
+from factory.runtime.run_kernels import run_kernel_lines
 from factory.runtime.run_options import RunOptions, StageStart
 
 __all__ = ["run_rank"]
@@ -86,8 +87,9 @@ def run_rank(request: TrainRequest) -> TrainResult:
             history = _fit(compiled, shards, request, ranks)
             stopped = history.end == "interrupted"  # the same on every rank
             weights = None if stopped else full_weights(compiled.model, ranks)
+            kernels = tuple(run_kernel_lines(compiled, ranks.device.type))
             result = TrainResult(out, bp, ranks.device.type, _recipes(compiled), seed, shards,
-                                 history)  # fmt: skip
+                                 history, kernels=kernels)  # fmt: skip
             if weights is not None:  # rank 0, still holding the run folder
                 progress("export", 0, 1)
                 _write_summary(result, request.settings.data, request.stage)
@@ -121,7 +123,8 @@ def _finished(request: TrainRequest, ranks: Ranks) -> TrainResult | None:
     records = [StepRecord(**{k: v for k, v in r.items() if k in known}) for r in summary["records"]]
     history = RunHistory(records, message=summary.get("message", ""))
     return TrainResult(out, bp, summary["device"], summary["precision"], summary["seed"],
-                       data if data is not None else out / "data", history, total)  # fmt: skip
+                       data if data is not None else out / "data", history, total,
+                       tuple(summary.get("kernels", ())))  # fmt: skip
 
 
 def _completed_at(out: Path, name: str) -> int | None:
@@ -269,6 +272,7 @@ def _write_summary(result: TrainResult, data: Path | None, stage: StageRun | Non
         "end": history.end,
         "message": history.message,
         "diverged": history.diverged,
+        "kernels": list(result.kernels),
         "records": [dataclasses.asdict(r) for r in history.records],
     }
     atomic_write_text(result.out / "train.json", json.dumps(summary, indent=2) + "\n")

@@ -144,6 +144,10 @@ class TrainResult:
     found_complete_at: int | None = None
     """The step a rerun found the run folder's training complete at, having changed nothing
     (``history`` is then ``train.json``'s); None when this call trained."""
+    kernels: tuple[str, ...] = ()
+    """The run's kernel report as its first lines printed it (``factory.runtime.run_kernels``):
+    which kernel each layer type runs, whether its blocks are compiled, each fallback's
+    reason."""
 
     @property
     def records(self) -> list[StepRecord]:

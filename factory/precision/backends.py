@@ -13,19 +13,12 @@ import importlib.util
 import sys
 from typing import Literal
 
-__all__ = ["PRECISION_OFF", "PrecisionBackend", "available", "require_te"]
+__all__ = ["PrecisionBackend", "available", "require_te"]
 
 PrecisionBackend = Literal["auto", "emulate", "te", "off"]
 """Who carries out the precision policy (``factory.compile``): ``emulate`` quantizes in PyTorch,
 ``te`` maps onto Transformer Engine, ``auto`` takes TE where it is usable, ``off`` quantizes
 nothing."""
-
-PRECISION_OFF = (
-    "training.compile needs precision off: inductor cannot compile the quantized GEMMs' casts "
-    "(FP8/FP4 emulation or Transformer Engine)"
-)
-"""Why compiled blocks are refused with a precision policy installed (the trainer and
-``factory train`` both say it)."""
 
 
 def available() -> bool:

@@ -27,6 +27,15 @@ Under tensor parallelism the modules run on this rank's local tensors and carry 
 :class:`~factory.precision.splits.GemmSplit` (``factory.distributed.tensor_parallel``
 sets it), which every quantizer call receives: split operands are quantized with the
 whole tensor's statistics, as one process would.
+
+Under ``training.compile`` the quantized GEMM runs eagerly inside the compiled block
+(``torch.compiler.disable`` on :func:`quantized_matmul`, a graph break on either side):
+the emulation keeps Python-side state that a graph cannot hold (the weight-cast cache
+keyed on the parameter's version, delayed scaling's amax history, MoR's counters, the
+stochastic-rounding generator, whose state checkpoints save) and checks its inputs for
+non-finite values, and inductor's CPU backend has no C++ type for MXFP8's
+``float8_e8m0fnu`` scales. Run eagerly, the casts and the random numbers are the eager
+run's, bit for bit, and a resumed compiled run draws what the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -193,6 +202,7 @@ def _scaled_path(
     return True
 
 
+@torch.compiler.disable
 def quantized_matmul(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -208,7 +218,8 @@ def quantized_matmul(
     scales of a linear layer cover the whole micro-batch, as in TE. ``split`` says
     which of the GEMM's dimensions are this rank's part of a tensor-parallel split;
     ``source`` is the parameter ``w`` is a local view of, which keys the weight cast
-    cache (``GemmQuantizer.fprop_weight``).
+    cache (``GemmQuantizer.fprop_weight``). Never traced by ``torch.compile`` (see the
+    module docstring).
     """
     lead = x.shape[:-1]
     if w.ndim == 2:

@@ -224,6 +224,16 @@ def _program_runs(folder: BuildFolder) -> str:
     return section("runs", "Smoke run and distributed check", body)
 
 
+def _kernels_html(summary: Any) -> str:
+    """The smoke run's kernel report (``train.json``'s ``kernels``: what its first lines
+    said), or nothing for a run that recorded none."""
+    lines = summary.get("kernels") if isinstance(summary, dict) else None
+    if not lines:
+        return ""
+    items = "".join(f"<li>{escape(str(line).removeprefix('kernels: '))}</li>" for line in lines)
+    return f"<h3>Smoke run: kernels</h3><ul>{items}</ul>"
+
+
 def run_section(folder: BuildFolder) -> str:
     """The smoke run's loss beside the distributed check, then the run's monitors."""
     if folder.program:
@@ -237,6 +247,7 @@ def run_section(folder: BuildFolder) -> str:
         left = "<h3>Smoke run</h3>" + (
             note(f"No plots: {why}", "warn") if why else missing(folder, "smoke", "smoke run")
         )
+    left += _kernels_html(folder.read_json("smoke/train.json"))
     if folder.exists("smoke/report/report.html"):
         left += '<p>Every plot and event of the run: <a href="smoke/report/report.html">smoke/report/report.html</a>.</p>'
     body = f"<div class='columns'><div>{left}</div><div>{_distributed_html(folder)}</div></div>"

@@ -4,7 +4,9 @@
 rate, gradient norm, tokens/s and ETA, and prints the monitor events and
 rollbacks above it as they happen. Without a terminal (CI, Slurm, nohup, a pipe)
 it writes the same as plain timestamped lines instead (``factory.progress``'s
-format): a step line for the run's first and last steps and every ``log_every``
+format): first the run's kernel report (``factory.runtime.run_kernels``: which kernel
+each layer type runs, whether its blocks are compiled, every fallback with its reason),
+then a step line for the run's first and last steps and every ``log_every``
 steps or ``log_every_s`` seconds, whichever comes first, and a line for each
 event and rollback. :class:`StepProgress` reports the steps to a job's
 ``progress(stage, done, total)`` callback (``factory.progress``). Only rank 0
@@ -29,6 +31,7 @@ from rich.progress import Progress as Bar
 
 from factory.progress import Progress, duration, stamped
 from factory.runtime.callbacks import Callback, Event, Rollback, TrainerView
+from factory.runtime.run_kernels import run_kernel_lines
 
 if TYPE_CHECKING:
     from factory.runtime.history import RunHistory, StepRecord
@@ -37,9 +40,15 @@ if TYPE_CHECKING:
 __all__ = ["StepDisplay", "StepProgress"]
 
 
+def _kernel_report(trainer: TrainerView) -> list[str]:
+    return run_kernel_lines(trainer.compiled, trainer.ranks.device.type)
+
+
 class StepDisplay(Callback):
     """A rich bar when ``bar``; else a timestamped line every ``log_every`` steps or
-    ``log_every_s`` seconds (both 0: nothing), and at the run's first and last steps."""
+    ``log_every_s`` seconds (both 0: nothing), and at the run's first and last steps.
+    Either way the run begins with ``first_lines`` (default: its kernel report), read once
+    the model is built and laid out."""
 
     def __init__(
         self,
@@ -49,8 +58,10 @@ class StepDisplay(Callback):
         log_every_s: float = 0.0,
         console: Console | None = None,
         clock: Callable[[], float] = time.monotonic,
+        first_lines: Callable[[TrainerView], list[str]] | None = None,
     ) -> None:
         self.enabled, self.description = bar, description
+        self.first_lines = first_lines or _kernel_report
         self.log_every, self.log_every_s = log_every, log_every_s
         self.console = console
         self.clock = clock
@@ -72,8 +83,13 @@ class StepDisplay(Callback):
         self._began = self._said = self.clock()
         if self.console is None:  # a forced bar draws even where stderr is not a terminal
             self.console = Console(stderr=True, force_terminal=True if self.enabled else None)
-        if not self.enabled:
-            return
+        if self.enabled:
+            self._start_bar(trainer)
+        if self.bar is not None or self.writes_lines:
+            for line in self.first_lines(trainer):
+                self.say(f"{self.description}: {line}")
+
+    def _start_bar(self, trainer: TrainerView) -> None:
         self.bar = Bar(
             TextColumn("[bold]{task.description}"),
             BarColumn(),

@@ -1,7 +1,7 @@
 """The model as this rank holds it: laid out over the run's ranks, and gathered back whole.
 
 :func:`lay_out` shards a compiled model over the ranks of its layout: nothing on
-one process; with one pipeline stage, tensor, expert, context and data
+one process but ``training.compile``'s blocks; with one pipeline stage, tensor, expert, context and data
 parallelism over the meshes (``factory.distributed.parallelize``); with several,
 this rank's stages (``factory.distributed.pipeline_stages``), each parallelized,
 behind one :class:`~factory.runtime.pipeline_schedule.PipelinedModel` the
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from factory.compilation import Compiled
+from factory.compilation import Compiled, compile_for_training
 from factory.distributed.materialize import InitialValues, ValueSource, materialize
 from factory.distributed.parallelize import parallelize
 from factory.distributed.pipeline_stages import split_stages
@@ -41,17 +41,21 @@ __all__ = ["full_weights", "lay_out", "materialize_shards"]
 
 def lay_out(compiled: Compiled, ranks: Ranks) -> None:
     """Shard ``compiled.model`` in place over ``ranks``' meshes; with pp > 1 it becomes this
-    pipeline rank's stages, each sharded, behind one model the trainer steps."""
+    pipeline rank's stages, each sharded, behind one model the trainer steps. With
+    ``training.compile`` the blocks are compiled at the layout's point for it (before FSDP2)."""
     meshes = ranks.meshes
+    compile_blocks = compiled.blueprint.training.compile
     if meshes is None:
+        if compile_blocks:
+            compile_for_training(compiled)
         return
     sharded = compiled.blueprint.parallelism.distributed_optimizer
     if meshes.layout.pp == 1:
-        parallelize(compiled.model, meshes, sharded)
+        parallelize(compiled.model, meshes, sharded, compile_blocks)
         return
     stages = split_stages(compiled.model, meshes.layout, meshes.coordinate("pp"))
     for stage in stages:
-        parallelize(stage, meshes, sharded)
+        parallelize(stage, meshes, sharded, compile_blocks)
     runner = PipelineRunner(
         stages,
         meshes.layout,
