@@ -37,13 +37,13 @@ def compiled_blocks(compiled: Compiled, device: str) -> list[tuple[str, KernelCh
     """Per layer type, how its blocks run: ``torch.compile`` with its backend, or eagerly,
     with the reason when ``training.compile`` asked for more (its shapes depend on the data)."""
     backends: dict[str, set[str | None]] = {}
-    static: dict[str, bool] = {}
+    eager_why: dict[str, str | None] = {}
     kept: dict[str, str] = {}
     for module in compiled.model.modules():
         if isinstance(module, Block):
             kind = layer_type(module.symbol)
             backends.setdefault(kind.name, set()).add(compiled_with(module))
-            static[kind.name] = kind.compiles(module)
+            eager_why[kind.name] = kind.eager_reason(module)
             if (why := kept_eager(module)) is not None:
                 kept[kind.name] = why
     asked = compiled.blueprint.training.compile
@@ -58,12 +58,8 @@ def compiled_blocks(compiled: Compiled, device: str) -> list[tuple[str, KernelCh
         elif used != {None}:
             kinds = ", ".join(sorted(b or "eager" for b in used))
             choice = KernelChoice("block", f"torch.compile ({kinds})")
-        elif asked and not static[name]:
-            choice = KernelChoice(
-                "block",
-                "eager",
-                "its layer type does not compile it here (its lines above say why)",
-            )
+        elif asked and eager_why[name] is not None:
+            choice = KernelChoice("block", "eager", eager_why[name])
         else:
             choice = KernelChoice("block", "eager")
         entries.append((name, choice))

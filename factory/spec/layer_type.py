@@ -340,9 +340,13 @@ class LayerType:
     def compiles(self, block: nn.Module) -> bool:
         """Whether ``compile_blocks`` compiles ``block``, a built block of this type, as it is
         set up now (device, dtype, installed hooks): its forward has no host sync and no shape
-        the data decides, so one graph serves every batch of a shape. :attr:`static_shapes`
-        unless the layer type overrides it to ask its module."""
-        return self.static_shapes
+        the data decides, so one graph serves every batch of a shape."""
+        return self.eager_reason(block) is None
+
+    def eager_reason(self, block: nn.Module) -> str | None:
+        """Why ``block`` stays eager under ``training.compile`` (None: it compiles). From
+        :attr:`static_shapes` unless the layer type overrides it to ask its module."""
+        return None if self.static_shapes else "its shapes depend on the data"
 
     def kernel_choices(self, model: ModelConfig, device: str) -> list[KernelChoice]:
         """The kernels this layer's module runs on ``device`` (``"cuda"``, ``"cpu"``), each

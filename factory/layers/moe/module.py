@@ -148,15 +148,21 @@ class RoutedExperts(nn.Module):
 
     def sync_free(self) -> bool:
         """Whether :meth:`forward`, as set up now, runs with no host sync and shapes from
-        ``T``, ``k`` and ``E`` alone, so ``torch.compile`` traces it once: the ``grouped_mm``
-        path, verified for the weights' device, dtype and widths. Not with a quantized GEMM
-        hook installed (it takes padded batches, sized by the largest count on the host) nor
-        with another path forced. Asking runs the ``_grouped_mm`` probe eagerly, before any
+        ``T``, ``k`` and ``E`` alone, so ``torch.compile`` traces it once."""
+        return self.sync_problem() is None
+
+    def sync_problem(self) -> str | None:
+        """Why :meth:`forward` reads the host (None: it does not): the ``grouped_mm`` path,
+        verified for the weights' device, dtype and widths, is sync-free; a quantized GEMM
+        hook takes padded batches, sized by the largest count on the host, and so does a
+        forced other path. Asking runs the ``_grouped_mm`` probe eagerly, before any
         tracing."""
-        if self.linear is not None or self.path not in (None, "grouped_mm"):
-            return False
+        if self.linear is not None:
+            return "quantized expert GEMMs take padded batches sized on the host"
+        if self.path not in (None, "grouped_mm"):
+            return f"the expert path is forced to {self.path}"
         up = self.up_proj
-        return grouped_mm_problem(up.device, up.dtype, up.shape[2], up.shape[1]) is None
+        return grouped_mm_problem(up.device, up.dtype, up.shape[2], up.shape[1])
 
     def _hook_matters(self) -> bool:
         """Whether the installed GEMM hook changes this call. After a precision switch to bf16
@@ -226,9 +232,15 @@ class MoE(nn.Module):
 
     def sync_free(self) -> bool:
         """Whether :meth:`forward` runs with no host sync and static shapes, so the block
-        compiles (``MixtureOfExperts.compiles``): the routed experts' sync-free path, and no
-        expert-parallel dispatcher (its all-to-all takes the split sizes as host lists)."""
-        return self.dispatcher is None and self.experts.sync_free()
+        compiles (``MixtureOfExperts.eager_reason``)."""
+        return self.sync_problem() is None
+
+    def sync_problem(self) -> str | None:
+        """Why :meth:`forward` reads the host (None: it does not): the routed experts' own
+        reason, or expert parallelism (its all-to-all takes the split sizes as host lists)."""
+        if self.dispatcher is not None:
+            return "expert parallelism's all-to-all takes its split sizes from the host"
+        return self.experts.sync_problem()
 
     def update_expert_bias(self, load: torch.Tensor) -> None:
         """The routing mixer's half of the aux-loss-free step (every mixer that returns a

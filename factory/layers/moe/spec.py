@@ -239,11 +239,12 @@ class MixtureOfExperts(LayerType):
                 "'Bias in Moe is only supported when ETP==1'",
             )
 
-    def compiles(self, block: nn.Module) -> bool:
-        """Where its dispatch is sync-free (``MoE.sync_free``: the ``torch._grouped_mm`` path,
-        no quantized expert GEMMs, no expert-parallel all-to-all), every shape follows from
-        ``T``, ``k`` and ``E``, and the block compiles as the others do."""
-        return block.mixer.sync_free()
+    def eager_reason(self, block: nn.Module) -> str | None:
+        """Where its dispatch is sync-free (``MoE.sync_problem`` is None: the
+        ``torch._grouped_mm`` path, no quantized expert GEMMs, no expert-parallel all-to-all),
+        every shape follows from ``T``, ``k`` and ``E``, and the block compiles as the others
+        do; elsewhere the reason it does not."""
+        return block.mixer.sync_problem()
 
     def mixer_tensors(self, model: ModelConfig, prefix: str) -> list[TensorSpec]:
         cfg: MoEConfig = self.config(model)
