@@ -17,6 +17,15 @@ if not Path("/dev/nvidiactl").exists():
     # before the kernel tests run, so the choice is made here, before any test module.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # Under pytest-xdist (README's test command: -n auto) the workers share the machine's
+    # cores; each takes its share of intra-op threads (torch and the processes a test starts
+    # read OMP_NUM_THREADS when they start), not one thread per core each, which
+    # oversubscribes the cores. No test module has imported torch yet.
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (_cores or 1) // _workers)))
+
 REPO = Path(__file__).resolve().parent.parent
 PRESETS = REPO / "blueprints"
 

@@ -125,7 +125,12 @@ def test_a_failed_stage_is_recorded_and_raised(
     assert record["model"]["status"] == "failed" and "precision" not in record
 
 
-def test_the_cli_names_bad_stages_and_prints_one_line_per_stage(cli, tmp_path: Path) -> None:
+def test_the_cli_names_bad_stages_and_prints_one_line_per_stage(
+    cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Wide enough that the "built" line, which holds tmp_path, is never wrapped (pytest-xdist
+    # workers' tmp_path is longer than a serial run's).
+    monkeypatch.setenv("COLUMNS", "400")
     status, _, err = cli("build", "nano", "--skip", "smok", "--out", str(tmp_path / "x"))
     assert status == 2 and "'smok' is not a stage" in err
     skips = [a for s in (*FAST, "data", "export") for a in ("--skip", s)]
