@@ -156,7 +156,8 @@ class TrainingConfig(Section):
     """Seed for initialisation, data order and stochastic rounding (0 to 2**63 - 1)."""
     compile: bool = False
     """``torch.compile`` each block whose shapes follow from the batch alone (Mamba,
-    attention, dense MLP; the MoE blocks stay eager, their routing decides shapes). The
+    attention, dense MLP, and MoE where its dispatch is sync-free: the grouped-GEMM path,
+    no quantized expert GEMMs, no expert parallelism). The
     first step pays the compile (seconds per block type); needs a C++ compiler on CPU.
     Works under every layout (blocks are compiled after tensor, expert and context
     parallelism and before FSDP2, per pipeline stage; under TP the Mamba blocks stay
