@@ -29,7 +29,8 @@ sets it), which every quantizer call receives: split operands are quantized with
 whole tensor's statistics, as one process would.
 
 Under ``training.compile`` the quantized GEMM runs eagerly inside the compiled block
-(``torch.compiler.disable`` on :func:`quantized_matmul`, a graph break on either side):
+(``torch.compiler.disable``, in torch's lazy form, on :func:`quantized_matmul`, a graph
+break on either side):
 the emulation keeps Python-side state that a graph cannot hold (the weight-cast cache
 keyed on the parameter's version, delayed scaling's amax history, MoR's counters, the
 stochastic-rounding generator, whose state checkpoints save) and checks its inputs for
@@ -202,7 +203,10 @@ def _scaled_path(
     return True
 
 
-@torch.compiler.disable
+# torch.compiler.disable would import torch._dynamo (with sympy and triton: about a second
+# and 150 MiB) when this module loads, in every build; torch's lazy form imports it on the
+# first call instead, and only a run that calls the GEMM pays for it.
+@torch._disable_dynamo
 def quantized_matmul(
     x: torch.Tensor,
     w: torch.Tensor,
