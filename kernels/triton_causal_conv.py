@@ -35,6 +35,24 @@ take [B, L/256, C, K] fp32, an eighth of what one per 32 positions would."""
 
 
 @triton.jit
+def _tap_input(
+    x_ptr, sxb, sxt, sxc, seq_ptr, ssb, sst, b, t, c, in_t, in_c, doc, shift,
+    HAS_SEQ: tl.constexpr,
+):  # fmt: skip
+    """[BT, BC] fp32: x at ``t - shift`` for outputs ``t``, zero before the row's start and
+    where that position is in another document than ``doc`` (the outputs' own)."""
+    src = t - shift
+    reads = in_t & (src >= 0)
+    if HAS_SEQ:
+        reads &= tl.load(seq_ptr + b * ssb + src * sst, mask=reads, other=-1) == doc
+    return tl.load(
+        x_ptr + b * sxb + src[:, None] * sxt + c[None, :] * sxc,
+        mask=reads[:, None] & in_c[None, :],
+        other=0.0,
+    ).to(tl.float32)
+
+
+@triton.jit
 def _forward_kernel(
     x_ptr, sxb, sxt, sxc,  # the input [B, L, C] and its strides
     w_ptr, bias_ptr,  # weight [C, K] contiguous, bias [C]
@@ -51,18 +69,13 @@ def _forward_kernel(
     acc = tl.zeros((BT, BC), dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + c, mask=in_c, other=0.0).to(tl.float32)[None, :]
+    doc = t  # read only with seq_idx
     if HAS_SEQ:
         doc = tl.load(seq_ptr + b * ssb + t * sst, mask=in_t, other=-1)
     for j in tl.static_range(K):
-        src = t - (K - 1 - j)
-        reads = in_t & (src >= 0)
-        if HAS_SEQ:
-            reads &= tl.load(seq_ptr + b * ssb + src * sst, mask=reads, other=-1) == doc
-        x = tl.load(
-            x_ptr + b * sxb + src[:, None] * sxt + c[None, :] * sxc,
-            mask=reads[:, None] & in_c[None, :],
-            other=0.0,
-        ).to(tl.float32)
+        x = _tap_input(
+            x_ptr, sxb, sxt, sxc, seq_ptr, ssb, sst, b, t, c, in_t, in_c, doc, K - 1 - j, HAS_SEQ
+        )
         w = tl.load(w_ptr + c * K + j, mask=in_c, other=0.0).to(tl.float32)
         acc += x * w[None, :]
     out = y_ptr + (b * L + t[:, None]) * C + c[None, :]
@@ -92,6 +105,7 @@ def _backward_kernel(
     for tile in range(TILES):
         t = (span * TILES + tile) * BT + tl.arange(0, BT)
         in_t = t < L
+        doc = t  # read only with seq_idx
         if HAS_SEQ:
             doc = tl.load(seq_ptr + b * ssb + t * sst, mask=in_t, other=-1)
         g_here = tl.load(
@@ -115,15 +129,9 @@ def _backward_kernel(
             ).to(tl.float32)
             dx += g * w[None, :]
             # dw[j] += g[t] * x[t - shift]: this tile's outputs, what tap j read for them.
-            src = t - shift
-            reads = in_t & (src >= 0)
-            if HAS_SEQ:
-                reads &= tl.load(seq_ptr + b * ssb + src * sst, mask=reads, other=-1) == doc
-            x = tl.load(
-                x_ptr + b * sxb + src[:, None] * sxt + c[None, :] * sxc,
-                mask=reads[:, None] & in_c[None, :],
-                other=0.0,
-            ).to(tl.float32)
+            x = _tap_input(
+                x_ptr, sxb, sxt, sxc, seq_ptr, ssb, sst, b, t, c, in_t, in_c, doc, shift, HAS_SEQ
+            )
             dw += tl.where(taps[:, None] == j, tl.sum(g_here * x, axis=0)[None, :], 0.0)
         out = dx_ptr + (b * L + t[:, None]) * C + c[None, :]
         tl.store(out, dx.to(dx_ptr.dtype.element_ty), mask=in_t[:, None] & in_c[None, :])

@@ -156,14 +156,17 @@ def test_gated_norm_kernel_equals_the_module(field_kernels) -> None:
         assert_close_to(ours.detach(), reference.detach())
 
 
-@pytest.mark.parametrize(("with_bias", "k"), [(True, 4), (False, 3)])
+@pytest.mark.parametrize(
+    ("with_bias", "k", "with_documents"), [(True, 4, True), (False, 3, True), (True, 4, False)]
+)
 def test_conv_kernel_equals_the_reference_across_documents(
-    field_kernels, with_bias: bool, k: int
+    field_kernels, with_bias: bool, k: int, with_documents: bool
 ) -> None:
     """The Triton conv on a strided view (as the in-projection's split leaves it), lengths and
     channels that leave partial tiles, two spans of the backward's weight-gradient sums, and
     documents that start inside the first taps: output and the gradients of x, weight and
-    bias, for the usual width 4 and a width that is not a power of two."""
+    bias, for the usual width 4 and a width that is not a power of two; and rows without
+    documents (no seq_idx)."""
     from factory.kernels import triton_causal_conv
 
     gen = torch.Generator().manual_seed(3)
@@ -171,7 +174,7 @@ def test_conv_kernel_equals_the_reference_across_documents(
     x = torch.randn(b, length, channels + 9, generator=gen)[..., 9:]
     weight = torch.randn(channels, 1, k, generator=gen)
     bias = torch.randn(channels, generator=gen) if with_bias else None
-    seq_idx = documents([2, 1, 150, 147], [300])
+    seq_idx = documents([2, 1, 150, 147], [300]) if with_documents else None
     upstream = torch.randn(b, length, channels, generator=gen)
     results = []
     for conv in (triton_causal_conv.causal_depthwise_conv, _causal_depthwise_conv):
