@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -237,22 +238,47 @@ def flops_per_token(blueprint: Any, seq: int) -> dict[str, int]:
     return {"ours": flops.exact, "theirs": flops.exact - flops.by_layer_type.get("mtp", 0)}
 
 
-def run(ctx: SectionContext) -> None:
+@dataclass(frozen=True)
+class OneBillionStep:
+    """What both 1B sections (this one and ``gpu_transformers``) set up alike, recorded."""
+
+    blueprint: Any
+    batch: int
+    seq: int
+    ours: torch.nn.Module
+    ids: torch.Tensor
+    mtp_scale: float
+    flops: dict[str, int]
+    peak: float | None
+
+
+def prepare(ctx: SectionContext) -> OneBillionStep:
+    """The 1B blueprint, ours built in BF16 and one random batch, with the blueprint, the
+    parameter count and the FLOPs per token recorded."""
+    from factory.graph.loss import mtp_loss_scale
+
     blueprint = load(ctx.dry_run)
     batch, seq = batch_shape(blueprint, ctx.dry_run)
     ctx.record("blueprint", {"name": blueprint.meta.name, "batch": batch, "seq_len": seq,
                              "pattern": blueprint.model.pattern})  # fmt: skip
-    ctx.record("prediction", prediction(blueprint))
-    ctx.record("baseline", BASELINE)
-    from factory.graph.block_compile import compile_blocks
-    from factory.graph.loss import mtp_loss_scale
-
     ours = build_ours(blueprint, ctx.device)
     ctx.record("parameters", sum(p.numel() for p in ours.parameters()))
     ids = random_batch(blueprint, (batch, seq), ctx.device)
-    scale = mtp_loss_scale(blueprint.model)
-    flops, peak = flops_per_token(blueprint, seq), bf16_peak(ctx.device)
+    flops = flops_per_token(blueprint, seq)
     ctx.record("flops_per_token", flops)
+    return OneBillionStep(blueprint, batch, seq, ours, ids, mtp_loss_scale(blueprint.model),
+                          flops, bf16_peak(ctx.device))  # fmt: skip
+
+
+def run(ctx: SectionContext) -> None:
+    from factory.graph.block_compile import compile_blocks
+
+    setup = prepare(ctx)
+    blueprint, batch, seq, ours, ids = (setup.blueprint, setup.batch, setup.seq, setup.ours,
+                                        setup.ids)  # fmt: skip
+    scale, flops, peak = setup.mtp_scale, setup.flops, setup.peak
+    ctx.record("prediction", prediction(blueprint))
+    ctx.record("baseline", BASELINE)
     repeats, warmup = (1, 0) if ctx.dry_run else (5, 1)
     eager = our_step(ours, ids, scale)
     layers = attempt(ctx, "layer types", lambda: layer_type_times(ours, eager, ctx.device))

@@ -29,14 +29,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gpu_common import SectionContext, attempt, bf16_peak
+from benchmarks.gpu_common import SectionContext, attempt
 from benchmarks.gpu_train import (
     Step,
-    batch_shape,
-    build_ours,
-    flops_per_token,
-    load,
     our_step,
+    prepare,
     random_batch,
     rates,
     step_table,
@@ -113,18 +110,10 @@ def _beside_theirs(
 
 
 def run(ctx: SectionContext) -> None:
-    from factory.graph.loss import mtp_loss_scale
-
-    blueprint = load(ctx.dry_run)
-    batch, seq = batch_shape(blueprint, ctx.dry_run)
-    ctx.record("blueprint", {"name": blueprint.meta.name, "batch": batch, "seq_len": seq,
-                             "pattern": blueprint.model.pattern})  # fmt: skip
-    ours = build_ours(blueprint, ctx.device)
-    ctx.record("parameters", sum(p.numel() for p in ours.parameters()))
-    ids = random_batch(blueprint, (batch, seq), ctx.device)
-    scale = mtp_loss_scale(blueprint.model)
-    flops, peak = flops_per_token(blueprint, seq), bf16_peak(ctx.device)
-    ctx.record("flops_per_token", flops)
+    setup = prepare(ctx)
+    blueprint, batch, seq, ours, ids = (setup.blueprint, setup.batch, setup.seq, setup.ours,
+                                        setup.ids)  # fmt: skip
+    scale, flops, peak = setup.mtp_scale, setup.flops, setup.peak
     repeats, warmup = (1, 0) if ctx.dry_run else (4, 1)
     theirs = load_theirs(ours, blueprint, ctx.device)
     difference = attempt(ctx, "logits", lambda: max_logit_difference(ours, theirs, ids))
