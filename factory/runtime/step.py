@@ -40,8 +40,7 @@ __all__ = ["StepOutcome", "forward_backward", "max_violation"]
 
 def max_violation(tokens_per_expert: list[float]) -> float:
     """MaxVio of one MoE layer: max over experts of load / mean load - 1 (0 when balanced)."""
-    mean = sum(tokens_per_expert) / max(1, len(tokens_per_expert))
-    return max(tokens_per_expert) / mean - 1 if mean > 0 else 0.0
+    return float(_max_violation(torch.tensor(tokens_per_expert, dtype=torch.float64)))
 
 
 @dataclass
@@ -70,7 +69,8 @@ class StepOutcome:
 
 
 def _max_violation(load: torch.Tensor) -> torch.Tensor:
-    """:func:`max_violation` of one layer's [E] load as a device scalar (fp64)."""
+    """:func:`max_violation` of one layer's [E] load, as a scalar on its device (fp64), so a
+    step reads every layer's in one transfer."""
     load = load.double()
     mean = load.mean()
     return torch.where(mean > 0, load.max() / mean.clamp_min(1e-300) - 1, 0.0)
