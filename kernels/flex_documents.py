@@ -31,6 +31,7 @@ the documented way); that callable is made once per process
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import weakref
 from collections.abc import Callable
@@ -187,15 +188,11 @@ def document_mask(
     return _LAST.mask
 
 
-_COMPILED: dict[str, Callable[..., torch.Tensor]] = {}
-
-
+@functools.cache
 def compiled_flex_attention(backend: str = "inductor") -> Callable[..., torch.Tensor]:
     """``torch.compile(flex_attention)``, compiled once per process and ``backend``: eager
     runs call it to get the fused kernel rather than flex's unfused reference."""
-    if backend not in _COMPILED:
-        _COMPILED[backend] = torch.compile(flex_attention, backend=backend)
-    return _COMPILED[backend]
+    return torch.compile(flex_attention, backend=backend)
 
 
 def flex_document_attention(
