@@ -7,7 +7,8 @@ what the machine already has and installs the rest from the folder; ``--no-deps 
 .gpu_wheels/without-deps.txt`` adds the kernel packages built without CUDA (mamba-ssm: their
 declared dependencies are for the CUDA extension and other kernels, which factory does not
 use); then ``pip install --no-index --find-links .gpu_wheels --no-deps -e .`` installs factory
-itself (pip's isolated build takes setuptools from the folder too).
+itself (pip's isolated build takes setuptools from the folder too), and the command starts
+again in a fresh interpreter, which sees the editable install.
 """
 
 from __future__ import annotations
@@ -43,3 +44,7 @@ def install_offline_if_needed() -> None:
     if WITHOUT_DEPS.is_file():
         subprocess.run([*offline, "--no-deps", "-r", str(WITHOUT_DEPS)], check=True, env=env)
     subprocess.run([*offline, "--no-deps", "-e", str(REPO)], check=True, env=env)
+    # The editable install maps factory.kernels and factory.schemas through a finder that a
+    # .pth file registers at interpreter start: this process started before it existed.
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
