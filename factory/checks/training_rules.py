@@ -87,3 +87,15 @@ def at_least_one_step(bp: Blueprint) -> Iterator[Finding]:
             f"training.tokens={tokens} is less than one step (global_batch_size*seq_len = "
             f"{bp.parallelism.global_batch_size}*{bp.data.seq_len} = {per_step} tokens)",
         )
+
+
+@rule("training.eval_interval")
+def eval_interval(bp: Blueprint) -> Iterator[Finding]:
+    """An evaluation interval longer than the run would evaluate only at the end: a typo."""
+    evaluation, steps = bp.training.eval, bp.training_steps
+    if evaluation is not None and evaluation.interval > steps:
+        yield Finding(
+            "training.eval.interval",
+            f"evaluation every {evaluation.interval} steps is past the run's {steps} steps "
+            f"(training.steps or tokens / global_batch_size*seq_len); at most {steps}",
+        )
