@@ -2,7 +2,7 @@
 into the records it was written from, for the run's report page and the build's checks.
 
 The run appends one JSON object per line as it goes (kinds ``run``, ``step``,
-``event``, ``checkpoint``, ``rollback``, ``end``), so the file may be read while
+``event``, ``checkpoint``, ``rollback``, ``eval``, ``end``), so the file may be read while
 the run is alive or after it was killed: an unparsable *last* line is a write
 cut short and is skipped; an unparsable line anywhere else is damage and raises
 :class:`ReportError`. Unknown kinds are skipped, so older reports read newer runs.
@@ -24,6 +24,7 @@ from factory.runtime.metrics import (
     KINDS,
     METRICS,
     CheckpointSaved,
+    HeldoutMetrics,
     RunEnd,
     RunInfo,
     StepMetrics,
@@ -47,6 +48,8 @@ class RunMetrics:
     end: RunEnd | None
     cut_short: bool
     """Whether an unparsable last line (a write the killed process never finished) was skipped."""
+    heldout: tuple[HeldoutMetrics, ...] = ()
+    """The held-out losses (``training.eval``), each set's and all sets' (category None)."""
 
     @property
     def name(self) -> str:
@@ -165,4 +168,5 @@ def read_metrics(run_dir: Path | str) -> RunMetrics:
         rollbacks=tuple(found["rollback"]),
         end=found["end"][-1] if found["end"] else None,
         cut_short=cut_short,
+        heldout=tuple(found["eval"]),
     )

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 if TYPE_CHECKING:
     from factory.compilation import Compiled
     from factory.runtime.history import RunHistory, StepRecord
+    from factory.runtime.metrics import HeldoutMetrics
     from factory.runtime.ranks import Ranks
     from factory.runtime.run_options import RunOptions
     from factory.runtime.run_state import Position
@@ -135,6 +136,9 @@ class TrainerView(Protocol):
     def save(self) -> None:
         """Checkpoint the run as it stands (nothing without a run folder)."""
 
+    def evaluated(self, records: list[HeldoutMetrics]) -> None:
+        """Hand an evaluation's records to every callback's :meth:`Callback.on_evaluation`."""
+
 
 class Callback:
     """Base class: every hook does nothing. Override what the callback needs."""
@@ -157,6 +161,10 @@ class Callback:
 
     def post_step(self, trainer: TrainerView, record: StepRecord, outcome: StepOutcome) -> None:
         """After an optimizer step was applied (``trainer.position`` is past it)."""
+
+    def on_evaluation(self, trainer: TrainerView, records: list[HeldoutMetrics]) -> None:
+        """After an evaluation on the held-out sets (``training.eval``): one record per set
+        and one for all of them, the same on every rank."""
 
     def on_checkpoint(self, trainer: TrainerView, path: Path, seconds: float) -> None:
         """After a checkpoint write was issued (complete unless written asynchronously)."""

@@ -3,7 +3,7 @@
 A killed run keeps everything up to its last step; ``factory report`` reads the
 file (``factory.report.run_metrics``) into the same record types that are
 written here (:data:`KINDS`): ``run`` (first), ``step``, ``event``,
-``checkpoint``, ``rollback`` and ``end``; in a stage of a program every line also
+``checkpoint``, ``rollback``, ``eval`` (a held-out set's loss, ``training.eval``) and ``end``; in a stage of a program every line also
 names the stage (``"stage"``). A resumed run appends to the same
 file, after cutting off a torn last line (a process killed mid-write), so the
 file stays one JSON object per line. Rank 0 writes ``metrics.jsonl``; every other rank of a distributed run its
@@ -33,6 +33,7 @@ __all__ = [
     "KINDS",
     "METRICS",
     "CheckpointSaved",
+    "HeldoutMetrics",
     "MetricsLog",
     "RunEnd",
     "RunInfo",
@@ -88,6 +89,24 @@ class CheckpointSaved:
 
 
 @dataclass(frozen=True)
+class HeldoutMetrics:
+    """One held-out set's loss at an evaluation (``factory.runtime.validation``); one record
+    per set and one for all of them together (``category`` null)."""
+
+    update: int
+    step: int
+    """The steps applied before the evaluation."""
+    category: str | None
+    loss: float
+    """Mean next-token cross-entropy over the set's loss-masked targets (nats)."""
+    perplexity: float
+    tokens: int
+    """The targets averaged over."""
+    mtp_losses: dict[str, float]
+    """MTP depth (``"1"``, ``"2"``, ...) to its mean cross-entropy; empty without MTP."""
+
+
+@dataclass(frozen=True)
 class RunEnd:
     update: int
     step: int
@@ -120,6 +139,7 @@ KINDS: dict[str, type] = {
     "event": Event,
     "checkpoint": CheckpointSaved,
     "rollback": Rollback,
+    "eval": HeldoutMetrics,
     "end": RunEnd,
 }
 """Every line's ``kind`` and the record it holds."""
@@ -226,6 +246,10 @@ class MetricsLog(Callback):
 
     def post_step(self, trainer: TrainerView, record: StepRecord, outcome: StepOutcome) -> None:
         self.write(step_metrics(record, outcome))
+
+    def on_evaluation(self, trainer: TrainerView, records: list[HeldoutMetrics]) -> None:
+        for record in records:
+            self.write(record)
 
     def on_checkpoint(self, trainer: TrainerView, path: Path, seconds: float) -> None:
         p = trainer.position

@@ -44,7 +44,7 @@ import signal
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -67,6 +67,9 @@ from factory.runtime.run_state import Anneal, Position, restore, restore_boundar
 from factory.runtime.schedule import annealed_rate, learning_rate
 from factory.runtime.step import StepOutcome, forward_backward
 from factory.runtime.stop_signals import StopSignals, catching_stop_signals
+
+if TYPE_CHECKING:
+    from factory.runtime.metrics import HeldoutMetrics
 
 __all__ = ["BatchSource", "Trainer", "learning_rate_at"]
 
@@ -307,6 +310,11 @@ class Trainer:
         self.position.consumed = consumed_before
         self.save()
         self.batches.seek(consumed_before)
+
+    def evaluated(self, records: list[HeldoutMetrics]) -> None:
+        """Hand an evaluation's records to every callback (``metrics.jsonl``, the trackers)."""
+        for callback in self.callbacks:
+            callback.on_evaluation(self, records)
 
     # --- checkpoints -------------------------------------------------------------------------
 
