@@ -42,7 +42,13 @@ from factory.folder_lock import release
 from factory.io import atomic_write_text
 from factory.jobs.run_lock import RunFolderBusy, held_by_launcher, lock_run_folder
 from factory.jobs.train_errors import BadData, CannotResume, RankLost, TrainRefused
-from factory.jobs.train_request import StageRun, TrainRequest, TrainResult
+from factory.jobs.train_request import (
+    RUN_FILE,
+    StageRun,
+    TrainRequest,
+    TrainResult,
+    evaluated_sets,
+)
 from factory.planner.layout import resolve_layout
 from factory.progress import PLAIN_EVERY_S, PLAIN_EVERY_STEPS
 from factory.report.run_metrics import ReportError
@@ -71,6 +77,8 @@ def run_rank(request: TrainRequest) -> TrainResult:
             if finished is not None:
                 return finished
             shards = _curated(request, ranks)
+            if ranks.is_main:
+                _write_run_file(request, shards)
             if ranks.is_main:
                 progress("compile", 0, 1)
             # Built on meta, laid out, then each rank fills only its shards. Upcycling and
@@ -233,6 +241,7 @@ def _fit(compiled: Compiled, shards: Path, request: TrainRequest, ranks: Ranks) 
         ranks=ranks,
         stop_on_signals=True,
         notice=settings.notice,
+        heldout=evaluated_sets(bp, shards),
     )
     stage = request.stage
     if stage is not None:
@@ -257,6 +266,18 @@ def _fit(compiled: Compiled, shards: Path, request: TrainRequest, ranks: Ranks) 
         raise BadData(str(exc)) from exc
     except CheckpointError as exc:
         raise CannotResume(str(exc)) from exc
+
+
+def _write_run_file(request: TrainRequest, shards: Path) -> None:
+    """``run.json``: what the run trains (``RUN_FILE``), written before its first step so that
+    ``factory eval`` can read any of its checkpoints, also of a run cut short."""
+    run = {
+        "blueprint": request.blueprint.model_dump(mode="json"),
+        "precision": request.precision,
+        "seed": request.seed,
+        "data": str(shards.resolve()),
+    }
+    atomic_write_text(request.out / RUN_FILE, json.dumps(run, indent=2) + "\n")
 
 
 def _write_summary(result: TrainResult, data: Path | None, stage: StageRun | None) -> None:
