@@ -38,8 +38,11 @@ def eval_cmd(
     ] = None,
     tokens: Annotated[
         int | None,
-        typer.Option("--tokens", help="Positions read from each set (default: the run's "
-                     "training.eval.tokens, else 65536)."),  # fmt: skip
+        typer.Option(
+            "--tokens",
+            help="Positions read from each set (default: the run's training.eval.tokens, "
+            "else 65536).",
+        ),
     ] = None,
     step: Annotated[
         int | None, typer.Option("--step", help="The run's checkpoint of this step.")
