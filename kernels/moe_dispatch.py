@@ -408,7 +408,10 @@ def grouped_mm_works(device: torch.device | str, dtype: torch.dtype) -> bool:
         # whether a block compiles, asks first); tracing it would break the graph.
         return _GROUPED_MM_WORKS.get(key, False)
     if key not in _GROUPED_MM_WORKS:
-        _GROUPED_MM_WORKS[key] = _probe_grouped_mm(device, dtype)
+        # The probe checks the backward too: under no_grad (a first call from an evaluation)
+        # it would fail and rule the kernel out for the rest of the process.
+        with torch.enable_grad():
+            _GROUPED_MM_WORKS[key] = _probe_grouped_mm(device, dtype)
     return _GROUPED_MM_WORKS[key]
 
 

@@ -32,11 +32,12 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
 from factory.compilation import Compiled
-from factory.data.shards.shard_reader import list_shards, read_shard_samples
+from factory.data.shards.shard_reader import Sample, list_shards, read_shard_samples
 from factory.graph.loss import language_model_loss, target_weights
 from factory.runtime.batches import MicroBatch, collate
 from factory.runtime.ranks import Ranks, SingleProcess
@@ -71,8 +72,9 @@ class Evaluation:
 def heldout_micro_batches(folder: Path, tokens: int, micro_batch_size: int) -> list[MicroBatch]:
     """The first samples of the built folder ``folder``, in its manifest's order, covering
     ``tokens`` positions (whole samples; the folder whole if it holds fewer), as
-    micro-batches of ``micro_batch_size`` samples (the last one may hold fewer). Only the
-    shards these samples live in are read."""
+    micro-batches of ``micro_batch_size`` samples, the last one filled up with copies of
+    the first sample whose loss mask counts nothing. Only the shards these samples live in
+    are read."""
     if tokens < 1 or micro_batch_size < 1:
         raise ValueError("tokens and micro_batch_size must be at least 1")
     samples = []
@@ -85,6 +87,13 @@ def heldout_micro_batches(folder: Path, tokens: int, micro_batch_size: int) -> l
         else:
             continue
         break
+    # The last micro-batch is filled up with a sample that counts no target, so every
+    # forward pass has the training's shape: a new shape would make torch.compile's kernels
+    # (FlexAttention's, compiled blocks) recompile for dynamic shapes, and the training's
+    # next steps would then run those, rounding differently.
+    short = -len(samples) % micro_batch_size
+    filler = Sample(samples[0].tokens, np.zeros_like(samples[0].loss_mask), samples[0].cu_seqlens)
+    samples.extend([filler] * short)
     return [
         collate(samples[start : start + micro_batch_size])
         for start in range(0, len(samples), micro_batch_size)
