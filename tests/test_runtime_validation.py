@@ -3,6 +3,7 @@ determinism, reaches metrics.jsonl and TensorBoard, and is the number ``evaluate
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -217,3 +218,21 @@ def test_the_grouped_mm_probe_answers_alike_under_no_grad(monkeypatch: pytest.Mo
         under_no_grad = moe_dispatch.grouped_mm_works(torch.device("cpu"), torch.float32)
     monkeypatch.setattr(moe_dispatch, "_GROUPED_MM_WORKS", {})
     assert under_no_grad == moe_dispatch.grouped_mm_works(torch.device("cpu"), torch.float32)
+
+
+def test_the_run_page_shows_the_heldout_loss_beside_the_training_loss(
+    runs: dict, tmp_path: Path
+) -> None:
+    from factory.report.run_page import write_report
+    from factory.report.run_plots import plots
+
+    metrics = read_metrics(runs["dir"])
+    curves = metrics.heldout_curves()
+    assert list(curves) == [*CATEGORIES, None]
+    assert [r.step for r in curves[None]] == [2, 4, RUN]
+    page = write_report(runs["dir"], tmp_path / "report").read_text()
+    assert "<h2>Held-out loss</h2>" in page and "all sets" in page and "MTP 2" in page
+    overall = curves[None][-1]
+    assert f"{overall.loss:.4f}" in page
+    without = dataclasses.replace(metrics, heldout=())  # the same run, not evaluated
+    assert dict(plots(metrics))["loss.png"] != dict(plots(without))["loss.png"]

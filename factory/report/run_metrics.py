@@ -55,6 +55,17 @@ class RunMetrics:
     def name(self) -> str:
         return self.run.name if self.run else self.path.parent.name
 
+    def heldout_curves(self) -> dict[str | None, list[HeldoutMetrics]]:
+        """Each held-out set's records (None: all sets together) in update order, one per
+        update: an evaluation repeated after a resume or a rollback replaces the earlier."""
+        latest: dict[tuple[str | None, int], HeldoutMetrics] = {}
+        for record in self.heldout:
+            latest[(record.category, record.update)] = record
+        curves: dict[str | None, list[HeldoutMetrics]] = {}
+        for (category, _), record in sorted(latest.items(), key=lambda item: item[0][1]):
+            curves.setdefault(category, []).append(record)
+        return curves
+
 
 _NUMBERS = {int, float, type(None)}
 
