@@ -59,6 +59,13 @@ CASES = [
         ("1000", "16384"),
         "error",
     ),
+    (
+        "training.eval_interval",
+        {"training.eval": {"interval": 101}},
+        "training.eval.interval",
+        ("101", "100 steps"),
+        "error",
+    ),
 ]
 
 

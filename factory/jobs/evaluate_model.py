@@ -9,10 +9,10 @@ import yaml
 from factory import compilation
 from factory.compilation import Compiled
 from factory.exports.hf_import import blueprint_yaml_from_hf
-from factory.jobs.evaluate import HF_MICRO_BATCH, EvalRequest
+from factory.jobs.eval_request import HF_MICRO_BATCH, EvalRequest
 from factory.runtime import checkpoint
+from factory.runtime.callbacks import HeldoutMetrics
 from factory.runtime.evaluation import evaluate
-from factory.runtime.metrics import HeldoutMetrics
 from factory.runtime.run_state import fingerprint
 from factory.runtime.validation import heldout_records
 from factory.schemas.blueprint import Blueprint

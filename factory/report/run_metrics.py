@@ -18,13 +18,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from factory.runtime.callbacks import Event, Rollback
+from factory.runtime.callbacks import Event, HeldoutMetrics, Rollback
 from factory.runtime.metrics import (
     JSON_KEYS,
     KINDS,
     METRICS,
     CheckpointSaved,
-    HeldoutMetrics,
     RunEnd,
     RunInfo,
     StepMetrics,

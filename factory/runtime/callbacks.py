@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 if TYPE_CHECKING:
     from factory.compilation import Compiled
     from factory.runtime.history import RunHistory, StepRecord
-    from factory.runtime.metrics import HeldoutMetrics
     from factory.runtime.ranks import Ranks
     from factory.runtime.run_options import RunOptions
     from factory.runtime.run_state import Position
@@ -43,6 +42,7 @@ __all__ = [
     "SEVERITY",
     "Callback",
     "Event",
+    "HeldoutMetrics",
     "PeriodicCheckpoint",
     "Rollback",
     "StepStats",
@@ -80,6 +80,24 @@ class Event:
     value: float | None = None
     threshold: float | None = None
     layer: str | None = None
+
+
+@dataclass(frozen=True)
+class HeldoutMetrics:
+    """One held-out set's loss at an evaluation (``factory.runtime.validation``); one record
+    per set and one for all of them together (``category`` null)."""
+
+    update: int
+    step: int
+    """The steps applied before the evaluation."""
+    category: str | None
+    loss: float
+    """Mean next-token cross-entropy over the set's loss-masked targets (nats)."""
+    perplexity: float
+    tokens: int
+    """The targets averaged over."""
+    mtp_losses: dict[str, float]
+    """MTP depth (``"1"``, ``"2"``, ...) to its mean cross-entropy; empty without MTP."""
 
 
 def verdict(events: list[Event]) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from factory.layers.model_spec import model_spec
-from factory.runtime.callbacks import Callback, Event, Rollback, TrainerView
+from factory.runtime.callbacks import Callback, Event, HeldoutMetrics, Rollback, TrainerView
 
 if TYPE_CHECKING:
     from factory.runtime.history import RunHistory, StepRecord
@@ -33,7 +33,6 @@ __all__ = [
     "KINDS",
     "METRICS",
     "CheckpointSaved",
-    "HeldoutMetrics",
     "MetricsLog",
     "RunEnd",
     "RunInfo",
@@ -86,24 +85,6 @@ class CheckpointSaved:
     path: str
     seconds: float
     is_async: bool
-
-
-@dataclass(frozen=True)
-class HeldoutMetrics:
-    """One held-out set's loss at an evaluation (``factory.runtime.validation``); one record
-    per set and one for all of them together (``category`` null)."""
-
-    update: int
-    step: int
-    """The steps applied before the evaluation."""
-    category: str | None
-    loss: float
-    """Mean next-token cross-entropy over the set's loss-masked targets (nats)."""
-    perplexity: float
-    tokens: int
-    """The targets averaged over."""
-    mtp_losses: dict[str, float]
-    """MTP depth (``"1"``, ``"2"``, ...) to its mean cross-entropy; empty without MTP."""
 
 
 @dataclass(frozen=True)

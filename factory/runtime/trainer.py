@@ -44,14 +44,14 @@ import signal
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from factory.compilation import Compiled, compile_for_training
 from factory.graph.loss import mtp_loss_scale
 from factory.runtime.batches import MicroBatch
-from factory.runtime.callbacks import Callback, Rollback, StepStats, Verdict
+from factory.runtime.callbacks import Callback, HeldoutMetrics, Rollback, StepStats, Verdict
 from factory.runtime.checkpoint import (
     CheckpointDamaged,
     Checkpointer,
@@ -67,9 +67,6 @@ from factory.runtime.run_state import Anneal, Position, restore, restore_boundar
 from factory.runtime.schedule import annealed_rate, learning_rate
 from factory.runtime.step import StepOutcome, forward_backward
 from factory.runtime.stop_signals import StopSignals, catching_stop_signals
-
-if TYPE_CHECKING:
-    from factory.runtime.metrics import HeldoutMetrics
 
 __all__ = ["BatchSource", "Trainer", "learning_rate_at"]
 

@@ -21,10 +21,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from factory.runtime.callbacks import Callback, TrainerView
+from factory.runtime.callbacks import Callback, HeldoutMetrics, TrainerView
 from factory.runtime.evaluation import Evaluation, HeldoutLoss, evaluate, training_kept
 from factory.runtime.history import StepRecord
-from factory.runtime.metrics import HeldoutMetrics
 from factory.runtime.step import StepOutcome
 from factory.schemas.training import EvalConfig
 

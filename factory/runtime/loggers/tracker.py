@@ -16,8 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from factory.runtime.callbacks import Callback, Event, Rollback, TrainerView
-from factory.runtime.metrics import HeldoutMetrics, StepMetrics, step_metrics
+from factory.runtime.callbacks import Callback, Event, HeldoutMetrics, Rollback, TrainerView
+from factory.runtime.metrics import StepMetrics, step_metrics
 
 if TYPE_CHECKING:
     from factory.runtime.history import RunHistory, StepRecord
