@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from factory.exports.hf import write_hf_folder
+from factory.exports.hf import write_hf_checkpoint, write_hf_folder
 from factory.exports.hf_config import ExportError, blueprint_fields_from_hf
 from factory.exports.hf_stage import (
     AVERAGED_DIR,
@@ -49,13 +49,19 @@ from factory.runtime.averaging import (
     MODEL,
     average_checkpoints,
     checkpoint_weights,
+    running_average,
     stored_tensors,
     write_average,
 )
 from factory.runtime.checkpoint import complete_checkpoints, read_meta
+from factory.schemas.blueprint import Blueprint
 from factory.schemas.model import ModelConfig
 
-__all__ = ["AverageRefused", "AverageResult", "average"]
+__all__ = ["RUNNING", "AverageRefused", "AverageResult", "average", "write_running_average"]
+
+RUNNING = "ema"
+"""The name under ``averaged/`` of ``training.average``'s moving average, written at the end
+of a training by :func:`write_running_average`."""
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -107,6 +113,8 @@ def average(
     name = name or _default_name(last, [step for step, _ in chosen], ema)
     if not _NAME.match(name):
         raise AverageRefused("--name", f"{name!r} is not a folder name (letters, digits, . _ -)")
+    if name == RUNNING:
+        raise AverageRefused("--name", f"{name!r} is where training.average's average goes")
     fingerprint = _one_model(chosen, "--last" if last is not None else "--steps")
     model_config = _export_config(folder, chosen[-1][1]) if export else None
 
@@ -189,10 +197,10 @@ def _one_model(chosen: Sequence[tuple[int, Path]], argument: str) -> str:
     agree by name, shape and dtype."""
     newest_step, newest = chosen[-1]
     fingerprint = read_meta(newest).get("fingerprint")
-    tensors = stored_tensors(newest)
+    tensors = stored_tensors(newest, running=False)
     for step, path in chosen[:-1]:
         other = read_meta(path).get("fingerprint")
-        if other != fingerprint or stored_tensors(path) != tensors:
+        if other != fingerprint or stored_tensors(path, running=False) != tensors:
             raise AverageRefused(
                 argument,
                 f"step {step} holds another model than step {newest_step} (fingerprint "
@@ -230,3 +238,32 @@ def _export_config(folder: Path, newest: Path) -> tuple[dict, ModelConfig]:
             "--no-export writes the averaged checkpoint alone",
         )
     return config, cfg
+
+
+def write_running_average(run: Path, bp: Blueprint, stage: str | None = None) -> Path:
+    """Write ``training.average``'s moving average, as the newest checkpoint of the run folder
+    ``run`` holds it, to ``run/averaged/ema/`` (the layout :func:`average` writes; the export
+    with ``bp``'s config); returns that folder. Rank 0's job at the end of a training."""
+    config = bp.training.average
+    assert config is not None
+    step, newest = complete_checkpoints(run / "checkpoints")[-1]
+    record = {
+        "stage": stage or "train",
+        "steps": [step],
+        "weights": [1.0],
+        "weighting": {"ema": config.decay, "start": config.start, "during": "training"},
+    }
+    meta = {"blueprint": bp.meta.name, "fingerprint": read_meta(newest)["fingerprint"],
+            "averaged": record}  # fmt: skip
+    averaged = running_average(newest)
+    target = run / AVERAGED_DIR / RUNNING
+    with staged_directory(target) as staging:
+        write_average(staging / "checkpoint", averaged, meta)
+        (staging / "average.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        weights = {
+            key.removeprefix(MODEL): value
+            for key, value in averaged.items()
+            if key.startswith(MODEL)
+        }
+        write_hf_checkpoint(weights, bp, staging / "model")
+    return target

@@ -43,18 +43,22 @@ from factory.runtime.checkpoint import _local_file, _no_dist, single_process_qui
 from factory.runtime.checkpoint_trust import MetadataReader, TensorsOnlyPlanner
 
 __all__ = [
+    "AVERAGE",
     "GROUP_BYTES",
     "MASTERS",
     "MODEL",
     "StoredTensor",
     "average_checkpoints",
     "checkpoint_weights",
+    "running_average",
     "stored_tensors",
     "write_average",
 ]
 
 MODEL = "model."
 MASTERS = "optimizer.masters."
+AVERAGE = "optimizer.average."
+"""Where a training checkpoint keeps ``training.average``'s moving average, by parameter."""
 GROUP_BYTES = 256 << 20
 """fp32 bytes of the tensors read from each checkpoint at a time."""
 
@@ -67,13 +71,15 @@ class StoredTensor:
     dtype: torch.dtype
 
 
-def stored_tensors(path: Path) -> dict[str, StoredTensor]:
-    """The model's tensors and fp32 masters checkpoint ``path`` holds, by DCP key (``model.*``,
-    ``optimizer.masters.*``); read from its metadata alone."""
+def stored_tensors(path: Path, running: bool = True) -> dict[str, StoredTensor]:
+    """The model's tensors, fp32 masters and (``running``) moving average checkpoint ``path``
+    holds, by DCP key (``model.*``, ``optimizer.masters.*``, ``optimizer.average.*``); read
+    from its metadata alone."""
     metadata = MetadataReader(path).read_metadata()
+    prefixes = (MODEL, MASTERS, AVERAGE) if running else (MODEL, MASTERS)
     found = {}
     for key, entry in metadata.state_dict_metadata.items():
-        if key.startswith((MODEL, MASTERS)) and hasattr(entry, "size"):
+        if key.startswith(prefixes) and hasattr(entry, "size"):
             found[key] = StoredTensor(tuple(entry.size), entry.properties.dtype)
     return found
 
@@ -137,34 +143,49 @@ def average_checkpoints(
     """The weighted average of checkpoints ``sources`` (oldest first, one model: the caller
     checks that their :func:`stored_tensors` agree), by DCP key, each tensor in the dtype the
     newest stores it in. Weights and rounding as the module docstring says."""
+    return _averaged(sources, MASTERS, decay, group_bytes)
+
+
+def running_average(path: Path, group_bytes: int = GROUP_BYTES) -> dict[str, torch.Tensor]:
+    """The moving average that ``training.average`` keeps in checkpoint ``path``
+    (``optimizer.average.*``, fp32, in canonical order whatever the layout that wrote it), as
+    :func:`average_checkpoints` returns an average: every model tensor the average covers
+    (the trainable ones) is the average's, the others (frozen expert biases) the
+    checkpoint's own."""
+    return _averaged([path], AVERAGE, 1.0, group_bytes)
+
+
+def _averaged(
+    sources: Sequence[Path], fp32_prefix: str, decay: float, group_bytes: int
+) -> dict[str, torch.Tensor]:
     tensors = stored_tensors(sources[-1])
     raw = _raw_weights(len(sources), decay)
     total = sum(raw)
     averaged: dict[str, torch.Tensor] = {}
-    # Each model tensor is read at fp32: from its master where the optimizer keeps one.
-    fp32_source = {
-        key: MASTERS + key.removeprefix(MODEL)
-        if MASTERS + key.removeprefix(MODEL) in tensors
-        else key
-        for key in tensors
-        if key.startswith(MODEL)
-    }
+    # Each model tensor is read at fp32: from ``fp32_prefix`` (its master, or the running
+    # average) where the checkpoint holds it there.
+    fp32_source = {}
+    for key in tensors:
+        if key.startswith(MODEL):
+            name = key.removeprefix(MODEL)
+            fp32_source[key] = fp32_prefix + name if fp32_prefix + name in tensors else key
     floating = [k for k, src in fp32_source.items() if tensors[src].dtype.is_floating_point]
     others = [k for k in fp32_source if k not in floating]
     if others:
         averaged.update(_read(sources[-1], others, tensors))
-    sources_of = [fp32_source[k] for k in floating]
-    for group in _groups(sources_of, tensors, group_bytes):
+    model_key = {fp32_source[k]: k for k in floating}
+    for group in _groups([fp32_source[k] for k in floating], tensors, group_bytes):
         sums = {src: torch.zeros(tensors[src].shape, dtype=torch.float64) for src in group}
         for path, weight in zip(sources, raw, strict=True):
             for src, value in _read(path, group, tensors).items():
                 sums[src].add_(value.to(torch.float64), alpha=weight)
         for src, summed in sums.items():
             mean = (summed / total).to(torch.float32)
-            key = MODEL + src.removeprefix(MASTERS) if src.startswith(MASTERS) else src
+            key = model_key[src]
             averaged[key] = mean.to(tensors[key].dtype)
-            if src.startswith(MASTERS):
-                averaged[src] = mean
+            master = MASTERS + key.removeprefix(MODEL)
+            if master in tensors:
+                averaged[master] = mean
     return averaged
 
 
