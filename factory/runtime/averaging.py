@@ -25,6 +25,9 @@ The averaged checkpoint (:func:`write_average`) has a training checkpoint's DCP 
 the same keys (``model.*`` in the model's dtypes, ``optimizer.masters.*`` where the sources
 have them) and a ``meta.json`` with the model's fingerprint, so whatever reads a checkpoint's
 weights (``read_checkpoint`` with a state of ``model`` and the masters) reads it.
+
+Reading and writing are one process's, without collectives even where a process group is
+up (rank 0 writes a training's moving average at its end while the other ranks leave).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from factory.runtime.checkpoint import _local_file, _no_dist, single_process_quiet
+from factory.runtime.checkpoint import _local_file, single_process_quiet
 from factory.runtime.checkpoint_trust import MetadataReader, TensorsOnlyPlanner
 
 __all__ = [
@@ -132,7 +135,7 @@ def _read(
             checkpoint_id=str(path),
             storage_reader=MetadataReader(path),
             planner=TensorsOnlyPlanner(),
-            no_dist=_no_dist(),
+            no_dist=True,
         )
     return state
 
@@ -201,7 +204,7 @@ def write_average(out: Path, averaged: Mapping[str, torch.Tensor], meta: Mapping
         else:
             state["model"][key.removeprefix(MODEL)] = value
     with single_process_quiet():
-        dcp.save(state, checkpoint_id=str(out), no_dist=_no_dist())
+        dcp.save(state, checkpoint_id=str(out), no_dist=True)
     torch.save({}, out / _local_file(0))
     (out / "meta.json").write_text(json.dumps(dict(meta), indent=1) + "\n", encoding="utf-8")
     for path in out.iterdir():
