@@ -210,3 +210,11 @@ def test_a_program_averages_within_one_stage(trained: Path, cli, tmp_path: Path)
     status, _, err = cli("export", "hf", str(run), "--averaged", "last3", "--out",
                          str(tmp_path / "hf"))  # fmt: skip
     assert status == 0, err
+
+
+def test_a_damaged_checkpoint_exits_1_naming_it(trained: Path, cli, tmp_path: Path):
+    run = tmp_path / "run"
+    shutil.copytree(trained / "checkpoints", run / "checkpoints")
+    (run / "checkpoints" / "step_00000006" / ".metadata").write_bytes(b"not a pickle")
+    status, _, err = cli("average", str(run), "--last", "2", "--no-export")
+    assert status == 1 and "step_00000006: cannot be read" in err

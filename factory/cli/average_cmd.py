@@ -51,11 +51,12 @@ def average_cmd(
         bool, typer.Option("--no-export", help="Write the averaged checkpoint alone.")
     ] = False,
 ) -> None:
-    """Average a run's checkpoints (fp32 masters) into RUN/averaged/NAME/.
+    """Average a run's kept checkpoints into one.
 
-    checkpoint/ (a training checkpoint's DCP layout), average.json (source steps and weights)
-    and model/ (its Hugging Face export; `factory export hf RUN --averaged NAME` copies it).
-    Within one stage of a program.
+    Their fp32 masters, uniformly or with --ema, into RUN/averaged/NAME/: checkpoint/ (a
+    training checkpoint's DCP layout), average.json (source steps and weights) and model/
+    (its Hugging Face export; `factory export hf RUN --averaged NAME` copies it). Within
+    one stage of a program.
     """
     # The averaging job reads checkpoints with torch: imported when the command runs.
     from factory.jobs.average import AverageRefused, average

@@ -47,15 +47,22 @@ from factory.io import staged_directory
 from factory.layers.model_spec import model_spec
 from factory.runtime.averaging import (
     MODEL,
+    StoredTensor,
     average_checkpoints,
     checkpoint_weights,
     running_average,
     stored_tensors,
     write_average,
 )
-from factory.runtime.checkpoint import complete_checkpoints, read_meta
+from factory.runtime.checkpoint import (
+    CheckpointDamaged,
+    complete_checkpoints,
+    describe_failure,
+    read_meta,
+)
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.model import ModelConfig
+from factory.schemas.program import DEFAULT_STAGE
 
 __all__ = ["RUNNING", "AverageRefused", "AverageResult", "average", "write_running_average"]
 
@@ -197,10 +204,10 @@ def _one_model(chosen: Sequence[tuple[int, Path]], argument: str) -> str:
     agree by name, shape and dtype."""
     newest_step, newest = chosen[-1]
     fingerprint = read_meta(newest).get("fingerprint")
-    tensors = stored_tensors(newest, running=False)
+    tensors = _tensors(newest)
     for step, path in chosen[:-1]:
         other = read_meta(path).get("fingerprint")
-        if other != fingerprint or stored_tensors(path, running=False) != tensors:
+        if other != fingerprint or _tensors(path) != tensors:
             raise AverageRefused(
                 argument,
                 f"step {step} holds another model than step {newest_step} (fingerprint "
@@ -208,6 +215,13 @@ def _one_model(chosen: Sequence[tuple[int, Path]], argument: str) -> str:
                 "model average",
             )
     return str(fingerprint)
+
+
+def _tensors(path: Path) -> dict[str, StoredTensor]:
+    try:
+        return stored_tensors(path, running=False)
+    except Exception as exc:  # an unreadable .metadata, whatever the unpickler raised
+        raise CheckpointDamaged(f"{path}: cannot be read ({describe_failure(exc)})") from exc
 
 
 def _export_config(folder: Path, newest: Path) -> tuple[dict, ModelConfig]:
@@ -248,7 +262,7 @@ def write_running_average(run: Path, bp: Blueprint, stage: str | None = None) ->
     assert config is not None
     step, newest = complete_checkpoints(run / "checkpoints")[-1]
     record = {
-        "stage": stage or "train",
+        "stage": stage or DEFAULT_STAGE,
         "steps": [step],
         "weights": [1.0],
         "weighting": {"ema": config.decay, "start": config.start, "during": "training"},

@@ -109,7 +109,7 @@ class MasterOptimizer:
             average.copy_(master)
 
     def _own_averages(self) -> dict[str, torch.Tensor]:
-        return dict(zip(self.names, self.averages, strict=True))
+        return dict(zip(self.names, self.averages, strict=True)) if self.average else {}
 
     def state_dict(self) -> dict[str, Any]:
         """Adam moments and step per parameter name, plus the fp32 masters of non-fp32
