@@ -27,6 +27,7 @@ from runtime_helpers import tiny_blueprint
 from safetensors.torch import load_file
 
 from factory.checks import run_rules
+from factory.exports.megatron_refusals import not_carried
 from factory.runtime.averaging import AVERAGE, MODEL
 from factory.runtime.batches import build_shards
 
@@ -109,3 +110,9 @@ def test_validate_refuses_a_bad_decay_and_a_start_past_the_run():
     assert findings and "past the run's last step (8 steps" in findings[0].message
     assert not [f for _, f in run_rules(tiny_blueprint(training={"average": {"decay": 0.9}}))
                 if f.path.startswith("training.average")]  # fmt: skip
+
+
+def test_the_megatron_export_says_it_does_not_carry_the_average():
+    with_average = [path for path, _ in not_carried(blueprint())]
+    assert "training.average" in with_average
+    assert "training.average" not in [path for path, _ in not_carried(blueprint(average=False))]
