@@ -171,9 +171,11 @@ def document_mask(
 ) -> BlockMask:
     """:func:`build_document_mask`, built once per step: every attention layer of a step gets
     the same ``document_ids`` tensor and the same query layout, and so the same mask object.
-    Inside a compiled graph it is built in the graph (no Python state to guard on)."""
+    Inside a compiled graph it comes from outside it (a graph break at
+    :func:`_document_mask_outside_the_graph`): the graph takes the mask as an input, built
+    once per step for every layer, and new documents recompile nothing."""
     if torch.compiler.is_compiling():
-        return build_document_mask(document_ids, runs, query_rows, key_length, device)
+        return _document_mask_outside_the_graph(document_ids, runs, query_rows, key_length, device)
     version = None if document_ids is None else document_ids._version
     key = (version, tuple(runs), query_rows, key_length, str(device))
     same_documents = (
@@ -186,6 +188,17 @@ def document_mask(
         _LAST.documents = None if document_ids is None else weakref.ref(document_ids)
         _LAST.key = key
     return _LAST.mask
+
+
+@torch.compiler.disable  # torch 2.11's inductor could not lower flex over an in-graph mask
+def _document_mask_outside_the_graph(
+    document_ids: torch.Tensor | None,
+    runs: list[QueryRun],
+    query_rows: int,
+    key_length: int,
+    device: torch.device,
+) -> BlockMask:
+    return document_mask(document_ids, runs, query_rows, key_length, device)
 
 
 @functools.cache
