@@ -190,15 +190,9 @@ def document_mask(
     return _LAST.mask
 
 
-@torch.compiler.disable  # torch 2.11's inductor could not lower flex over an in-graph mask
-def _document_mask_outside_the_graph(
-    document_ids: torch.Tensor | None,
-    runs: list[QueryRun],
-    query_rows: int,
-    key_length: int,
-    device: torch.device,
-) -> BlockMask:
-    return document_mask(document_ids, runs, query_rows, key_length, device)
+_document_mask_outside_the_graph = torch.compiler.disable(document_mask)
+""":func:`document_mask` run eagerly from inside a compiled graph, which then takes the mask as
+an input: torch 2.11's inductor could not lower flex over a mask built inside the graph."""
 
 
 @functools.cache
