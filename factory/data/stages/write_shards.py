@@ -3,21 +3,26 @@
 Shard ``i`` is a function of its plan alone (``shard_plan``): its task reads
 the planned records by offset, cuts the pieces, packs them into samples and
 writes the tar, so shards are written in any order, on any node.
-:func:`plan_and_write` runs the whole stage through a runner (``runner``).
+:func:`plan_and_write` runs the whole stage through a runner (``runner``), for the
+training shards and, beside them, each category's held-out set: the documents the split
+set aside (``heldout_split``), each taken once, packed the same way into a built folder
+of its own (``shards.heldout``; no Megatron ``.bin``: validation reads the shards).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from factory.data.shards.energon_metadata import write_energon_dataset
+from factory.data.shards.heldout import HELDOUT_FOLDER, heldout_folder
 from factory.data.shards.manifest import sha256_file
 from factory.data.shards.megatron_index import IndexedDatasetWriter
 from factory.data.shards.tar_writer import write_shard
 from factory.data.stages.dedup import DedupCounts
+from factory.data.stages.heldout_split import Side, SplitCounts
 from factory.data.stages.mixed_stream import MixedStream
 from factory.data.stages.mixing import SourcePlan
 from factory.data.stages.packing import PackingStats, TokenizedDoc, packed_sample
@@ -28,18 +33,67 @@ from factory.data.stages.unit_files import read_records
 from factory.io import atomic_write_bytes
 from factory.progress import Progress
 
-__all__ = ["StagesResult", "plan_and_write", "write_megatron", "write_planned_shard"]
+__all__ = [
+    "HeldoutWritten",
+    "StagesResult",
+    "plan_and_write",
+    "write_megatron",
+    "write_planned_shard",
+]
+
+
+@dataclass(frozen=True)
+class HeldoutWritten:
+    """One category's held-out set as written: what each source gave, its shards, packing."""
+
+    emitted: dict[str, dict[str, int]]
+    shards: list[dict[str, Any]]
+    packing: PackingStats
 
 
 @dataclass(frozen=True)
 class StagesResult:
-    """What the manifest needs of the dedup, mix, pack and write stages (either executor)."""
+    """What the manifest needs of the dedup, split, mix, pack and write stages (either
+    executor)."""
 
     dedup: DedupCounts
     plans: dict[str, SourcePlan]
     emitted: dict[str, dict[str, int]]
     shards: list[dict[str, Any]]
     packing: PackingStats
+    split: SplitCounts = field(default_factory=dict)
+    """Per source with a held-out split: its threshold and what it set aside."""
+    heldout: dict[str, HeldoutWritten] = field(default_factory=dict)
+    """Per category with held-out documents, in the recipe's order."""
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One built folder to plan and write: the training shards, or a held-out set."""
+
+    out: Path
+    work: Path
+    units: dict[str, list[Path]]
+    plans: dict[str, SourcePlan]
+    side: Side
+
+
+def _heldout_targets(inputs: StageInputs, split: SplitCounts) -> dict[str, _Target]:
+    """Per category, its held-out documents: every source's once (ratio 1), in recipe order."""
+    targets: dict[str, _Target] = {}
+    for source in inputs.recipe.sources:
+        tokens = split.get(source.name, {}).get("tokens", 0)
+        if not tokens:
+            continue
+        category = source.category
+        if category not in targets:
+            work = inputs.work / HELDOUT_FOLDER / category
+            targets[category] = _Target(
+                heldout_folder(inputs.out, category), work, {}, {}, "heldout"
+            )
+        targets[category].units[source.name] = inputs.units[source.name]
+        targets[category].plans[source.name] = SourcePlan(tokens, tokens)
+    return targets
 
 
 def _intact_receipt(shard: Path, receipt_path: Path) -> dict[str, Any] | None:
@@ -114,32 +168,27 @@ def plan_and_write(
     run: Runner,
     inputs: StageInputs,
     dedup: DedupCounts,
+    split: SplitCounts,
     plans: dict[str, SourcePlan],
     progress: Progress,
 ) -> StagesResult:
-    """Plan the shards (one call), write them (one call each), then Megatron's ``.bin`` and
-    Energon's metadata (one call each), every call through ``run``."""
+    """Plan the training shards and each held-out set (one call each), write their shards
+    (one call each), then Megatron's ``.bin`` and Energon's metadata (one call each), every
+    call through ``run``."""
     recipe, out, work, tokenizer = inputs.recipe, inputs.out, inputs.work, inputs.tokenizer
     units, order = inputs.units, inputs.order
-    summary = run(
+    heldout = _heldout_targets(inputs, split)
+    targets = [_Target(out, work, units, plans, "train"), *heldout.values()]
+    packing_args = (recipe.packing.seq_len, recipe.packing.window, recipe.output.samples_per_shard)
+    summaries = run(
         plan_shards,
-        [
-            (
-                units,
-                order,
-                plans,
-                recipe.seed,
-                recipe.packing.seq_len,
-                recipe.packing.window,
-                recipe.output.samples_per_shard,
-                work,
-            )
-        ],
+        [(t.units, order, t.plans, recipe.seed, *packing_args, t.work, t.side) for t in targets],
         "plan",
         progress,
-    )[0]
+    )
     calls = [
-        (out, work, i, order, recipe.packing.seq_len, tokenizer.pad_id)
+        (t.out, t.work, i, order, recipe.packing.seq_len, tokenizer.pad_id)
+        for t, summary in zip(targets, summaries, strict=True)
         for i in range(len(summary["samples"]))
     ]
     receipts = run(write_planned_shard, calls, "shards", progress)
@@ -147,10 +196,27 @@ def plan_and_write(
         prefix = out / "megatron" / recipe.name
         call = (units, plans, recipe.seed, prefix, tokenizer.vocab_size)
         run(write_megatron, [call], "megatron", progress)
-    shards = [{k: r[k] for k in ("name", "sha256", "samples")} for r in receipts]
+    written, first = [], 0
+    for summary in summaries:
+        count = len(summary["samples"])
+        shards = [
+            {k: r[k] for k in ("name", "sha256", "samples")} for r in receipts[first:][:count]
+        ]
+        packing = PackingStats(**summary["packing"])
+        packing.loss_tokens = sum(r["loss_tokens"] for r in receipts[first:][:count])
+        written.append((shards, packing))
+        first += count
     if recipe.output.energon:
-        call = (out, [s["name"] for s in shards], [s["samples"] for s in shards])
-        run(write_energon_dataset, [call], "energon", progress)
-    packing = PackingStats(**summary["packing"])
-    packing.loss_tokens = sum(r["loss_tokens"] for r in receipts)
-    return StagesResult(dedup, plans, summary["emitted"], shards, packing)
+        energon = [
+            (t.out, [s["name"] for s in shards], [s["samples"] for s in shards])
+            for t, (shards, _) in zip(targets, written, strict=True)
+        ]
+        run(write_energon_dataset, energon, "energon", progress)
+    (shards, packing), *held = written
+    sets = {
+        category: HeldoutWritten(summary["emitted"], held_shards, held_packing)
+        for category, summary, (held_shards, held_packing) in zip(
+            heldout, summaries[1:], held, strict=True
+        )
+    }
+    return StagesResult(dedup, plans, summaries[0]["emitted"], shards, packing, split, sets)
