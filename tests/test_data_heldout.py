@@ -253,3 +253,35 @@ def test_a_split_too_small_to_take_a_document_warns(inputs: Path, tmp_path: Path
     assert "source 'web' held out no document" in err
     sets = heldout_sets(tmp_path / "o")
     assert "pretrain_text" not in sets and "code" in sets
+
+
+def test_verify_checks_the_heldout_sets_too(built: Path, tmp_path: Path, cli) -> None:
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(built, copy)
+    status, _, err = cli("data", "verify", str(copy))
+    assert status == 0, err
+    victim = copy / "heldout" / "code" / "shards" / "shard-000000.tar"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    status, _, err = cli("data", "verify", str(copy))
+    assert status == 1
+    assert "bad shard: heldout/code/shards/shard-000000.tar" in err
+
+
+def test_a_rebuild_without_a_split_leaves_no_stale_heldout_set(
+    inputs: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    build(inputs / "held.yaml", out)
+    assert (out / "heldout" / "code" / "manifest.json").is_file()
+    plain = {**RECIPE, "name": "plain", "heldout": None}
+    plain["sources"] = [{k: v for k, v in s.items() if k != "heldout"} for s in RECIPE["sources"]]
+    manifest = build(_recipe(inputs, plain), out)
+    assert manifest["heldout"] == {} and not (out / "heldout").exists()
+    assert heldout_sets(out) == {}
+    assert all(
+        "heldout" not in s and "heldout" not in s["steps"] for s in manifest["sources"].values()
+    )

@@ -10,8 +10,8 @@ Layout of the output folder::
     shards/shard-NNNNNN.tar   webdataset shards (tokens, loss mask, cu_seqlens, json)
     .nv-meta/                 Megatron-Energon metadata
     megatron/                 optional indexed .bin/.idx
-    heldout/CATEGORY/         each category's held-out documents (``split.heldout`` of a
-                              source): a built folder of its own (``shards.heldout``)
+    heldout/CATEGORY/         each category's held-out documents (a source's ``heldout``):
+                              a built folder of its own (``shards.heldout``)
     quarantine.jsonl          malformed input lines: key, reason and input file
     manifest.json             recipe hash, counts per step, drop reasons, shard hashes
     .work/                    intermediates of an unfinished build, for its resume; removed
