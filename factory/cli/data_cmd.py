@@ -137,7 +137,7 @@ def build_cmd(
 
 @data_app.command("verify")
 def verify_cmd(directory: Annotated[Path, typer.Argument(help="A built data folder.")]) -> None:
-    """Check a data folder's shards and index against its manifest, and its held-out sets'.
+    """Check a data folder's shards and index against its manifest.
 
     Re-hashes every shard against manifest.json and re-derives Energon's index from the
     tars, in the folder and in each held-out set it lists (heldout/CATEGORY); exits 1 naming
