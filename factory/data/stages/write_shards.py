@@ -172,9 +172,11 @@ def plan_and_write(
     plans: dict[str, SourcePlan],
     progress: Progress,
 ) -> StagesResult:
-    """Plan the training shards and each held-out set (one call each), write their shards
-    (one call each), then Megatron's ``.bin`` and Energon's metadata (one call each), every
-    call through ``run``."""
+    """Plan the training shards and each held-out set (one call each), write the held-out
+    sets (their shards, one call each, then their Energon metadata), the training shards
+    (one call each), then Megatron's ``.bin`` and the training Energon metadata (one call
+    each), every call through ``run``. Progress names the held-out writes apart
+    (``heldout``), so ``shards`` counts the training shards."""
     recipe, out, work, tokenizer = inputs.recipe, inputs.out, inputs.work, inputs.tokenizer
     units, order = inputs.units, inputs.order
     heldout = _heldout_targets(inputs, split)
@@ -186,37 +188,58 @@ def plan_and_write(
         "plan",
         progress,
     )
-    calls = [
-        (t.out, t.work, i, order, recipe.packing.seq_len, tokenizer.pad_id)
-        for t, summary in zip(targets, summaries, strict=True)
-        for i in range(len(summary["samples"]))
-    ]
-    receipts = run(write_planned_shard, calls, "shards", progress)
+    (trained, train_summary), *held = zip(targets, summaries, strict=True)
+    sets = _write_heldout_sets(run, inputs, held, progress) if held else []
+    shards, packing = _write_planned(run, inputs, [(trained, train_summary)], "shards", progress)[0]
     if recipe.output.megatron:
         prefix = out / "megatron" / recipe.name
         call = (units, plans, recipe.seed, prefix, tokenizer.vocab_size)
         run(write_megatron, [call], "megatron", progress)
-    written, first = [], 0
-    for summary in summaries:
-        count = len(summary["samples"])
-        shards = [
-            {k: r[k] for k in ("name", "sha256", "samples")} for r in receipts[first:][:count]
-        ]
-        packing = PackingStats(**summary["packing"])
-        packing.loss_tokens = sum(r["loss_tokens"] for r in receipts[first:][:count])
-        written.append((shards, packing))
-        first += count
     if recipe.output.energon:
-        energon = [
-            (t.out, [s["name"] for s in shards], [s["samples"] for s in shards])
-            for t, (shards, _) in zip(targets, written, strict=True)
-        ]
-        run(write_energon_dataset, energon, "energon", progress)
-    (shards, packing), *held = written
-    sets = {
-        category: HeldoutWritten(summary["emitted"], held_shards, held_packing)
-        for category, summary, (held_shards, held_packing) in zip(
-            heldout, summaries[1:], held, strict=True
-        )
+        call = (out, [s["name"] for s in shards], [s["samples"] for s in shards])
+        run(write_energon_dataset, [call], "energon", progress)
+    written = {
+        category: HeldoutWritten(summary["emitted"], *set_written)
+        for category, (_, summary), set_written in zip(heldout, held, sets, strict=True)
     }
-    return StagesResult(dedup, plans, summaries[0]["emitted"], shards, packing, split, sets)
+    return StagesResult(dedup, plans, train_summary["emitted"], shards, packing, split, written)
+
+
+_Planned = tuple[_Target, dict[str, Any]]
+"""A folder to write and its plan's summary."""
+
+
+def _write_planned(
+    run: Runner, inputs: StageInputs, planned: list[_Planned], stage: str, progress: Progress
+) -> list[tuple[list[dict[str, Any]], PackingStats]]:
+    """Write the shards of every planned folder (one call each, side by side); per folder,
+    its shard entries and packing counts."""
+    seq_len, pad_id = inputs.recipe.packing.seq_len, inputs.tokenizer.pad_id
+    calls = [
+        (target.out, target.work, i, inputs.order, seq_len, pad_id)
+        for target, summary in planned
+        for i in range(len(summary["samples"]))
+    ]
+    receipts = run(write_planned_shard, calls, stage, progress)
+    written, first = [], 0
+    for _, summary in planned:
+        own = receipts[first : first + len(summary["samples"])]
+        first += len(own)
+        packing = PackingStats(**summary["packing"])
+        packing.loss_tokens = sum(r["loss_tokens"] for r in own)
+        written.append(([{k: r[k] for k in ("name", "sha256", "samples")} for r in own], packing))
+    return written
+
+
+def _write_heldout_sets(
+    run: Runner, inputs: StageInputs, planned: list[_Planned], progress: Progress
+) -> list[tuple[list[dict[str, Any]], PackingStats]]:
+    """The held-out sets: their shards, then (``output.energon``) their Energon metadata."""
+    written = _write_planned(run, inputs, planned, "heldout", progress)
+    if inputs.recipe.output.energon:
+        calls = [
+            (target.out, [s["name"] for s in shards], [s["samples"] for s in shards])
+            for (target, _), (shards, _) in zip(planned, written, strict=True)
+        ]
+        run(write_energon_dataset, calls, "heldout energon", progress)
+    return written
