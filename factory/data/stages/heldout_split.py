@@ -95,6 +95,8 @@ def _values(seed: int, exact: np.ndarray) -> np.ndarray:
 
 
 def _threshold(split: HeldoutSplit, values: np.ndarray, lengths: np.ndarray) -> int:
+    """The threshold of ``split`` over a source's surviving documents (their split
+    ``values`` and token ``lengths``)."""
     if split.fraction is not None:
         return int(split.fraction * SPLIT_VALUES)
     assert split.tokens is not None  # one of the two, by HeldoutSplit's validation
@@ -113,9 +115,8 @@ def split_source(units: Sequence[Path], split: HeldoutSplit, seed: int) -> dict[
         keeps.append(read_keep_mask(unit))
         values.append(_values(seed, sidecar["exact"]))
         lengths.append(sidecar["lengths"])
-    every = (np.concatenate(arrays) for arrays in (keeps, values, lengths))
-    all_keep, all_values, all_lengths = every
-    threshold = _threshold(split, all_values[all_keep], all_lengths[all_keep])
+    kept = np.concatenate(keeps)
+    threshold = _threshold(split, np.concatenate(values)[kept], np.concatenate(lengths)[kept])
     counts = dict.fromkeys(("documents", "tokens", "train_documents", "train_tokens"), 0)
     for unit, keep, value, length in zip(units, keeps, values, lengths, strict=True):
         held = keep & held_out(value, threshold)
