@@ -59,6 +59,13 @@ CASES = [
         ("1000", "16384"),
         "error",
     ),
+    (
+        "training.average_start",
+        {"training.average": {"decay": 0.9, "start": 100}},
+        "training.average.start",
+        ("start=100", "100 steps", "99"),
+        "error",
+    ),
 ]
 
 

@@ -87,3 +87,15 @@ def at_least_one_step(bp: Blueprint) -> Iterator[Finding]:
             f"training.tokens={tokens} is less than one step (global_batch_size*seq_len = "
             f"{bp.parallelism.global_batch_size}*{bp.data.seq_len} = {per_step} tokens)",
         )
+
+
+@rule("training.average_start")
+def average_start(bp: Blueprint) -> Iterator[Finding]:
+    """The weight average starts at a step the run takes."""
+    average, steps = bp.training.average, bp.training_steps
+    if average is not None and average.start >= steps:
+        yield Finding(
+            "training.average.start",
+            f"start={average.start} is past the run's last step ({steps} steps: 0 to "
+            f"{steps - 1}), so the average would never begin",
+        )
