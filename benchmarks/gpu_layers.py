@@ -35,7 +35,7 @@ from benchmarks.gpu_common import SectionContext, attempt, median_seconds, table
 from benchmarks.gpu_nano_slice import DOCUMENTS, load, packed_documents, step_shape
 
 TITLE = "Per layer type: block vs its kernel alone vs the GEMM floor (Nano-width slice)"
-BUDGET_S = 100
+BUDGET_S = 160
 """On an H100: one model of three blocks plus the slice's embedding and head (~3 s), the
 torch.mm rate, each block and kernel timed (10 calls each; the first call of a Triton kernel
 autotunes), the compile of the Mamba and attention blocks and of FlexAttention (~40-60 s)."""

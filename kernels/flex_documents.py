@@ -171,9 +171,11 @@ def document_mask(
 ) -> BlockMask:
     """:func:`build_document_mask`, built once per step: every attention layer of a step gets
     the same ``document_ids`` tensor and the same query layout, and so the same mask object.
-    Inside a compiled graph it is built in the graph (no Python state to guard on)."""
+    Inside a compiled graph it comes from outside it (a graph break at
+    :func:`_document_mask_outside_the_graph`): the graph takes the mask as an input, built
+    once per step for every layer, and new documents recompile nothing."""
     if torch.compiler.is_compiling():
-        return build_document_mask(document_ids, runs, query_rows, key_length, device)
+        return _document_mask_outside_the_graph(document_ids, runs, query_rows, key_length, device)
     version = None if document_ids is None else document_ids._version
     key = (version, tuple(runs), query_rows, key_length, str(device))
     same_documents = (
@@ -186,6 +188,11 @@ def document_mask(
         _LAST.documents = None if document_ids is None else weakref.ref(document_ids)
         _LAST.key = key
     return _LAST.mask
+
+
+_document_mask_outside_the_graph = torch.compiler.disable(document_mask)
+""":func:`document_mask` run eagerly from inside a compiled graph, which then takes the mask as
+an input: torch 2.11's inductor could not lower flex over a mask built inside the graph."""
 
 
 @functools.cache

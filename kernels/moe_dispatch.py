@@ -408,9 +408,9 @@ def grouped_mm_works(device: torch.device | str, dtype: torch.dtype) -> bool:
         # whether a block compiles, asks first); tracing it would break the graph.
         return _GROUPED_MM_WORKS.get(key, False)
     if key not in _GROUPED_MM_WORKS:
-        # The probe checks the backward too: under no_grad (a first call from an evaluation)
-        # it would fail and rule the kernel out for the rest of the process.
-        with torch.enable_grad():
+        # The probe runs a backward: asked first under no_grad (an evaluation, decoding), it
+        # would fail and cache False for the whole process.
+        with torch.inference_mode(False), torch.enable_grad():
             _GROUPED_MM_WORKS[key] = _probe_grouped_mm(device, dtype)
     return _GROUPED_MM_WORKS[key]
 

@@ -24,6 +24,7 @@ __all__ = [
     "CATEGORIES",
     "FILTER_STEPS",
     "FORMAT_STEPS",
+    "HELDOUT_KEYS",
     "MAX_NGRAM",
     "MAX_WORDS",
     "SHARE_KEYS",
@@ -32,6 +33,7 @@ __all__ = [
     "DataRecipe",
     "DecontamConfig",
     "DedupConfig",
+    "HeldoutSplit",
     "HeuristicFilter",
     "OutputConfig",
     "PackingConfig",
@@ -249,6 +251,42 @@ Step = Annotated[Union[(*FORMAT_STEPS, *FILTER_STEPS)], Field(discriminator="kin
 _FORMATS = tuple(step.model_fields["kind"].default for step in FORMAT_STEPS)
 
 
+HELDOUT_KEYS: tuple[str, ...] = ("fraction", "tokens")
+"""How a held-out split states its size; a split gives exactly one."""
+
+
+class HeldoutSplit(Section):
+    """Documents set aside from a source for validation, never trained on (docs/data.md,
+    Held-out sets).
+
+    Decided per document after dedup, by a hash of the recipe's ``seed`` and the document's
+    content hash (the one exact dedup uses), so a document lands on the same side whatever
+    the worker count or executor, and a near duplicate of a held-out document is never
+    trained on (dedup keeps one of them). Held-out documents run every step the training
+    ones run, and are packed per category into ``OUT/heldout/CATEGORY/``.
+    """
+
+    fraction: Annotated[float, Field(ge=0, lt=1)] | None = None
+    """Share of the source's documents to hold out, each document independently (0 <= f < 1;
+    0 holds nothing out): about this fraction, exactly the same documents on every run."""
+    tokens: TokenCount | None = None
+    """Tokens to hold out (up to 1e16): documents are taken in the order of their hash until
+    their tokens reach this count (the last one may pass it)."""
+
+    @model_validator(mode="after")
+    def _one_size(self) -> HeldoutSplit:
+        given = [key for key in HELDOUT_KEYS if getattr(self, key) is not None]
+        if len(given) != 1:
+            named = f"{' and '.join(given)} given" if given else "none given"
+            raise ValueError(f"give exactly one of fraction and tokens ({named})")
+        return self
+
+    @property
+    def takes_any(self) -> bool:
+        """Whether the split asks for any document at all (``fraction: 0`` does not)."""
+        return bool(self.fraction) or self.tokens is not None
+
+
 class SourceConfig(Section):
     """One input: where it is, what it is, how much of it, and how to curate it."""
 
@@ -269,6 +307,9 @@ class SourceConfig(Section):
     report, arXiv 2512.20848, section 3.1)."""
     steps: list[Step] = Field(min_length=1, max_length=64)
     """Formatting first (text or chat), then filters, in the order written (at most 64 steps)."""
+    heldout: HeldoutSplit | None = None
+    """What to set aside for validation; null: the recipe's ``heldout`` (``{fraction: 0}``
+    holds nothing out of this source when the recipe sets a default)."""
 
     @model_validator(mode="after")
     def _valid_chain(self) -> SourceConfig:
@@ -383,6 +424,14 @@ class DataRecipe(Section):
     tokenizer: TokenizerConfig = TokenizerConfig()
     packing: PackingConfig = PackingConfig()
     output: OutputConfig = OutputConfig()
+    heldout: HeldoutSplit | None = None
+    """The held-out split of every source that states none of its own; null: none."""
+
+    def heldout_of(self, source: SourceConfig) -> HeldoutSplit | None:
+        """``source``'s held-out split: its own, else the recipe's; None when nothing is
+        held out of it."""
+        split = source.heldout if source.heldout is not None else self.heldout
+        return split if split is not None and split.takes_any else None
 
     @model_validator(mode="after")
     def _unique_sources(self) -> DataRecipe:

@@ -12,6 +12,7 @@ from factory.schemas.stability import StabilityConfig
 from factory.schemas.trackers import JSONL, logger_names
 
 __all__ = [
+    "AverageConfig",
     "EvalConfig",
     "Logger",
     "LossAverage",
@@ -136,6 +137,23 @@ class ScheduleConfig(Section):
     """WSD: shape of the final decay."""
 
 
+class AverageConfig(Section):
+    """An exponential moving average of the fp32 master weights, kept while training.
+
+    After the optimizer step of schedule step ``s``: at ``s = start`` the average takes the
+    masters as they are, after it ``avg = avg * decay + master * (1 - decay)`` in fp32,
+    element by element (any sharding gives the same bits). It is sharded like the
+    optimizer state, saved in every checkpoint, restored on resume, and written at the end
+    to ``RUN/averaged/ema/`` (``factory average`` says what that holds); training itself is
+    unchanged, bit for bit."""
+
+    kind: Literal["ema"] = "ema"
+    decay: float = Field(gt=0, lt=1)
+    """Weight kept of the average at each step (0.999: a horizon of about 1000 steps)."""
+    start: int = Field(default=0, ge=0)
+    """The step whose weights start the average (it must be one the run takes)."""
+
+
 class EvalConfig(Section):
     """Validation while training: the loss on the data build's held-out sets
     (``factory.runtime.evaluation``; docs/training.md, Validation and factory eval)."""
@@ -180,6 +198,8 @@ class TrainingConfig(Section):
     At most 10**16."""
     checkpoint_interval: StepCount = 1000
     """Steps between checkpoints (at most 2**40)."""
+    average: AverageConfig | None = None
+    """A moving average of the weights kept while training (none by default)."""
     seed: Seed = 1234
     """Seed for initialisation, data order and stochastic rounding (0 to 2**63 - 1)."""
     compile: bool = False

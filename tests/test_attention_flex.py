@@ -211,17 +211,24 @@ def test_a_compiled_block_traces_flex_and_equals_the_eager_reference(
     compile_blocks(compiled, backend=recording)
     torch._dynamo.reset()
     counters.clear()
+    graphs_after_first_step = []
     for cuts, (loss, grads) in zip(steps, want, strict=True):
         got_loss, got_grads = _loss_and_gradients(
             compiled, ids, document_ids_from_cu_seqlens(cuts, length)
         )
+        graphs_after_first_step.append(counters["stats"]["unique_graphs"])
         torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=1e-6)
         assert got_grads.keys() == grads.keys()
         for name, grad in grads.items():
             torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    # One graph per block kind (M and *), traced whole, and new documents compile nothing.
-    assert counters["stats"]["unique_graphs"] == 2
-    assert not counters["graph_break"]
+    # New documents compile nothing: the mask is an input of the graph that calls flex.
+    assert graphs_after_first_step[1] == graphs_after_first_step[0]
+    # The one break is the mask, built outside the graph once per step (torch 2.11's inductor
+    # could not lower flex over a mask built inside it on CUDA: BENCHMARKS.md, issue 38).
+    assert counters["graph_break"], "the mask is built outside the graph"
+    assert all("disable" in reason.lower() for reason in counters["graph_break"]), dict(
+        counters["graph_break"]
+    )
     traced = [str(node.target) for graph in graphs for node in graph.graph.nodes]
     assert sum("flex_attention" in target for target in traced) == 1
 
@@ -236,7 +243,7 @@ def test_cuda_takes_flex_when_it_imports(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_cuda_without_triton_falls_back_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(flex_documents, "TRITON_IMPORTABLE", False)
-    monkeypatch.setattr(torch.nn.attention, "varlen", object(), raising=False)
+    monkeypatch.setattr(attention, "varlen_attn", object())
     eager = attention.attention_kernel("cuda")
     assert eager.kernel == "varlen_attn (flash) over the documents"
     assert "triton is not installed" in eager.fallback
@@ -245,7 +252,7 @@ def test_cuda_without_triton_falls_back_and_says_why(monkeypatch: pytest.MonkeyP
     assert "triton" in compiled.fallback and "compiled block" in compiled.fallback
     runs = attention.attention_kernel("cuda", whole=False)
     assert runs.kernel == "SDPA with a dense mask" and "query runs" in runs.fallback
-    monkeypatch.delattr(torch.nn.attention, "varlen")
+    monkeypatch.setattr(attention, "varlen_attn", None)
     bare = attention.attention_kernel("cuda")
     assert bare.kernel == "SDPA with a dense mask" and "no varlen_attn" in bare.fallback
 
@@ -254,7 +261,7 @@ def test_varlen_is_the_eager_option_and_flex_serves_the_rest(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(attention, "CUDA_DOCUMENT_KERNEL", "varlen")
-    monkeypatch.setattr(torch.nn.attention, "varlen", object(), raising=False)
+    monkeypatch.setattr(attention, "varlen_attn", object())
     assert attention.attention_kernel("cuda").kernel == "varlen_attn (flash) over the documents"
     for other in (
         attention.attention_kernel("cuda", compiling=True),

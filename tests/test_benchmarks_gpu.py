@@ -85,12 +85,13 @@ def test_the_kernel_report_heads_the_results(dry_run: dict[str, Any]) -> None:
     assert all(line in head for line in kernels)
 
 
-def test_the_default_run_fits_one_device_call_and_the_rest_runs_on_request() -> None:
-    assert set(gpu.DEFAULT) | set(gpu.ON_REQUEST) == set(gpu.SECTIONS)
-    assert not set(gpu.DEFAULT) & set(gpu.ON_REQUEST)
-    budgets = [importlib.import_module(gpu.SECTIONS[name]).BUDGET_S for name in gpu.DEFAULT]
-    assert sum(budgets) <= gpu.DEVICE_CALL_S
-    assert list(gpu.DEFAULT) == [name for name in gpu.SECTIONS if name in gpu.DEFAULT]
+def test_each_call_fits_one_device_call_and_the_rest_runs_on_request() -> None:
+    calls = [gpu.DEFAULT, gpu.SECOND_CALL, gpu.ON_REQUEST]
+    assert sorted(name for call in calls for name in call) == sorted(gpu.SECTIONS)
+    for call in (gpu.DEFAULT, gpu.SECOND_CALL):
+        budgets = [importlib.import_module(gpu.SECTIONS[name]).BUDGET_S for name in call]
+        assert sum(budgets) <= gpu.DEVICE_CALL_S, call
+        assert list(call) == [name for name in gpu.SECTIONS if name in call]
 
 
 def test_the_train_step_compares_eager_compiled_the_baseline_and_the_prediction(

@@ -24,6 +24,7 @@ from browser import chromium, render_page
 from one_stage import one_stage
 
 import factory
+from factory.data.shards.heldout import heldout_sets
 from factory.jobs.build import STAGES, build
 from factory.jobs.build_program import (
     curations,
@@ -148,6 +149,8 @@ def test_a_program_build_records_data_smoke_and_check_per_stage(program_build: P
         manifest = json.loads((program_build / "data" / name / "manifest.json").read_text())
         assert entry["seq_len"] == proxy.data.seq_len == manifest["packing"]["seq_len"]
         assert entry["samples"] == manifest["packing"]["samples"] > 0
+        # each stage's recipe holds out its own documents (the shipped recipes hold some out)
+        assert heldout_sets(program_build / "data" / name), name
     shard = sorted((program_build / "data" / "anneal").rglob("*.tar"))[0]
     twin = (
         program_build / "data" / "pretrain" / shard.relative_to(program_build / "data" / "anneal")

@@ -60,6 +60,13 @@ CASES = [
         "error",
     ),
     (
+        "training.average_start",
+        {"training.average": {"decay": 0.9, "start": 100}},
+        "training.average.start",
+        ("start=100", "100 steps", "99"),
+        "error",
+    ),
+    (
         "training.eval_interval",
         {"training.eval": {"interval": 101}},
         "training.eval.interval",

@@ -51,7 +51,8 @@ def _tree(out: Path) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def many_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A recipe over 24 input files in two sources, with duplicates across files."""
+    """A recipe over 24 input files in two sources, with duplicates across files, and a
+    held-out split of each (a fraction, a token count)."""
     root = tmp_path_factory.mktemp("many")
     web = list(generate("pretrain_text", 240, 11))
     for i in range(16):
@@ -68,9 +69,10 @@ def many_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "seed": 5,
         "sources": [
             {"name": "web", "path": "web", "category": "pretrain_text", "weight": 2,
-             "steps": [{"kind": "text"}, {"kind": "heuristics"}]},
+             "steps": [{"kind": "text"}, {"kind": "heuristics"}],
+             "heldout": {"fraction": 0.1}},
             {"name": "code", "path": "code", "category": "code", "weight": 1,
-             "steps": [{"kind": "text"}]},
+             "steps": [{"kind": "text"}], "heldout": {"tokens": 2000}},
         ],
         "packing": {"seq_len": 256, "window": 32},
         "output": {"samples_per_shard": 8, "megatron": True},
@@ -108,6 +110,7 @@ def test_many_files_byte_identical_and_the_driver_reads_no_document(
 
     import factory.data.stages.dedup as dedup
     import factory.data.stages.dedup_shuffle as shuffle
+    import factory.data.stages.heldout_split as split
     import factory.data.stages.mixed_stream as mixed_stream
     import factory.data.stages.shard_plan as plan
     import factory.data.stages.unit_files as unit_files
@@ -125,13 +128,16 @@ def test_many_files_byte_identical_and_the_driver_reads_no_document(
         (shuffle, "read_sidecar"),
         (plan, "read_sidecar"),
         (write, "read_records"),
+        (split, "read_sidecar"),
+        (split, "read_keep_mask"),
         (mixed_stream, "read_unit"),
-        (mixed_stream, "read_keep_mask"),
+        (mixed_stream, "unit_mask"),
     ]:
         monkeypatch.setattr(module, name, forbidden)
     manifest = build(many_files / "recipe.yaml", many_files / "ray", executor="ray")
     assert len(manifest["shards"]) > 3
     assert manifest["sources"]["web"]["dropped"]["dedup:exact"] > 0
+    assert set(manifest["heldout"]) == {"pretrain_text", "code"}
     assert _tree(many_files / "ray") == many_local
 
 

@@ -33,9 +33,10 @@ from factory.runtime.step import forward_backward
 from factory.schemas.blueprint import Blueprint
 
 
-def _blueprint(world: int, **parallelism: Any) -> Blueprint:
+def _blueprint(world: int, average: bool = False, **parallelism: Any) -> Blueprint:
     bp = tiny_blueprint(
-        parallelism={"world_size": world, "global_batch_size": 2 * GLOBAL, **parallelism}
+        parallelism={"world_size": world, "global_batch_size": 2 * GLOBAL, **parallelism},
+        training={"average": {"decay": 0.9}} if average else {},
     )
     if parallelism.get("pp", 1) == 1:
         return bp
@@ -57,7 +58,7 @@ def _held(rank: int, world: int, bp: Blueprint) -> dict[str, int]:
     compiled = factory.compile(bp, precision="off", seed=0, deferred=True)
     lay_out(compiled, ranks)
     materialize_shards(compiled, ranks, seed=0)
-    optimizer = MasterOptimizer(compiled.model, bp.training.optimizer)
+    optimizer = MasterOptimizer(compiled.model, bp.training.optimizer, bp.training.average)
     gen = torch.Generator().manual_seed(ranks.data_rank)
     par = bp.parallelism
     count = par.global_batch_size // par.micro_batch_size // ranks.data_size
@@ -69,8 +70,10 @@ def _held(rank: int, world: int, bp: Blueprint) -> dict[str, int]:
     forward_backward(compiled.model, micro, mtp_loss_scale(bp.model), ranks)
     optimizer.grads_to_masters()
     optimizer.step()
+    optimizer.update_average(0)
     params = list(compiled.model.parameters())
     moments = [v for s in optimizer.optimizer.state.values() for k, v in s.items() if k != "step"]
+    moments += optimizer.averages  # training.average's moving average, where kept
     return {
         "pp_rank": ranks.meshes.coordinate("pp"),
         "weights": sum(_local_bytes(p) for p in params),
@@ -90,6 +93,7 @@ def _held(rank: int, world: int, bp: Blueprint) -> dict[str, int]:
         pytest.param(4, {"etp": 2}, id="edp2xetp2-folded"),
         pytest.param(2, {"pp": 2}, id="pp2"),
         pytest.param(2, {"cp": 2}, id="cp2"),
+        pytest.param(2, {"average": True}, id="dp2-fsdp-average"),
     ],
 )
 def test_each_rank_holds_the_planned_state(world: int, parallelism: dict[str, Any]) -> None:
@@ -104,4 +108,5 @@ def test_each_rank_holds_the_planned_state(world: int, parallelism: dict[str, An
         assert sum(rank[kind] for rank in held) == total, kind
         for rank in held:
             planned: Fraction = getattr(plans[rank["pp_rank"]], kind)
-            assert abs(rank[kind] - planned) <= (2 if kind == "optimizer" else 1) * slack, kind
+            kept = 2 + (bp.training.average is not None)  # Adam's moments, the average
+            assert abs(rank[kind] - planned) <= (kept if kind == "optimizer" else 1) * slack, kind

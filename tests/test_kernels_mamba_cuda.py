@@ -11,8 +11,9 @@ once), so about 1e-2.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -83,22 +84,36 @@ def test_mixer_kernels_equal_the_pytorch_paths(dtype: torch.dtype, rel: float) -
         assert_close_to(ours, reference, rel)
 
 
+def _conv_results(
+    inputs: list[torch.Tensor], document_ids: torch.Tensor, paths: Callable[[], Any]
+) -> list[torch.Tensor]:
+    """The conv's output and its three gradients, in float64, on the dispatch ``paths`` set."""
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    with paths():
+        out = _causal_depthwise_conv(*leaves, document_ids)
+    out.float().sin().sum().backward()
+    return [t.double() for t in (out, *(leaf.grad for leaf in leaves))]
+
+
 @pytest.mark.parametrize(("dtype", "rel"), [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 def test_conv_kernel_equals_the_reference(dtype: torch.dtype, rel: float) -> None:
+    # Both are measured against float64 on the same rounded inputs: in bf16 the PyTorch path
+    # rounds after every tap and is itself ~3% of the largest input gradient off (the H200
+    # run of 2026-11-28 failed a direct comparison of the two by that much).
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 1000, 700, generator=gen)[..., :640].cuda().to(dtype)
     weight = torch.randn(640, 1, 4, generator=gen).cuda().to(dtype)
     bias = torch.randn(640, generator=gen).cuda().to(dtype)
     document_ids = documents(2, 1000, seed=4)
-    results = []
-    for paths in (contextlib.nullcontext, reference_paths):
-        leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
-        with paths():
-            out = _causal_depthwise_conv(*leaves, document_ids)
-        out.float().sin().sum().backward()
-        results.append([out, *(leaf.grad for leaf in leaves)])
-    for ours, reference in zip(*results, strict=True):
-        assert_close_to(ours, reference, rel)
+    ours = _conv_results([x, weight, bias], document_ids, contextlib.nullcontext)
+    reference = _conv_results([x, weight, bias], document_ids, reference_paths)
+    exact = _conv_results([t.double() for t in (x, weight, bias)], document_ids, reference_paths)
+    for name, mine, theirs, truth in zip(
+        ("out", "dx", "dw", "db"), ours, reference, exact, strict=True
+    ):
+        scale = truth.abs().max().item()
+        error, reference_error = ((t - truth).abs().max().item() for t in (mine, theirs))
+        assert error <= max(reference_error, rel * scale), (name, error, reference_error, scale)
 
 
 def test_gated_norm_kernel_equals_the_module_in_bf16() -> None:

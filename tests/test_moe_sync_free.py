@@ -267,3 +267,18 @@ def test_cuda_block_makes_no_host_sync() -> None:
     for a, b in zip(out, reference, strict=True):
         scale = b.float().abs().max().clamp_min(1e-6)
         assert float((a.float() - b.float()).abs().max()) <= 2**-6 * float(scale)
+
+
+def test_the_grouped_mm_probe_answers_the_same_under_no_grad(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Asked first by a no-grad forward (evaluation, decoding), the probe still runs its backward.
+    monkeypatch.setattr(moe_dispatch, "_GROUPED_MM_WORKS", {})
+    with torch.no_grad():
+        under_no_grad = moe_dispatch.grouped_mm_works("cpu", torch.float32)
+    monkeypatch.setattr(moe_dispatch, "_GROUPED_MM_WORKS", {})
+    with torch.inference_mode():
+        under_inference = moe_dispatch.grouped_mm_works("cpu", torch.float32)
+    monkeypatch.setattr(moe_dispatch, "_GROUPED_MM_WORKS", {})
+    assert under_no_grad is under_inference is moe_dispatch.grouped_mm_works("cpu", torch.float32)
+    assert under_no_grad  # torch 2.13's CPU kernel runs and matches bmm

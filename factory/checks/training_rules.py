@@ -89,6 +89,18 @@ def at_least_one_step(bp: Blueprint) -> Iterator[Finding]:
         )
 
 
+@rule("training.average_start")
+def average_start(bp: Blueprint) -> Iterator[Finding]:
+    """The weight average starts at a step the run takes."""
+    average, steps = bp.training.average, bp.training_steps
+    if average is not None and average.start >= steps:
+        yield Finding(
+            "training.average.start",
+            f"start={average.start} is past the run's last step ({steps} steps: 0 to "
+            f"{steps - 1}), so the average would never begin",
+        )
+
+
 @rule("training.eval_interval")
 def eval_interval(bp: Blueprint) -> Iterator[Finding]:
     """An evaluation interval longer than the run would evaluate only at the end: a typo."""

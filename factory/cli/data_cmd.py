@@ -18,6 +18,7 @@ from factory.cli.progress_output import LogFormatOption, progress_console
 from factory.cli.root import app
 from factory.data.build_refusals import BuildRefused, nothing_survived
 from factory.data.shards.energon_index import META_DIR, check_energon_index
+from factory.data.shards.heldout import empty_splits, heldout_sets
 from factory.data.shards.manifest import ManifestError, verify
 from factory.data.token_shares import inspect_table, write_share_plot
 from factory.progress import LogFormat, RichProgress
@@ -119,10 +120,18 @@ def build_cmd(
             err=True,
             fg="yellow",
         )
+    for name in empty_splits(manifest):
+        typer.secho(
+            f"warning: {out}: source {name!r} held out no document: its split is too small "
+            "for its documents (raise the fraction, or give tokens)",
+            err=True,
+            fg="yellow",
+        )
     tokens = sum(s["after"]["tokens"] for s in manifest["sources"].values())
+    held = f"; held-out sets: {', '.join(manifest['heldout'])}" if manifest["heldout"] else ""
     typer.echo(
         f"built {out}: {len(manifest['shards'])} shards, {manifest['packing']['samples']} samples, "
-        f"{tokens:,} tokens from {len(manifest['sources'])} sources"
+        f"{tokens:,} tokens from {len(manifest['sources'])} sources{held}"
     )
 
 
@@ -131,11 +140,13 @@ def verify_cmd(directory: Annotated[Path, typer.Argument(help="A built data fold
     """Check a data folder's shards and index against its manifest.
 
     Re-hashes every shard against manifest.json and re-derives Energon's index from the
-    tars; exits 1 naming each bad shard and each missing or stale index file, 2 for a folder
-    without a readable manifest.
+    tars, in the folder and in each held-out set it lists (heldout/CATEGORY); exits 1 naming
+    each bad shard and each missing or stale index file, 2 for a folder without a readable
+    manifest.
     """
     try:
-        bad = verify(directory)
+        folders = [directory, *(s.folder for s in heldout_sets(directory).values())]
+        bad = [shard for folder in folders for shard in _bad_shards(directory, folder)]
     except ManifestError as exc:
         typer.echo(f"factory: {exc}", err=True)
         raise typer.Exit(EXIT_INVALID) from None
@@ -143,12 +154,23 @@ def verify_cmd(directory: Annotated[Path, typer.Argument(help="A built data fold
         typer.echo(f"bad shard: {name}", err=True)
     # Only folders built with Energon output have .nv-meta; its index must match
     # the tars, or Energon's loader reads the wrong bytes or refuses the folder.
-    index = check_energon_index(directory) if (directory / META_DIR).is_dir() else []
+    index = [
+        problem if folder == directory else f"{folder.relative_to(directory)}: {problem}"
+        for folder in folders
+        if (folder / META_DIR).is_dir()
+        for problem in check_energon_index(folder)
+    ]
     for problem in index:
         typer.echo(f"bad energon index: {problem}", err=True)
     if bad or index:
         raise typer.Exit(1)
     typer.echo(f"ok: {directory}")
+
+
+def _bad_shards(directory: Path, folder: Path) -> list[str]:
+    """``folder``'s bad shards, named relative to ``directory`` (the build verified)."""
+    prefix = "" if folder == directory else f"{folder.relative_to(directory).as_posix()}/"
+    return [f"{prefix}{name}" for name in verify(folder)]
 
 
 @data_app.command("inspect")

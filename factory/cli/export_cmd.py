@@ -13,7 +13,13 @@ from factory.cli.root import app
 from factory.cli.validate_cmd import SetOption
 from factory.exports.hf_config import ExportError
 from factory.exports.hf_import import blueprint_yaml_from_hf, has_weights
-from factory.exports.hf_stage import UnknownStage, copy_run_model, is_run_folder, stage_of
+from factory.exports.hf_stage import (
+    UnknownAverage,
+    UnknownStage,
+    copy_run_model,
+    is_run_folder,
+    stage_of,
+)
 from factory.exports.megatron import MegatronExportError, export_megatron
 from factory.io import atomic_write_text
 from factory.proxy import derive_proxy
@@ -38,6 +44,14 @@ def export_hf_cmd(
         str | None,
         typer.Option("--stage", help="The program's stage to export (default: the final one)."),
     ] = None,
+    averaged: Annotated[
+        str | None,
+        typer.Option(
+            "--averaged",
+            help="A run folder's averaged checkpoint to export (RUN/averaged/NAME, "
+            "`factory average`) instead of its trained model.",
+        ),
+    ] = None,
     proxy: Annotated[bool, typer.Option("--proxy", help="Export the CPU proxy model.")] = False,
     seed: Annotated[int, typer.Option("--seed", help="Initialisation seed.")] = 0,
     weights: Annotated[
@@ -49,8 +63,9 @@ def export_hf_cmd(
     """Write a Hugging Face checkpoint (NemotronHForCausalLM).
 
     config.json and model.safetensors, which transformers loads. For a run folder, the model
-    its training wrote for --stage (RUN/<stage>/model/, or RUN/model/ without stages); for a
-    blueprint with stages, that stage's blueprint.
+    its training wrote for --stage (RUN/<stage>/model/, or RUN/model/ without stages), or with
+    --averaged NAME that stage's averaged checkpoint (`factory average`); for a blueprint with
+    stages, that stage's blueprint.
     """
     run = Path(target)
     if run.is_dir() and is_run_folder(run):
@@ -60,15 +75,21 @@ def export_hf_cmd(
             typer.echo(f"{target}: {', '.join(given)}: a run folder holds its model", err=True)
             raise typer.Exit(EXIT_INVALID)
         try:
-            source = copy_run_model(run, out, stage)
+            source = copy_run_model(run, out, stage, averaged)
         except UnknownStage as exc:
             typer.echo(f"{target}: --stage: {exc}", err=True)
+            raise typer.Exit(EXIT_INVALID) from None
+        except UnknownAverage as exc:
+            typer.echo(f"{target}: --averaged: {exc}", err=True)
             raise typer.Exit(EXIT_INVALID) from None
         except ExportError as exc:
             typer.echo(f"{target}: {exc}", err=True)
             raise typer.Exit(EXIT_INVALID) from None
         typer.echo(f"wrote {out}/config.json and {out}/model.safetensors (from {source})")
         return
+    if averaged is not None:
+        typer.echo(f"{target}: --averaged: only a run folder has averaged checkpoints", err=True)
+        raise typer.Exit(EXIT_INVALID)
     bp = factory.load_blueprint(target, overrides or [])
     try:
         bp = stage_of(bp, stage).blueprint

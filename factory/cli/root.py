@@ -29,6 +29,7 @@ COMMAND_MODULES = {
     "data": "factory.cli.data_cmd",
     "export": "factory.cli.export_cmd",
     "import": "factory.cli.export_cmd",
+    "average": "factory.cli.average_cmd",
 }
 """Each command's name and the module that registers it on :data:`app`; the order is --help's."""
 

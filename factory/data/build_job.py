@@ -10,6 +10,8 @@ Layout of the output folder::
     shards/shard-NNNNNN.tar   webdataset shards (tokens, loss mask, cu_seqlens, json)
     .nv-meta/                 Megatron-Energon metadata
     megatron/                 optional indexed .bin/.idx
+    heldout/CATEGORY/         each category's held-out documents (a source's ``heldout``):
+                              a built folder of its own (``shards.heldout``)
     quarantine.jsonl          malformed input lines: key, reason and input file
     manifest.json             recipe hash, counts per step, drop reasons, shard hashes
     .work/                    intermediates of an unfinished build, for its resume; removed
@@ -25,7 +27,8 @@ file it could not write; every file is published by rename, so what a rerun
 finds is whole. A build that no document survives publishes no manifest: it
 raises ``BuildRefused`` unless ``allow_empty`` asks for an empty one. So does a
 record that the recipe's chat template cannot mask (its renders are not prefixes
-of each other), naming the record.
+of each other), naming the record. A held-out split that leaves a source no document
+to train on raises ``BlueprintError`` naming the recipe line of that split.
 """
 
 from __future__ import annotations
@@ -37,18 +40,22 @@ from pathlib import Path
 from typing import Any
 
 from factory.data.build_lock import build_lock
-from factory.data.build_manifest import build_manifest
+from factory.data.build_manifest import build_manifest, heldout_manifests
 from factory.data.build_refusals import BuildRefused, empty_build
 from factory.data.executors.local_pool import run_local
 from factory.data.executors.ray_tasks import connect, run_ray
 from factory.data.loaded_recipe import LoadedRecipe, load_recipe, recipe_hash, with_seq_len
+from factory.data.shards.heldout import HELDOUT_FOLDER, heldout_folder
 from factory.data.shards.manifest import write_manifest
 from factory.data.stages.curate import UnitTask
+from factory.data.stages.heldout_split import SplitRefused
 from factory.data.stages.stage_inputs import StageInputs
 from factory.data.stages.unit_files import read_unit_stats
 from factory.data.steps.chat_template import ChatTemplateError
 from factory.data.steps.source_files import expand_source_paths
 from factory.data.steps.tokenize import DocumentTokenizer
+from factory.dotted_paths import join_path
+from factory.errors import BlueprintError
 from factory.io import atomic_write_text, naming
 from factory.progress import Progress, silent
 
@@ -105,7 +112,14 @@ def _prepare_work(out: Path, digest: str) -> Path:
     stamp = work / _STAMP
     if work.exists() and (not stamp.is_file() or stamp.read_text() != digest):
         shutil.rmtree(work)
-        for stale in ("shards", ".nv-meta", "megatron", "manifest.json", "quarantine.jsonl"):
+        for stale in (
+            "shards",
+            ".nv-meta",
+            "megatron",
+            HELDOUT_FOLDER,
+            "manifest.json",
+            "quarantine.jsonl",
+        ):
             target = out / stale
             if target.is_dir():
                 shutil.rmtree(target)
@@ -115,7 +129,7 @@ def _prepare_work(out: Path, digest: str) -> Path:
     stamp.write_text(digest)
     # A killed run can leave temporary files behind (never published ones: every
     # write renames into place). Sweep them so the folder holds only real output.
-    for folder in (work, out / "shards", out / ".nv-meta", out / "megatron"):
+    for folder in (work, out / "shards", out / ".nv-meta", out / "megatron", out / HELDOUT_FOLDER):
         if folder.is_dir():
             for leftover in folder.rglob("*"):
                 if leftover.is_file() and ".tmp" in leftover.name:
@@ -206,12 +220,45 @@ def _build(
             stages = run_local(inputs, workers, progress)
     except ChatTemplateError as exc:  # a record whose renders break the prefix rule
         raise BuildRefused(loaded.source, str(exc)) from None
+    except SplitRefused as exc:
+        raise _split_error(loaded, exc) from None
     manifest = build_manifest(loaded, digest, tasks, stages, tokenizer)
     _write_quarantine(out, tasks)  # written even when refusing: it says what went wrong
     if not manifest["shards"] and not allow_empty:
         raise empty_build(manifest, loaded.source, out / "quarantine.jsonl")
-    write_manifest(out, manifest)
+    _write_heldout_manifests(out, heldout_manifests(manifest, stages))
+    write_manifest(out, manifest)  # last: it lists held-out sets already published
     return manifest
+
+
+def _split_error(loaded: LoadedRecipe, refused: SplitRefused) -> BlueprintError:
+    """The refusal at the recipe line of each split that left its source nothing to train on
+    (the source's own ``heldout``, else the recipe's)."""
+    problems = []
+    for index, source in enumerate(loaded.recipe.sources):
+        if source.name in refused.problems:
+            own = join_path(join_path("sources", index), "heldout")
+            where = own if source.heldout is not None else "heldout"
+            message = f"source {source.name!r}: {refused.problems[source.name]}"
+            problems.append(loaded.source_map.diagnostic(where, message))
+    return BlueprintError(problems)
+
+
+def _write_heldout_manifests(out: Path, manifests: dict[str, dict[str, Any]]) -> None:
+    """Publish each held-out set's manifest, and remove the folders of categories this build
+    holds nothing out of (an earlier build's, finished before the recipe changed)."""
+    for category, manifest in manifests.items():
+        write_manifest(heldout_folder(out, category), manifest)
+    root = out / HELDOUT_FOLDER
+    if root.is_dir():
+        for folder in root.iterdir():
+            if folder.name not in manifests:
+                if folder.is_dir():
+                    shutil.rmtree(folder)
+                else:
+                    folder.unlink()
+        if not manifests:
+            root.rmdir()
 
 
 def _write_quarantine(out: Path, tasks: list[UnitTask]) -> None:

@@ -2,7 +2,10 @@
 
 Assembled from the units' stats (``stages.unit_files``), the dedup counts, the
 mixing plans and the write stage's receipts, so both executors write the same
-manifest; ``shards.manifest`` writes, reads and verifies the file.
+manifest; ``shards.manifest`` writes, reads and verifies the file. Each held-out set's
+folder gets a manifest of the same shape (:func:`heldout_manifests`), and the build's
+lists them under ``"heldout"`` (``shards.heldout``); the training counts (``after``,
+``categories``) never include a held-out document.
 """
 
 from __future__ import annotations
@@ -12,15 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from factory.data.loaded_recipe import LoadedRecipe
+from factory.data.shards.heldout import HELDOUT_FOLDER
 from factory.data.shards.manifest import sha256_file
 from factory.data.stages.curate import UnitTask
 from factory.data.stages.dedup import DedupCounts
+from factory.data.stages.heldout_split import describe
 from factory.data.stages.unit_files import read_unit_stats
 from factory.data.stages.write_shards import StagesResult
 from factory.data.steps.tokenize import DocumentTokenizer
-from factory.schemas.data_recipe import SHARE_KEYS, SourceConfig
+from factory.schemas.data_recipe import SHARE_KEYS, DataRecipe, SourceConfig
 
-__all__ = ["TOKEN_COUNTS", "build_manifest"]
+__all__ = ["TOKEN_COUNTS", "build_manifest", "heldout_manifests"]
 
 _ROW = ("documents_in", "tokens_in", "documents_out", "tokens_out")
 TOKEN_COUNTS = (
@@ -41,7 +46,7 @@ def build_manifest(
     sources = {}
     for s_index, source in enumerate(recipe.sources):
         own = [task.output_path for task in tasks if task.source_index == s_index]
-        sources[source.name] = _source_entry(source, own, stages)
+        sources[source.name] = _source_entry(recipe, source, own, stages)
     return {
         "recipe": {"name": recipe.name, "sha256": digest, "seed": recipe.seed},
         "token_counts": TOKEN_COUNTS,
@@ -50,6 +55,48 @@ def build_manifest(
         "categories": _categories(sources),
         "packing": stages.packing.as_dict(),
         "shards": stages.shards,
+        "heldout": {
+            category: {
+                "folder": f"{HELDOUT_FOLDER}/{category}",
+                **_total(written.emitted),
+                "sources": written.emitted,
+            }
+            for category, written in stages.heldout.items()
+        },
+    }
+
+
+def heldout_manifests(build: dict[str, Any], stages: StagesResult) -> dict[str, dict[str, Any]]:
+    """Each held-out set's own manifest, by category: the build's shape (recipe, tokenizer,
+    sources with their ``after`` counts, categories, packing, shards), for its documents;
+    ``split`` says whose set it is."""
+    manifests = {}
+    for category, written in stages.heldout.items():
+        sources = {
+            name: {
+                "category": category,
+                "heldout": build["sources"][name]["heldout"]["declared"],
+                "after": counts,
+            }
+            for name, counts in written.emitted.items()
+        }
+        manifests[category] = {
+            "recipe": build["recipe"],
+            "token_counts": build["token_counts"],
+            "tokenizer": build["tokenizer"],
+            "split": {"side": "heldout", "category": category},
+            "sources": sources,
+            "categories": {category: _total(written.emitted)},
+            "packing": written.packing.as_dict(),
+            "shards": written.shards,
+        }
+    return manifests
+
+
+def _total(emitted: dict[str, dict[str, int]]) -> dict[str, int]:
+    return {
+        "documents": sum(row["documents"] for row in emitted.values()),
+        "tokens": sum(row["tokens"] for row in emitted.values()),
     }
 
 
@@ -78,17 +125,37 @@ def _step_rows(
     return steps, dropped, quarantined
 
 
-def _source_entry(source: SourceConfig, units: list[Path], stages: StagesResult) -> dict[str, Any]:
+def _source_entry(
+    recipe: DataRecipe, source: SourceConfig, units: list[Path], stages: StagesResult
+) -> dict[str, Any]:
     steps, dropped, quarantined = _step_rows(units, stages.dedup)
     plan = stages.plans[source.name]
     emitted = stages.emitted.get(source.name, {"documents": 0, "tokens": 0})
+    extra: dict[str, Any] = {}
+    trained = steps["dedup"]["documents_out"]
+    split = recipe.heldout_of(source)
+    if split is not None:
+        counts = stages.split[source.name]
+        trained = counts["train_documents"]
+        steps["heldout"] = {
+            "documents_in": steps["dedup"]["documents_out"],
+            "tokens_in": steps["dedup"]["tokens_out"],
+            "documents_out": trained,
+            "tokens_out": counts["train_tokens"],
+        }
+        extra["heldout"] = {
+            "declared": describe(split),
+            "documents": counts["documents"],
+            "tokens": counts["tokens"],
+        }
     steps["mix"] = {
-        "documents_in": steps["dedup"]["documents_out"],
+        "documents_in": trained,
         "tokens_in": plan.available_tokens,
         "documents_out": emitted["documents"],
         "tokens_out": emitted["tokens"],
     }
     return {
+        **extra,
         "category": source.category,
         "path": source.path,
         "files": len(units),

@@ -24,7 +24,7 @@ from factory.layers.model_spec import model_spec
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.model import ModelConfig
 
-__all__ = ["export_hf", "to_checkpoint_state_dict", "write_hf_checkpoint"]
+__all__ = ["export_hf", "to_checkpoint_state_dict", "write_hf_checkpoint", "write_hf_folder"]
 
 
 Weights = nn.Module | Mapping[str, torch.Tensor]
@@ -61,14 +61,22 @@ def to_checkpoint_state_dict(weights: Weights, cfg: ModelConfig) -> dict[str, to
 def write_hf_checkpoint(weights: Weights, bp: Blueprint, out: Path) -> Path:
     """Write ``out/config.json`` and ``out/model.safetensors`` (atomically: all or nothing)
     from ``bp``'s model or its weights."""
-    from safetensors.torch import save_file
-
     state = _state(weights)
     # The model's dtype: its first tensor that the spec does not keep in fp32 (the router).
     kept = {t.name for t in model_spec(bp.model).tensors() if t.fp32}
     first = next(v for name, v in state.items() if name not in kept and v.is_floating_point())
     config = hf_config(bp, dtype=str(first.dtype).removeprefix("torch."))
-    tensors = {k: v.detach().cpu() for k, v in to_checkpoint_state_dict(state, bp.model).items()}
+    return write_hf_folder(state, bp.model, config, out)
+
+
+def write_hf_folder(
+    weights: Weights, cfg: ModelConfig, config: Mapping[str, object], out: Path
+) -> Path:
+    """Write ``out/config.json`` (``config``, the NemotronH config of ``cfg``) and
+    ``out/model.safetensors`` (``weights`` under the checkpoint's names), atomically."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().cpu() for k, v in to_checkpoint_state_dict(weights, cfg).items()}
     with staged_directory(out) as staging:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})

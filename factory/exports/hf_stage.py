@@ -4,7 +4,8 @@ A program's stages share one model, so the HF export of a blueprint's stage is t
 that stage's blueprint (``ProgramStage.blueprint``); a run folder already holds each stage's
 trained model as a Hugging Face checkpoint (the run-folder contract: ``RUN/program.json`` lists
 the stages in order, ``RUN/<stage>/model/`` is one's export; a run without stages has its
-``RUN/model/``), which the export copies. The final stage is the default.
+``RUN/model/``; ``factory average`` adds ``averaged/<name>/model/`` beside a stage's
+``model/``), which the export copies. The final stage is the default.
 """
 
 from __future__ import annotations
@@ -20,21 +21,30 @@ from factory.schemas.blueprint import Blueprint
 from factory.schemas.program import DEFAULT_STAGE, ProgramStage, resolve_program
 
 __all__ = [
+    "AVERAGED_DIR",
     "HF_FILES",
     "PROGRAM_FILE",
+    "UnknownAverage",
     "UnknownStage",
     "copy_run_model",
     "is_run_folder",
+    "stage_folder",
     "stage_of",
 ]
 
 PROGRAM_FILE = "program.json"
+AVERAGED_DIR = "averaged"
+"""Where a run (a program's stage) keeps its averaged checkpoints: ``averaged/<name>/``."""
 HF_FILES = ("config.json", "model.safetensors")
 """What a run's ``model/`` holds (``factory.exports.hf.write_hf_checkpoint``)."""
 
 
 class UnknownStage(ExportError):
     """``--stage`` names no stage of the program."""
+
+
+class UnknownAverage(ExportError):
+    """``--averaged`` names no averaged checkpoint of the run."""
 
 
 def _unknown(name: str, names: list[str]) -> UnknownStage:
@@ -68,19 +78,40 @@ def _run_stages(run: Path) -> list[str]:
         raise ExportError(f"{run / PROGRAM_FILE}: not a program's stage list ({exc})") from None
 
 
-def copy_run_model(run: Path, out: Path, stage: str | None = None) -> Path:
-    """Copy the Hugging Face checkpoint the run folder ``run`` holds for ``stage`` (its final
-    stage when None) to ``out``, atomically; returns the folder it came from."""
+def stage_folder(run: Path, stage: str | None = None) -> tuple[str, Path]:
+    """The name and run folder of ``stage`` (the final stage when None) of the run folder
+    ``run``: ``RUN/<stage>/`` in a program's, ``RUN`` itself in a run without stages."""
     names = _run_stages(run)
     name = names[-1] if stage is None else stage
     if name not in names:
         raise _unknown(name, names)
-    source = run / name / "model" if (run / PROGRAM_FILE).is_file() else run / "model"
-    missing = [file for file in HF_FILES if not (source / file).is_file()]
-    if missing:
-        raise ExportError(
-            f"{source}: no {', '.join(missing)}: stage {name!r} has not finished training"
-        )
+    return name, run / name if (run / PROGRAM_FILE).is_file() else run
+
+
+def copy_run_model(
+    run: Path, out: Path, stage: str | None = None, averaged: str | None = None
+) -> Path:
+    """Copy the Hugging Face checkpoint the run folder ``run`` holds for ``stage`` (its final
+    stage when None) to ``out``, atomically; returns the folder it came from. With
+    ``averaged``, the export of that stage's averaged checkpoint ``averaged/<name>/model/``
+    (``factory average``) instead of its trained model."""
+    name, folder = stage_folder(run, stage)
+    if averaged is None:
+        source = folder / "model"
+        missing = [file for file in HF_FILES if not (source / file).is_file()]
+        if missing:
+            raise ExportError(
+                f"{source}: no {', '.join(missing)}: stage {name!r} has not finished training"
+            )
+    else:
+        source = folder / AVERAGED_DIR / averaged / "model"
+        if not all((source / file).is_file() for file in HF_FILES):
+            kept = sorted(p.parent.name for p in (folder / AVERAGED_DIR).glob("*/model"))
+            raise UnknownAverage(
+                f"no averaged checkpoint {averaged!r} with a Hugging Face export in "
+                f"{folder / AVERAGED_DIR}; there are {', '.join(kept) or 'none'}"
+                f"{did_you_mean(averaged, kept)}"
+            )
     with staged_directory(out) as staging:
         for file in HF_FILES:
             shutil.copyfile(source / file, staging / file)

@@ -278,6 +278,14 @@ def not_carried(bp: Blueprint) -> list[tuple[str, str]]:
             "failure plan only (docs/cost.md)",
         ),
     ]
+    if bp.training.average is not None:
+        out.append(
+            (
+                "training.average",
+                "the moving average of the weights is factory's trainer's; Megatron-Bridge "
+                "keeps none (average its checkpoints after the run)",
+            )
+        )
     trackers = [name for name in bp.training.loggers if name != "jsonl"]
     if trackers:
         out.append(

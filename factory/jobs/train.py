@@ -18,7 +18,9 @@ one process is world size 1 of the same code. The run folder holds:
 * at the end, ``train.json`` (what ran, one record per step), ``model/`` (a
   Hugging Face checkpoint that transformers and ``factory import hf`` load,
   gathered from the ranks' shards on rank 0) and ``report/report.html``
-  (``factory report``), each written whole by rank 0.
+  (``factory report``), each written whole by rank 0;
+* ``averaged/``: averaged checkpoints (``factory.jobs.average``): ``ema/`` at the end with
+  ``training.average``, others as ``factory average`` writes them.
 
 Rerunning into the same folder (or ``resume=True``, which insists) continues
 from the latest complete checkpoint, exactly as the uninterrupted run would; a

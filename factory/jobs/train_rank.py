@@ -13,7 +13,8 @@ of the same code (``factory.runtime.ranks``):
    with the standard callbacks (``factory.runtime.fit``), the job's progress reports
    and the run report;
 4. the trained weights are gathered whole on rank 0, which writes ``train.json``
-   and ``model/`` (not after a stop signal: the run is to be resumed, and the time
+   and ``model/`` (and ``averaged/ema/`` with ``training.average``, from the final
+   checkpoint) (not after a stop signal: the run is to be resumed, and the time
    before the scheduler's SIGKILL is short).
 
 The run folder is held (``factory.jobs.run_lock``) from before the data build to
@@ -40,6 +41,7 @@ from factory.data.build_job import build as build_data
 from factory.exports.hf import write_hf_checkpoint
 from factory.folder_lock import release
 from factory.io import atomic_write_text
+from factory.jobs.average import write_running_average
 from factory.jobs.run_lock import RunFolderBusy, held_by_launcher, lock_run_folder
 from factory.jobs.train_errors import BadData, CannotResume, RankLost, TrainRefused
 from factory.jobs.train_request import (
@@ -102,6 +104,8 @@ def run_rank(request: TrainRequest) -> TrainResult:
                 progress("export", 0, 1)
                 _write_summary(result, request.settings.data, request.stage)
                 write_hf_checkpoint(weights, bp, out / "model")
+                if bp.training.average is not None:
+                    write_running_average(out, bp, request.stage.name if request.stage else None)
                 progress("export", 1, 1)
     except (dist.DistError, RuntimeError) as exc:
         if not is_transport_failure(exc):

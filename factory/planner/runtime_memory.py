@@ -20,7 +20,8 @@ plan against what the ranks really hold:
   its data-parallel group: DP for dense tensors, EDP for experts; DDP does not;
 * a frozen tensor (the aux-loss-free expert bias) is held whole by every rank,
   with no gradient and no optimizer state;
-* weights and gradients are FP32 (4 bytes), Adam keeps two FP32 moments (8).
+* weights and gradients are FP32 (4 bytes), Adam keeps two FP32 moments (8), and
+  ``training.average`` an FP32 moving average beside them, sharded alike (4).
 
 FSDP2 splits a tensor's first dimension into ``ceil(n / d)``-row chunks, so a
 rank holds its exact share only up to one row per tensor: the plan gives the
@@ -88,7 +89,8 @@ def runtime_state_per_rank(bp: Blueprint, layout: Layout, pp_rank: int = 0) -> R
         share /= replicas if sharded else 1
         weights += share
         trainable += share
-    return RuntimeState(FP32 * weights, FP32 * trainable, 2 * FP32 * trainable)
+    kept = 2 + (bp.training.average is not None)  # Adam's moments, and the moving average
+    return RuntimeState(FP32 * weights, FP32 * trainable, kept * FP32 * trainable)
 
 
 def runtime_state_by_stage(bp: Blueprint, layout: Layout) -> list[RuntimeState]:

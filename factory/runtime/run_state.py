@@ -2,10 +2,10 @@
 
 Resuming from a checkpoint must continue exactly as the uninterrupted run
 would have: the model (expert biases included), the fp32 masters and Adam
-state, the learning-rate schedule's position and any annealing, the RNG
-states, the precision runtime (stochastic-rounding generators, FP8 amax
-histories, the BF16 switch), the callbacks' state (the monitors'), and the
-data position.
+state (and ``training.average``'s moving average), the learning-rate schedule's
+position and any annealing, the RNG states, the precision runtime
+(stochastic-rounding generators, FP8 amax histories, the BF16 switch), the
+callbacks' state (the monitors'), and the data position.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from factory.compilation import Compiled
 from factory.layers.model_spec import model_spec
 from factory.runtime import checkpoint
+from factory.runtime.checkpoint_trust import MetadataReader
 from factory.runtime.optimizer import MasterOptimizer
 
 __all__ = ["Anneal", "Position", "fingerprint", "restore", "restore_boundary", "snapshot"]
@@ -60,6 +61,20 @@ def fingerprint(compiled: Compiled) -> str:
     )
     text = json.dumps([shapes, model_config.model_dump(mode="json")], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+AVERAGE_KEYS = "optimizer.average."
+"""The DCP keys of ``training.average``'s moving average in a checkpoint."""
+
+
+def _holds(path: Path, prefix: str) -> bool:
+    """Whether checkpoint ``path`` holds a tensor under ``prefix`` (False when its metadata
+    cannot be read: reading the checkpoint then reports the damage)."""
+    try:
+        keys = MetadataReader(path).read_metadata().state_dict_metadata
+    except Exception:  # the read that follows says what is wrong
+        return False
+    return any(key.startswith(prefix) for key in keys)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -108,11 +123,18 @@ def restore(
     """Load checkpoint ``path`` into the model and optimizer (``rank``'s process-local state);
     return its position, data state and meta (which holds the callbacks' states)."""
     state = {"model": compiled.model.state_dict(), "optimizer": optimizer.empty_state_dict()}
+    # A checkpoint written before training.average was turned on has no average to read: it
+    # starts afresh from the masters it restores.
+    fresh_average = "average" in state["optimizer"] and not _holds(path, AVERAGE_KEYS)
+    if fresh_average:
+        del state["optimizer"]["average"]
     meta, local = checkpoint.read_checkpoint(path, state, fingerprint(compiled), rank)
     # DCP filled the state dict's tensors in place; a model whose state dict presents some
     # tensors in another layout (tensor parallelism's Mamba projections) takes them back here.
     compiled.model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
+    if fresh_average:
+        optimizer.restart_average()
     if compiled.precision is not None:
         compiled.precision.weights_updated()
     _set_rng_state(local["rng"])
@@ -134,7 +156,8 @@ def restore_boundary(
     The process-local state (RNG, precision runtime) is not read: a stage starts those
     afresh."""
     empty = optimizer.empty_state_dict()
-    wanted = empty if with_optimizer else {"state": {}, "masters": empty["masters"]}
+    # Not training.average's moving average: each stage keeps its own, from its own start.
+    wanted = {"state": empty["state"] if with_optimizer else {}, "masters": empty["masters"]}
     state = {"model": compiled.model.state_dict(), "optimizer": wanted}
     meta, _ = checkpoint.read_checkpoint(path, state, fingerprint(compiled))
     compiled.model.load_state_dict(state["model"])

@@ -136,7 +136,9 @@ class Trainer:
         self.compiled.model.train()
         if bp.training.compile:
             compile_for_training(self.compiled)
-        self.optimizer = MasterOptimizer(self.compiled.model, bp.training.optimizer)
+        self.optimizer = MasterOptimizer(
+            self.compiled.model, bp.training.optimizer, bp.training.average
+        )
         o = self.options
         if o.run_dir is not None:
             root = o.run_dir / "checkpoints"
@@ -285,6 +287,7 @@ class Trainer:
         assert self.optimizer is not None
         precision, p = self.compiled.precision, self.position
         self.optimizer.step()
+        self.optimizer.update_average(p.step)
         if precision is not None:
             precision.weights_updated()
         self.compiled.model.update_expert_biases(outcome.tokens_per_expert)

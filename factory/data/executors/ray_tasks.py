@@ -11,7 +11,9 @@ dedup map               one task per unit: its sidecar's keys, by partition
 dedup reduce            one task per partition: exact duplicates, LSH groups
 dedup resolve           one task: keep-first over the groups
 dedup mask              one task per unit: keep mask and counts
-plan                    one task: mix and pack lengths into shard plans
+split                   one task per source with a held-out split: its masks
+plan                    one task for the training shards, one per held-out set:
+                        mix and pack lengths into shard plans
 write                   one task per shard; Megatron ``.bin`` (one task);
                         Energon metadata and the quarantine file (one each)
 ======================  =====================================================

@@ -1,6 +1,7 @@
 """Where a build's held-out sets are, and the one reader of their list.
 
-A data build that sets documents aside (``split.heldout`` of a recipe's sources) writes
+A data build that sets documents aside (``heldout`` of a recipe's sources, or the
+recipe's own for every source; ``factory.data.stages.heldout_split``) writes
 each category's held-out documents as a folder of its own, ``OUT/heldout/CATEGORY/``: a
 built folder like ``OUT`` itself (``manifest.json`` and shards in the same format), so the
 trainer's loader, ``factory eval --data`` and ``factory data verify`` read it unchanged.
@@ -21,7 +22,7 @@ from typing import Any
 
 from factory.data.shards.manifest import ManifestError, read_manifest
 
-__all__ = ["HELDOUT_FOLDER", "HeldoutSet", "heldout_folder", "heldout_sets"]
+__all__ = ["HELDOUT_FOLDER", "HeldoutSet", "empty_splits", "heldout_folder", "heldout_sets"]
 
 HELDOUT_FOLDER = "heldout"
 """The folder of a build's output that holds one built folder per held-out category."""
@@ -57,3 +58,13 @@ def heldout_sets(out: Path) -> dict[str, HeldoutSet]:
             raise ManifestError(folder, f"held-out set {category!r} is listed but not built")
         sets[category] = HeldoutSet(category, folder, int(entry["documents"]), int(entry["tokens"]))
     return sets
+
+
+def empty_splits(manifest: dict[str, Any]) -> list[str]:
+    """The sources of a build's ``manifest`` whose held-out split asked for documents and got
+    none (a fraction too small for the source; the build warns, it does not refuse)."""
+    return [
+        name
+        for name, entry in manifest["sources"].items()
+        if "heldout" in entry and not entry["heldout"]["documents"]
+    ]

@@ -3,7 +3,8 @@
 Sources are interleaved by weighted round robin (always take the next
 document from the source furthest behind its target share), so every shard
 sees the mixture, and it is all streaming: each source is read in order from
-its unit files, filtered by its dedup mask, and repeated per ``mixing.repeats``.
+its unit files, filtered by its dedup mask and its held-out split (a stream reads
+one side of the split, ``heldout_split``), and repeated per ``mixing.repeats``.
 ``shard_plan`` packs this stream (of lengths) into shard plans, and
 ``write_shards`` writes the shards from them and Megatron's ``.bin`` from it.
 """
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Generic
 
-from factory.data.stages.dedup import read_keep_mask
+from factory.data.stages.heldout_split import Side, SplitCounts, unit_mask
 from factory.data.stages.mixing import SourcePlan, repeats
 from factory.data.stages.packing import P, TokenizedDoc
 from factory.data.stages.unit_files import read_unit
@@ -42,12 +43,14 @@ class MixedStream(Generic[P]):
     plans: dict[str, SourcePlan]
     seed: int
     read: Callable[[Path], Iterable[P]] = read_tokenized  # type: ignore[assignment]
+    side: Side = "train"
+    """The documents trained on, or (``"heldout"``) the ones the split set aside."""
     emitted: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def _source_docs(self, name: str) -> Iterator[P]:
         ratio = self.plans[name].ratio
         for unit in self.units[name]:
-            keep = read_keep_mask(unit)
+            keep = unit_mask(unit, self.side)
             for kept, doc in zip(keep, self.read(unit), strict=True):
                 if not kept:
                     continue
@@ -72,5 +75,11 @@ class MixedStream(Generic[P]):
             yield doc
 
 
-def tokens_per_source(units: dict[str, Sequence[Path]], dedup: dict[str, dict]) -> dict[str, int]:
-    return {name: sum(dedup[str(u)]["tokens_out"] for u in paths) for name, paths in units.items()}
+def tokens_per_source(
+    units: dict[str, Sequence[Path]], dedup: dict[str, dict], split: SplitCounts
+) -> dict[str, int]:
+    """Each source's tokens to train on: what dedup kept, less what the split set aside."""
+    return {
+        name: sum(dedup[str(u)]["tokens_out"] for u in paths) - split.get(name, {}).get("tokens", 0)
+        for name, paths in units.items()
+    }

@@ -1,4 +1,4 @@
-"""The stages in order, through one runner: curate, dedup, mix, then plan and write.
+"""The stages in order, through one runner: curate, dedup, split, mix, then plan and write.
 
 Both executors run exactly this (``executors.local_pool``, ``executors.ray_tasks``);
 they differ in the runner and in the dedup they pass: the sequential one
@@ -13,6 +13,7 @@ from pathlib import Path
 
 from factory.data.stages.curate import curate_unit
 from factory.data.stages.dedup import DedupCounts
+from factory.data.stages.heldout_split import SplitRefused, split_problems, split_sources
 from factory.data.stages.mixed_stream import tokens_per_source
 from factory.data.stages.mixing import plan_mixture
 from factory.data.stages.runner import Runner
@@ -28,9 +29,17 @@ Dedup = Callable[[list[Path]], DedupCounts]
 
 
 def run_stages(run: Runner, dedup: Dedup, inputs: StageInputs, progress: Progress) -> StagesResult:
-    """Curate the units not yet done, dedup them all, mix, then plan and write the shards."""
+    """Curate the units not yet done, dedup them all, set the held-out documents aside, mix,
+    then plan and write the training shards and the held-out sets.
+
+    Raises :class:`~factory.data.stages.heldout_split.SplitRefused` before any shard is
+    written when a split leaves a source nothing to train on.
+    """
     pending = [(t,) for t in inputs.tasks if not unit_done(t.output_path)]
     run(curate_unit, pending, "curate", progress, done=len(inputs.tasks) - len(pending))
     counts = dedup(inputs.order)
-    plans = plan_mixture(inputs.recipe, tokens_per_source(inputs.units, counts))
-    return plan_and_write(run, inputs, counts, plans, progress)
+    split = split_sources(run, inputs.recipe, inputs.units, inputs.work, progress)
+    if problems := split_problems(split):
+        raise SplitRefused(problems)
+    plans = plan_mixture(inputs.recipe, tokens_per_source(inputs.units, counts, split))
+    return plan_and_write(run, inputs, counts, split, plans, progress)

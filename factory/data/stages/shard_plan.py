@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from factory.data.stages.heldout_split import Side
 from factory.data.stages.mixed_stream import MixedStream
 from factory.data.stages.mixing import SourcePlan
 from factory.data.stages.packing import PIECE_SEPARATOR, PackingStats, pack_bins
@@ -80,8 +81,10 @@ def plan_shards(
     window: int,
     samples_per_shard: int,
     work: Path,
+    side: Side = "train",
 ) -> dict[str, Any]:
-    """Plan every shard into ``work/plan``; return (and keep) the summary. Resumable."""
+    """Plan every shard of the ``side`` documents into ``work/plan``; return (and keep) the
+    summary. Resumable."""
     summary_path = work / "plan" / "plan.json"
     if summary_path.is_file():
         return json.loads(summary_path.read_text(encoding="utf-8"))
@@ -95,7 +98,7 @@ def plan_shards(
         ):
             yield DocRef(key, u, offset, 0, length)
 
-    stream = MixedStream(units, plans, seed, read=refs)
+    stream = MixedStream(units, plans, seed, read=refs, side=side)
     stats = PackingStats()
     shard: list[list[PlannedPiece]] = []
     samples_per: list[int] = []

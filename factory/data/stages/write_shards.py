@@ -3,21 +3,26 @@
 Shard ``i`` is a function of its plan alone (``shard_plan``): its task reads
 the planned records by offset, cuts the pieces, packs them into samples and
 writes the tar, so shards are written in any order, on any node.
-:func:`plan_and_write` runs the whole stage through a runner (``runner``).
+:func:`plan_and_write` runs the whole stage through a runner (``runner``), for the
+training shards and, beside them, each category's held-out set: the documents the split
+set aside (``heldout_split``), each taken once, packed the same way into a built folder
+of its own (``shards.heldout``; no Megatron ``.bin``: validation reads the shards).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from factory.data.shards.energon_metadata import write_energon_dataset
+from factory.data.shards.heldout import HELDOUT_FOLDER, heldout_folder
 from factory.data.shards.manifest import sha256_file
 from factory.data.shards.megatron_index import IndexedDatasetWriter
 from factory.data.shards.tar_writer import write_shard
 from factory.data.stages.dedup import DedupCounts
+from factory.data.stages.heldout_split import Side, SplitCounts
 from factory.data.stages.mixed_stream import MixedStream
 from factory.data.stages.mixing import SourcePlan
 from factory.data.stages.packing import PackingStats, TokenizedDoc, packed_sample
@@ -28,18 +33,67 @@ from factory.data.stages.unit_files import read_records
 from factory.io import atomic_write_bytes
 from factory.progress import Progress
 
-__all__ = ["StagesResult", "plan_and_write", "write_megatron", "write_planned_shard"]
+__all__ = [
+    "HeldoutWritten",
+    "StagesResult",
+    "plan_and_write",
+    "write_megatron",
+    "write_planned_shard",
+]
+
+
+@dataclass(frozen=True)
+class HeldoutWritten:
+    """One category's held-out set as written: what each source gave, its shards, packing."""
+
+    emitted: dict[str, dict[str, int]]
+    shards: list[dict[str, Any]]
+    packing: PackingStats
 
 
 @dataclass(frozen=True)
 class StagesResult:
-    """What the manifest needs of the dedup, mix, pack and write stages (either executor)."""
+    """What the manifest needs of the dedup, split, mix, pack and write stages (either
+    executor)."""
 
     dedup: DedupCounts
     plans: dict[str, SourcePlan]
     emitted: dict[str, dict[str, int]]
     shards: list[dict[str, Any]]
     packing: PackingStats
+    split: SplitCounts = field(default_factory=dict)
+    """Per source with a held-out split: its threshold and what it set aside."""
+    heldout: dict[str, HeldoutWritten] = field(default_factory=dict)
+    """Per category with held-out documents, in the recipe's order."""
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One built folder to plan and write: the training shards, or a held-out set."""
+
+    out: Path
+    work: Path
+    units: dict[str, list[Path]]
+    plans: dict[str, SourcePlan]
+    side: Side
+
+
+def _heldout_targets(inputs: StageInputs, split: SplitCounts) -> dict[str, _Target]:
+    """Per category, its held-out documents: every source's once (ratio 1), in recipe order."""
+    targets: dict[str, _Target] = {}
+    for source in inputs.recipe.sources:
+        tokens = split.get(source.name, {}).get("tokens", 0)
+        if not tokens:
+            continue
+        category = source.category
+        if category not in targets:
+            work = inputs.work / HELDOUT_FOLDER / category
+            targets[category] = _Target(
+                heldout_folder(inputs.out, category), work, {}, {}, "heldout"
+            )
+        targets[category].units[source.name] = inputs.units[source.name]
+        targets[category].plans[source.name] = SourcePlan(tokens, tokens)
+    return targets
 
 
 def _intact_receipt(shard: Path, receipt_path: Path) -> dict[str, Any] | None:
@@ -114,43 +168,78 @@ def plan_and_write(
     run: Runner,
     inputs: StageInputs,
     dedup: DedupCounts,
+    split: SplitCounts,
     plans: dict[str, SourcePlan],
     progress: Progress,
 ) -> StagesResult:
-    """Plan the shards (one call), write them (one call each), then Megatron's ``.bin`` and
-    Energon's metadata (one call each), every call through ``run``."""
+    """Plan the training shards and each held-out set (one call each), write the held-out
+    sets (their shards, one call each, then their Energon metadata), the training shards
+    (one call each), then Megatron's ``.bin`` and the training Energon metadata (one call
+    each), every call through ``run``. Progress names the held-out writes apart
+    (``heldout``), so ``shards`` counts the training shards."""
     recipe, out, work, tokenizer = inputs.recipe, inputs.out, inputs.work, inputs.tokenizer
     units, order = inputs.units, inputs.order
-    summary = run(
+    heldout = _heldout_targets(inputs, split)
+    targets = [_Target(out, work, units, plans, "train"), *heldout.values()]
+    packing_args = (recipe.packing.seq_len, recipe.packing.window, recipe.output.samples_per_shard)
+    summaries = run(
         plan_shards,
-        [
-            (
-                units,
-                order,
-                plans,
-                recipe.seed,
-                recipe.packing.seq_len,
-                recipe.packing.window,
-                recipe.output.samples_per_shard,
-                work,
-            )
-        ],
+        [(t.units, order, t.plans, recipe.seed, *packing_args, t.work, t.side) for t in targets],
         "plan",
         progress,
-    )[0]
-    calls = [
-        (out, work, i, order, recipe.packing.seq_len, tokenizer.pad_id)
-        for i in range(len(summary["samples"]))
-    ]
-    receipts = run(write_planned_shard, calls, "shards", progress)
+    )
+    (trained, train_summary), *held = zip(targets, summaries, strict=True)
+    sets = _write_heldout_sets(run, inputs, held, progress) if held else []
+    shards, packing = _write_planned(run, inputs, [(trained, train_summary)], "shards", progress)[0]
     if recipe.output.megatron:
         prefix = out / "megatron" / recipe.name
         call = (units, plans, recipe.seed, prefix, tokenizer.vocab_size)
         run(write_megatron, [call], "megatron", progress)
-    shards = [{k: r[k] for k in ("name", "sha256", "samples")} for r in receipts]
     if recipe.output.energon:
         call = (out, [s["name"] for s in shards], [s["samples"] for s in shards])
         run(write_energon_dataset, [call], "energon", progress)
-    packing = PackingStats(**summary["packing"])
-    packing.loss_tokens = sum(r["loss_tokens"] for r in receipts)
-    return StagesResult(dedup, plans, summary["emitted"], shards, packing)
+    written = {
+        category: HeldoutWritten(summary["emitted"], *set_written)
+        for category, (_, summary), set_written in zip(heldout, held, sets, strict=True)
+    }
+    return StagesResult(dedup, plans, train_summary["emitted"], shards, packing, split, written)
+
+
+_Planned = tuple[_Target, dict[str, Any]]
+"""A folder to write and its plan's summary."""
+
+
+def _write_planned(
+    run: Runner, inputs: StageInputs, planned: list[_Planned], stage: str, progress: Progress
+) -> list[tuple[list[dict[str, Any]], PackingStats]]:
+    """Write the shards of every planned folder (one call each, side by side); per folder,
+    its shard entries and packing counts."""
+    seq_len, pad_id = inputs.recipe.packing.seq_len, inputs.tokenizer.pad_id
+    calls = [
+        (target.out, target.work, i, inputs.order, seq_len, pad_id)
+        for target, summary in planned
+        for i in range(len(summary["samples"]))
+    ]
+    receipts = run(write_planned_shard, calls, stage, progress)
+    written, first = [], 0
+    for _, summary in planned:
+        own = receipts[first : first + len(summary["samples"])]
+        first += len(own)
+        packing = PackingStats(**summary["packing"])
+        packing.loss_tokens = sum(r["loss_tokens"] for r in own)
+        written.append(([{k: r[k] for k in ("name", "sha256", "samples")} for r in own], packing))
+    return written
+
+
+def _write_heldout_sets(
+    run: Runner, inputs: StageInputs, planned: list[_Planned], progress: Progress
+) -> list[tuple[list[dict[str, Any]], PackingStats]]:
+    """The held-out sets: their shards, then (``output.energon``) their Energon metadata."""
+    written = _write_planned(run, inputs, planned, "heldout", progress)
+    if inputs.recipe.output.energon:
+        calls = [
+            (target.out, [s["name"] for s in shards], [s["samples"] for s in shards])
+            for (target, _), (shards, _) in zip(planned, written, strict=True)
+        ]
+        run(write_energon_dataset, calls, "heldout energon", progress)
+    return written

@@ -5,8 +5,8 @@ carry position. RoPE is available for blueprints that ask for it.
 
 Packed documents never see each other, and no [S, S] mask is built for that
 (:func:`causal_attention`): on CUDA it is FlexAttention with a document block
-mask, built once per step for every layer, in eager runs and inside compiled
-blocks alike (``factory.kernels.flex_documents``); on the CPU, the reference,
+mask, built once per step for every layer, in eager runs and for compiled
+blocks alike, which take it as an input (``factory.kernels.flex_documents``); on the CPU, the reference,
 the attention is cut into mask-free blocks along the documents
 (``factory.kernels.document_attention``). One document per row, whole, is
 SDPA's own causal path everywhere. ``torch.nn.attention.varlen`` (flash
@@ -27,6 +27,11 @@ from factory.kernels.document_attention import QueryRun, attention_blocks, docum
 from factory.kernels.flex_documents import document_mask, flex_document_attention, flex_unavailable
 from factory.nn.sequence_split import SequenceSplit
 from factory.schemas.model import AttentionConfig, ModelConfig
+
+try:  # a submodule: ``torch.nn.attention`` does not import it, so hasattr() never sees it
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch 2.11 has none (seen on the H200, 2026-11-28)
+    varlen_attn = None
 
 __all__ = [
     "CUDA_DOCUMENT_KERNEL",
@@ -143,7 +148,7 @@ def _document_path(device: str, compiling: bool, whole: bool) -> tuple[DocumentP
     reason = flex_unavailable(device) or ""
     if not reason and CUDA_DOCUMENT_KERNEL == "flex":
         return "flex", None
-    varlen = device == "cuda" and hasattr(torch.nn.attention, "varlen")
+    varlen = device == "cuda" and varlen_attn is not None
     if varlen and whole and not compiling:
         return "varlen", reason or None
     if not reason:
@@ -186,9 +191,7 @@ def _varlen_documents(
     cu = cu.to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())
     packed = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
-    out = torch.nn.attention.varlen.varlen_attn(
-        *packed, cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=True
-    )
+    out = varlen_attn(*packed, cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=True)
     return out.reshape(b, s, h, d).transpose(1, 2)
 
 
