@@ -9,7 +9,7 @@ one process is world size 1 of the same code. The run folder holds:
   built whole by rank 0 before training starts and checked again on every rerun
   (the folder must be on storage every rank sees);
 * ``run.json``: what it trains (the blueprint, precision backend, seed and data folder),
-  written before the first step, so ``factory eval`` reads any of its checkpoints;
+  written once the run starts or resumes, before its first step, so ``factory eval`` reads any of its checkpoints;
 * ``checkpoints/``: resumable checkpoints every ``checkpoint_every`` steps and
   at the end, each complete or absent (``factory.runtime.checkpoint``; DCP,
   written by all ranks together);

@@ -80,8 +80,6 @@ def run_rank(request: TrainRequest) -> TrainResult:
                 return finished
             shards = _curated(request, ranks)
             if ranks.is_main:
-                _write_run_file(request, shards)
-            if ranks.is_main:
                 progress("compile", 0, 1)
             # Built on meta, laid out, then each rank fills only its shards. Upcycling and
             # tied embeddings need the whole model first: every rank builds it.
@@ -261,6 +259,7 @@ def _fit(compiled: Compiled, shards: Path, request: TrainRequest, ranks: Ranks) 
             )
     extra: list[Callback] = [] if show_steps else [StepProgress(settings.progress)]
     extra.append(RunReport(out))
+    extra.append(RunFile(request, shards))
     share = {"rank": ranks.data_rank, "world_size": ranks.data_size}
     micro = bp.parallelism.micro_batch_size
     try:
@@ -272,16 +271,25 @@ def _fit(compiled: Compiled, shards: Path, request: TrainRequest, ranks: Ranks) 
         raise CannotResume(str(exc)) from exc
 
 
-def _write_run_file(request: TrainRequest, shards: Path) -> None:
-    """``run.json``: what the run trains (``RUN_FILE``), written before its first step so that
+class RunFile(Callback):
+    """``run.json``: what the run trains (``RUN_FILE``), written by rank 0 once the run has
+    started or resumed (a refused resume changes nothing) and before its first step, so that
     ``factory eval`` can read any of its checkpoints, also of a run cut short."""
-    run = {
-        "blueprint": request.blueprint.model_dump(mode="json"),
-        "precision": request.precision,
-        "seed": request.seed,
-        "data": str(shards.resolve()),
-    }
-    atomic_write_text(request.out / RUN_FILE, json.dumps(run, indent=2) + "\n")
+
+    def __init__(self, request: TrainRequest, shards: Path) -> None:
+        self.request, self.shards = request, shards
+
+    def pre_train(self, trainer: TrainerView) -> None:
+        if not trainer.ranks.is_main:
+            return
+        request = self.request
+        run = {
+            "blueprint": request.blueprint.model_dump(mode="json"),
+            "precision": request.precision,
+            "seed": request.seed,
+            "data": str(self.shards.resolve()),
+        }
+        atomic_write_text(request.out / RUN_FILE, json.dumps(run, indent=2) + "\n")
 
 
 def _write_summary(result: TrainResult, data: Path | None, stage: StageRun | None) -> None:
