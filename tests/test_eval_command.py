@@ -169,3 +169,18 @@ def test_training_refuses_evaluation_on_a_build_without_heldout_sets(
     with pytest.raises(CannotLaunch, match="has no held-out sets") as exc:
         factory.train(bp, out=tmp_path / "run", data=plain)
     assert exc.value.path == "training.eval.sets"
+
+
+def test_eval_reads_the_heldout_sets_a_recipe_build_sets_aside(
+    export: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The shipped recipe holds out documents per source: the build's own sets, as the data
+    build writes them, are what factory eval reads."""
+    built = build_shards(tiny_blueprint(), tmp_path_factory.mktemp("eval-recipe-build"))
+    sets = heldout_sets(built)
+    assert sets  # the recipe sets documents aside
+    result = evaluate_model(export, built, tokens=256)
+    assert [r.category for r in result.records] == [*sets, None]
+    for record in result.records[:-1]:
+        assert 0 < record.tokens <= sets[record.category].tokens
+        assert math.isfinite(record.loss)
