@@ -1,5 +1,5 @@
 """The held-out loss is the same on one process and on two gloo processes (DP=2 under FSDP,
-TP=2 with sequence parallelism): the same micro-batches dealt out, the sums summed over the
+TP=2 with sequence parallelism, CP=2 across the held-out samples' document cuts): the same micro-batches dealt out, the sums summed over the
 ranks, so the numbers agree up to the order of a sum (1e-6 relative); and a training's
 ``training.eval`` runs on every rank of a DP=2 run."""
 
@@ -81,6 +81,7 @@ def one_process(data: Path) -> Evaluation:
     [
         pytest.param({}, id="dp2-fsdp"),
         pytest.param({"tp": 2, "sequence_parallel": True, "etp": 1}, id="tp2-sp"),
+        pytest.param({"cp": 2}, id="cp2"),
     ],
 )
 def test_two_processes_give_the_one_process_loss(

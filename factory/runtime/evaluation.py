@@ -100,9 +100,10 @@ def heldout_micro_batches(folder: Path, tokens: int, micro_batch_size: int) -> l
     ]
 
 
-def _batch_sums(model: nn.Module, batch: MicroBatch, depths: int) -> torch.Tensor:
+def _batch_sums(model: nn.Module, batch: MicroBatch, depths: int, context: int) -> torch.Tensor:
     """[2 * (1 + depths)] float64: (summed cross-entropy, targets) of the main head, then of
-    each MTP depth, over this rank's rows of ``batch``."""
+    each MTP depth, over this rank's rows of ``batch``; ``context`` ranks share each
+    sequence (context parallelism), each counting its share of the targets."""
     output = model(batch.input_ids, batch.document_ids, logits=False)
     losses = language_model_loss(
         output, batch.input_ids, batch.loss_mask, document_ids=batch.document_ids
@@ -114,7 +115,7 @@ def _batch_sums(model: nn.Module, batch: MicroBatch, depths: int) -> torch.Tenso
         # rank's share of them): times their count it is the rows' summed cross-entropy.
         count = target_weights(mask, batch.document_ids, depth + 1)[1]
         sums[2 * depth] = loss.double() * count
-        sums[2 * depth + 1] = count
+        sums[2 * depth + 1] = count / context  # the ranks' shares add up to the count
     return sums
 
 
@@ -163,7 +164,7 @@ def evaluate(
             for turn in range(rounds):
                 index = turn * ranks.data_size + ranks.data_rank
                 batch = _to(batches[index if index < len(batches) else 0], device)
-                found = _batch_sums(model, batch, mtp_depth)
+                found = _batch_sums(model, batch, mtp_depth, ranks.context_size)
                 if index < len(batches):  # else a stand-in that keeps the ranks in step
                     sums += found
             per_set[category] = ranks.sum_over_tokens(sums).cpu()
