@@ -13,6 +13,7 @@ from factory.schemas.trackers import JSONL, logger_names
 
 __all__ = [
     "AverageConfig",
+    "EvalConfig",
     "Logger",
     "LossAverage",
     "ObjectiveConfig",
@@ -153,6 +154,33 @@ class AverageConfig(Section):
     """The step whose weights start the average (it must be one the run takes)."""
 
 
+class EvalConfig(Section):
+    """Validation while training: the loss on the data build's held-out sets
+    (``factory.runtime.evaluation``; docs/training.md, Validation and factory eval)."""
+
+    interval: StepCount
+    """Steps between evaluations; the run is also evaluated after its last step. At most
+    the run's steps (validate refuses a longer one)."""
+    tokens: TokenCount = 65536
+    """Positions read from each held-out set at every evaluation (whole samples, the first
+    ones of the set in its manifest's order, so every evaluation reads the same tokens; a
+    smaller set is read whole). Suffixes allowed: '1M'."""
+    sets: tuple[str, ...] | None = None
+    """The held-out categories evaluated (the build's ``heldout`` names); null: every set
+    the data build has. A name the build lacks is refused when the training starts."""
+
+    @field_validator("sets")
+    @classmethod
+    def _sets_named_once(cls, sets: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if sets is not None:
+            if not sets:
+                raise ValueError("name at least one held-out set, or leave sets out for all")
+            repeated = sorted({name for name in sets if sets.count(name) > 1})
+            if repeated:
+                raise ValueError(f"each set once; {', '.join(repeated)} given more than once")
+        return sets
+
+
 class TrainingConfig(Section):
     """How long to train and how."""
 
@@ -191,6 +219,10 @@ class TrainingConfig(Section):
     Biases run in ``<run>/wandb/``, offline unless ``WANDB_MODE`` says otherwise). Each
     tracker gets the same per-step scalars, monitor events, checkpoints and rollbacks, from
     rank 0."""
+    eval: EvalConfig | None = None
+    """The held-out loss per category and overall, with the MTP losses, every ``interval``
+    steps and at the end, into ``metrics.jsonl``, the trackers and the run page; it does not
+    change training (RNG, data position and precision state are put back). null: none."""
     stability: StabilityConfig = StabilityConfig()
     """What the run watches (MoE load, residual stream, loss and gradient spikes, non-finite
     values) and what it does when a threshold is crossed (``factory.runtime.monitors``)."""

@@ -2,7 +2,8 @@
 
 Used by test_runtime_resume.py: ``python runtime_driver.py SPEC.json`` where the
 spec names the blueprint (JSON), the data folder, the run folder, the steps,
-whether to resume, the checkpoint mode, and where to die: ``{"step": k}``
+whether to resume, the checkpoint mode, the held-out sets ``training.eval`` reads
+(``heldout``: category to folder), and where to die: ``{"step": k}``
 during the k-th optimizer step (after its backward pass, before its update),
 or ``{"checkpoint": k}`` during the k-th checkpoint write (its files written,
 not yet renamed into place).
@@ -68,6 +69,7 @@ def main() -> None:
         checkpoint_every=spec.get("every", 2),
         async_checkpoint=spec.get("async", False),
         resume=spec.get("resume", False),
+        heldout={category: Path(folder) for category, folder in spec.get("heldout", {}).items()},
     )
     with ShardLoader(Path(spec["data"]), bp.parallelism.micro_batch_size, seed=3) as loader:
         result = fit(compiled, loader, spec["steps"], options)

@@ -51,6 +51,13 @@ CASES = [
         ("vision, language",),
         "warning",
     ),
+    (
+        "runtime.eval_pipeline",
+        {"parallelism.pp": 2, "training.eval": {"interval": 10}},
+        "training.eval",
+        ("pp=2", "--set parallelism.pp=1", "factory eval"),
+        "warning",
+    ),
 ]
 
 

@@ -66,6 +66,13 @@ CASES = [
         ("start=100", "100 steps", "99"),
         "error",
     ),
+    (
+        "training.eval_interval",
+        {"training.eval": {"interval": 101}},
+        "training.eval.interval",
+        ("101", "100 steps"),
+        "error",
+    ),
 ]
 
 

@@ -92,6 +92,21 @@ def context_across_stages(bp: Blueprint) -> Iterator[Finding]:
         )
 
 
+@runtime_rule("runtime.eval_pipeline")
+def eval_pipeline(bp: Blueprint) -> Iterator[Finding]:
+    """factory's runtime evaluates held-out sets through the model's forward pass, which a
+    pipeline's stages do not have (they run through a schedule)."""
+    pp = bp.parallelism.pp
+    if bp.training.eval is not None and pp > 1:
+        yield Finding(
+            "training.eval",
+            f"training.eval with parallelism.pp={pp}: factory's runtime does not evaluate "
+            "held-out sets under pipeline parallelism yet; use --set parallelism.pp=1, or "
+            "leave training.eval out and run factory eval on the checkpoints",
+            "warning",
+        )
+
+
 @runtime_rule("runtime.module_layouts")
 def module_layouts(bp: Blueprint) -> Iterator[Finding]:
     """factory's runtime does not run per-module (heterogeneous) layouts."""

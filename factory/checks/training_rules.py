@@ -99,3 +99,15 @@ def average_start(bp: Blueprint) -> Iterator[Finding]:
             f"start={average.start} is past the run's last step ({steps} steps: 0 to "
             f"{steps - 1}), so the average would never begin",
         )
+
+
+@rule("training.eval_interval")
+def eval_interval(bp: Blueprint) -> Iterator[Finding]:
+    """An evaluation interval longer than the run would evaluate only at the end: a typo."""
+    evaluation, steps = bp.training.eval, bp.training_steps
+    if evaluation is not None and evaluation.interval > steps:
+        yield Finding(
+            "training.eval.interval",
+            f"evaluation every {evaluation.interval} steps is past the run's {steps} steps "
+            f"(training.steps or tokens / global_batch_size*seq_len); at most {steps}",
+        )

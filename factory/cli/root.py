@@ -25,6 +25,7 @@ COMMAND_MODULES = {
     "report": "factory.cli.report_cmd",
     "schema": "factory.cli.schema_cmd",
     "train": "factory.cli.train_cmd",
+    "eval": "factory.cli.eval_cmd",
     "data": "factory.cli.data_cmd",
     "export": "factory.cli.export_cmd",
     "import": "factory.cli.export_cmd",

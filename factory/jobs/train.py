@@ -8,6 +8,8 @@ one process is world size 1 of the same code. The run folder holds:
 * ``data/``: the curated shards it trains on (not when ``data`` is given),
   built whole by rank 0 before training starts and checked again on every rerun
   (the folder must be on storage every rank sees);
+* ``run.json``: what it trains (the blueprint, precision backend, seed and data folder),
+  written once the run starts or resumes, before its first step, so ``factory eval`` reads any of its checkpoints;
 * ``checkpoints/``: resumable checkpoints every ``checkpoint_every`` steps and
   at the end, each complete or absent (``factory.runtime.checkpoint``; DCP,
   written by all ranks together);
@@ -27,7 +29,8 @@ rerun of a run that completed all its steps changes nothing and says so
 What cannot run is refused by :func:`prepare_training` before any work: a model
 whose fp32 weights, gradients and Adam states would not fit this machine's
 memory (:class:`ModelTooBig`), a backend that is not installed, a launch that
-does not fit the layout (``factory.jobs.launch``). The request every rank carries and
+does not fit the layout (``factory.jobs.launch``), a held-out set ``training.eval`` names
+that the data build lacks. The request every rank carries and
 the result are ``factory.jobs.train_request``'s; the refusals ``factory.jobs.train_errors``'.
 """
 
@@ -53,6 +56,7 @@ from factory.jobs.train_request import (
     TrainRequest,
     TrainResult,
     TrainSettings,
+    evaluated_sets,
     ignore_notice,
 )
 from factory.planner.params import count_params
@@ -124,6 +128,8 @@ def checked_request(
         raise ModelTooBig(bp.meta.name, params, have, proxy)
     if world == 1:  # after the size: a model too big for one process says to train its proxy
         _check_launch(bp, world, precision)
+    if settings.data is not None:  # else the recipe's build, checked once it is built
+        evaluated_sets(bp, settings.data)
     return TrainRequest(bp, precision, tuple(changes), settings, stage)
 
 

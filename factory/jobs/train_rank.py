@@ -44,7 +44,13 @@ from factory.io import atomic_write_text
 from factory.jobs.average import write_running_average
 from factory.jobs.run_lock import RunFolderBusy, held_by_launcher, lock_run_folder
 from factory.jobs.train_errors import BadData, CannotResume, RankLost, TrainRefused
-from factory.jobs.train_request import StageRun, TrainRequest, TrainResult
+from factory.jobs.train_request import (
+    RUN_FILE,
+    StageRun,
+    TrainRequest,
+    TrainResult,
+    evaluated_sets,
+)
 from factory.planner.layout import resolve_layout
 from factory.progress import PLAIN_EVERY_S, PLAIN_EVERY_STEPS
 from factory.report.run_metrics import ReportError
@@ -237,6 +243,7 @@ def _fit(compiled: Compiled, shards: Path, request: TrainRequest, ranks: Ranks) 
         ranks=ranks,
         stop_on_signals=True,
         notice=settings.notice,
+        heldout=evaluated_sets(bp, shards),
     )
     stage = request.stage
     if stage is not None:
@@ -252,6 +259,7 @@ def _fit(compiled: Compiled, shards: Path, request: TrainRequest, ranks: Ranks) 
             )
     extra: list[Callback] = [] if show_steps else [StepProgress(settings.progress)]
     extra.append(RunReport(out))
+    extra.append(RunFile(request, shards))
     share = {"rank": ranks.data_rank, "world_size": ranks.data_size}
     micro = bp.parallelism.micro_batch_size
     try:
@@ -261,6 +269,27 @@ def _fit(compiled: Compiled, shards: Path, request: TrainRequest, ranks: Ranks) 
         raise BadData(str(exc)) from exc
     except CheckpointError as exc:
         raise CannotResume(str(exc)) from exc
+
+
+class RunFile(Callback):
+    """``run.json``: what the run trains (``RUN_FILE``), written by rank 0 once the run has
+    started or resumed (a refused resume changes nothing) and before its first step, so that
+    ``factory eval`` can read any of its checkpoints, also of a run cut short."""
+
+    def __init__(self, request: TrainRequest, shards: Path) -> None:
+        self.request, self.shards = request, shards
+
+    def pre_train(self, trainer: TrainerView) -> None:
+        if not trainer.ranks.is_main:
+            return
+        request = self.request
+        run = {
+            "blueprint": request.blueprint.model_dump(mode="json"),
+            "precision": request.precision,
+            "seed": request.seed,
+            "data": str(self.shards.resolve()),
+        }
+        atomic_write_text(request.out / RUN_FILE, json.dumps(run, indent=2) + "\n")
 
 
 def _write_summary(result: TrainResult, data: Path | None, stage: StageRun | None) -> None:

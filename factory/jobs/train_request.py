@@ -13,6 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from factory.data.shards.heldout import heldout_sets
+from factory.data.shards.manifest import ManifestError
+from factory.jobs.train_errors import CannotLaunch
 from factory.precision.backends import PrecisionBackend
 from factory.progress import Progress, silent
 from factory.schemas.blueprint import Blueprint
@@ -21,18 +24,54 @@ if TYPE_CHECKING:
     from factory.runtime.history import RunHistory, StepRecord
 
 __all__ = [
+    "RUN_FILE",
     "CheckpointPolicy",
     "StageRun",
     "StepsShown",
     "TrainRequest",
     "TrainResult",
     "TrainSettings",
+    "evaluated_sets",
     "ignore_notice",
 ]
+
+RUN_FILE = "run.json"
+"""What a run folder trains, written when it starts: ``blueprint`` (the blueprint that trains,
+as JSON), ``precision`` (the backend), ``seed`` and ``data`` (the shards' folder)."""
 
 StepsShown = Literal["rich", "plain"] | None
 """How the trainer shows its steps itself: a live rich bar, timestamped log lines, or not at
 all (None: the steps go to the ``progress`` callback as stage ``train``)."""
+
+
+def evaluated_sets(blueprint: Blueprint, data: Path) -> dict[str, Path]:
+    """The held-out sets ``training.eval`` evaluates in the data build at ``data``, category
+    to built folder (none without ``training.eval``). Raises :class:`CannotLaunch` naming
+    ``training.eval.sets`` for a set the build lacks, or a build with none."""
+    evaluation = blueprint.training.eval
+    if evaluation is None:
+        return {}
+    try:
+        found = heldout_sets(data)
+    except ManifestError as exc:
+        raise CannotLaunch(f"training.eval: {exc}", "training.eval.sets") from exc
+    have = ", ".join(found) or "none"
+    if not found:
+        raise CannotLaunch(
+            f"training.eval: the data build {data} has no held-out sets (its manifest lists "
+            "no 'heldout'); give its recipe's sources a held-out split, or leave training.eval "
+            "out",
+            "training.eval.sets",
+        )
+    wanted = evaluation.sets or tuple(found)
+    missing = [name for name in wanted if name not in found]
+    if missing:
+        raise CannotLaunch(
+            f"training.eval.sets: the data build {data} has no held-out set "
+            f"{', '.join(map(repr, missing))}; it has {have}",
+            "training.eval.sets",
+        )
+    return {name: found[name].folder for name in wanted}
 
 
 def ignore_notice(line: str) -> None:

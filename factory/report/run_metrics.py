@@ -2,7 +2,7 @@
 into the records it was written from, for the run's report page and the build's checks.
 
 The run appends one JSON object per line as it goes (kinds ``run``, ``step``,
-``event``, ``checkpoint``, ``rollback``, ``end``), so the file may be read while
+``event``, ``checkpoint``, ``rollback``, ``eval``, ``end``), so the file may be read while
 the run is alive or after it was killed: an unparsable *last* line is a write
 cut short and is skipped; an unparsable line anywhere else is damage and raises
 :class:`ReportError`. Unknown kinds are skipped, so older reports read newer runs.
@@ -18,7 +18,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from factory.runtime.callbacks import Event, Rollback
+from factory.runtime.callbacks import Event, HeldoutMetrics, Rollback
 from factory.runtime.metrics import (
     JSON_KEYS,
     KINDS,
@@ -47,10 +47,23 @@ class RunMetrics:
     end: RunEnd | None
     cut_short: bool
     """Whether an unparsable last line (a write the killed process never finished) was skipped."""
+    heldout: tuple[HeldoutMetrics, ...] = ()
+    """The held-out losses (``training.eval``), each set's and all sets' (category None)."""
 
     @property
     def name(self) -> str:
         return self.run.name if self.run else self.path.parent.name
+
+    def heldout_curves(self) -> dict[str | None, list[HeldoutMetrics]]:
+        """Each held-out set's records (None: all sets together) in update order, one per
+        update: an evaluation repeated after a resume or a rollback replaces the earlier."""
+        latest: dict[tuple[str | None, int], HeldoutMetrics] = {}
+        for record in self.heldout:
+            latest[(record.category, record.update)] = record
+        curves: dict[str | None, list[HeldoutMetrics]] = {}
+        for (category, _), record in sorted(latest.items(), key=lambda item: item[0][1]):
+            curves.setdefault(category, []).append(record)
+        return curves
 
 
 _NUMBERS = {int, float, type(None)}
@@ -165,4 +178,5 @@ def read_metrics(run_dir: Path | str) -> RunMetrics:
         rollbacks=tuple(found["rollback"]),
         end=found["end"][-1] if found["end"] else None,
         cut_short=cut_short,
+        heldout=tuple(found["eval"]),
     )

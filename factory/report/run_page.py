@@ -112,6 +112,29 @@ def _rollbacks_html(metrics: RunMetrics) -> str:
     return f"<h2>Rollbacks</h2>{table(header, rows)}" if rows else ""
 
 
+def _heldout_html(metrics: RunMetrics) -> str:
+    """The held-out loss of each set at the run's last evaluation (``training.eval``)."""
+    curves = metrics.heldout_curves()
+    if not curves:
+        return ""
+    last = {category: records[-1] for category, records in curves.items()}
+    step = max(record.step for record in last.values())
+    depths = sorted({d for r in last.values() for d in r.mtp_losses}, key=int)
+    header = ["set", "loss", "perplexity", "tokens", *(f"MTP {d}" for d in depths)]
+    rows = [
+        [
+            category if category is not None else "all sets",
+            f"{r.loss:.4f}",
+            f"{r.perplexity:.4g}",
+            f"{r.tokens:,}",
+            *(f"{r.mtp_losses[d]:.4f}" if d in r.mtp_losses else "-" for d in depths),
+        ]
+        for category, r in sorted(last.items(), key=lambda item: item[0] is None)
+    ]
+    note = f"<p>At step {step}, the last evaluation; the loss plot shows every one.</p>"
+    return f"<h2>Held-out loss</h2>{note}{table(header, rows)}"
+
+
 def _html(metrics: RunMetrics, drawn: list[tuple[str, bytes]]) -> str:
     """One page with nothing external: the PNGs are inlined as base64 data URIs."""
     name = escape(metrics.name)
@@ -124,7 +147,7 @@ def _html(metrics: RunMetrics, drawn: list[tuple[str, bytes]]) -> str:
 <title>{name}: training report</title>
 <style>{STYLE}body{{max-width:960px}}{css}</style></head><body>
 <h1>{name}</h1>{key_value_table(_facts(metrics))}
-<h2>Events</h2>{_events_html(metrics)}{_rollbacks_html(metrics)}
+{_heldout_html(metrics)}<h2>Events</h2>{_events_html(metrics)}{_rollbacks_html(metrics)}
 <h2>Plots</h2><p>{escape(MARKS)}</p>{figures}
 </body></html>
 """

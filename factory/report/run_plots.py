@@ -151,6 +151,7 @@ def _loss_png(metrics: RunMetrics, width: float) -> bytes:
     loss, lm_loss = ([_finite(getattr(s, a)) for s in metrics.steps] for a in ("loss", "lm_loss"))
     top.plot(updates, loss, lw=1.2, color="#9ecae1", label="loss", **_dots(updates))
     top.plot(updates, lm_loss, color="#08519c", label="LM loss", **_dots(updates))
+    _heldout(top, metrics)
     top.set_ylabel("loss")
     top.set_title(f"{metrics.name}: loss", pad=TITLE_PAD)
     bottom.plot(updates, [s.step for s in metrics.steps], color="#555555", lw=1.0)
@@ -161,6 +162,27 @@ def _loss_png(metrics: RunMetrics, width: float) -> bytes:
         _mark(ax, metrics)
     _legend(figure, metrics, top.get_legend_handles_labels()[0])
     return _png(figure)
+
+
+HELDOUT_COLOURS = ("#31a354", "#74c476", "#006d2c", "#a1d99b", "#00441b", "#41ab5d")
+"""Greens, one per held-out set (blues are the training loss; orange, red and purple the
+events)."""
+
+
+def _heldout(ax: Any, metrics: RunMetrics) -> None:
+    """The held-out loss of every set (dashed) and of all together (solid, square marks),
+    at the update each evaluation followed."""
+    curves = metrics.heldout_curves()
+    sets = [category for category in curves if category is not None]
+    for index, category in enumerate(sets):
+        records = curves[category]
+        colour = HELDOUT_COLOURS[index % len(HELDOUT_COLOURS)]
+        x, y = [r.update for r in records], [_finite(r.loss) for r in records]
+        ax.plot(x, y, "--", color=colour, lw=1.0, marker=".", label=f"held-out {category}")
+    overall = curves.get(None)
+    if overall:
+        x, y = [r.update for r in overall], [_finite(r.loss) for r in overall]
+        ax.plot(x, y, "-", color="#006d2c", lw=1.6, marker="s", ms=4, label="held-out, all sets")
 
 
 def _line_png(metrics: RunMetrics, attr: str, title: str, log: bool, width: float) -> bytes:
@@ -260,7 +282,9 @@ MARKS = (
 )
 CAPTIONS = {
     "loss.png": "Loss (what is optimised, auxiliary terms included) and LM loss per "
-    "optimizer update; below, the schedule step, which drops at each rollback.",
+    "optimizer update; in green, the held-out loss (training.eval) of each set, dashed, and "
+    "of all sets together, at the update each evaluation followed; below, the schedule "
+    "step, which drops at each rollback.",
     "lr.png": "Learning rate per optimizer update; crosses at the top are non-finite steps.",
     "grad_norm.png": "Gradient norm per optimizer update, log scale; crosses at the top are "
     "non-finite steps.",

@@ -42,6 +42,7 @@ __all__ = [
     "SEVERITY",
     "Callback",
     "Event",
+    "HeldoutMetrics",
     "PeriodicCheckpoint",
     "Rollback",
     "StepStats",
@@ -79,6 +80,24 @@ class Event:
     value: float | None = None
     threshold: float | None = None
     layer: str | None = None
+
+
+@dataclass(frozen=True)
+class HeldoutMetrics:
+    """One held-out set's loss at an evaluation (``factory.runtime.validation``); one record
+    per set and one for all of them together (``category`` null)."""
+
+    update: int
+    step: int
+    """The steps applied before the evaluation."""
+    category: str | None
+    loss: float
+    """Mean next-token cross-entropy over the set's loss-masked targets (nats)."""
+    perplexity: float
+    tokens: int
+    """The targets averaged over."""
+    mtp_losses: dict[str, float]
+    """MTP depth (``"1"``, ``"2"``, ...) to its mean cross-entropy; empty without MTP."""
 
 
 def verdict(events: list[Event]) -> str:
@@ -135,6 +154,9 @@ class TrainerView(Protocol):
     def save(self) -> None:
         """Checkpoint the run as it stands (nothing without a run folder)."""
 
+    def evaluated(self, records: list[HeldoutMetrics]) -> None:
+        """Hand an evaluation's records to every callback's :meth:`Callback.on_evaluation`."""
+
 
 class Callback:
     """Base class: every hook does nothing. Override what the callback needs."""
@@ -157,6 +179,10 @@ class Callback:
 
     def post_step(self, trainer: TrainerView, record: StepRecord, outcome: StepOutcome) -> None:
         """After an optimizer step was applied (``trainer.position`` is past it)."""
+
+    def on_evaluation(self, trainer: TrainerView, records: list[HeldoutMetrics]) -> None:
+        """After an evaluation on the held-out sets (``training.eval``): one record per set
+        and one for all of them, the same on every rank."""
 
     def on_checkpoint(self, trainer: TrainerView, path: Path, seconds: float) -> None:
         """After a checkpoint write was issued (complete unless written asynchronously)."""

@@ -2,8 +2,9 @@
 
 The trainer (``factory.runtime.trainer``) runs steps and calls whatever
 callbacks it is given; this module chooses them: ``metrics.jsonl`` and the
-other ``training.loggers``, the stability monitors, the progress display and
-periodic checkpoints. It is the one module that knows every callback, so the
+other ``training.loggers``, the stability monitors, the progress display, the
+held-out loss (``training.eval``, ``factory.runtime.validation``) and periodic
+checkpoints. It is the one module that knows every callback, so the
 trainer knows none and the callbacks see it only as
 :class:`~factory.runtime.callbacks.TrainerView`.
 """
@@ -20,6 +21,7 @@ from factory.runtime.loggers import run_loggers
 from factory.runtime.monitors import Monitors
 from factory.runtime.run_options import RunOptions
 from factory.runtime.trainer import BatchSource, Trainer
+from factory.runtime.validation import Validation
 
 __all__ = ["fit", "standard_callbacks"]
 
@@ -29,7 +31,8 @@ def standard_callbacks(
 ) -> list[Callback]:
     """The callbacks every run has, in the order they run: with a run folder ``metrics.jsonl``
     and the other ``training.loggers`` (``factory.runtime.loggers``), the stability monitors,
-    the display, ``on_step``, periodic checkpoints."""
+    the display, ``on_step``, with ``training.eval`` the held-out loss of ``options.heldout``
+    (``factory.runtime.validation``), periodic checkpoints."""
     training = compiled.blueprint.training
     callbacks: list[Callback] = []
     if options.run_dir is not None:
@@ -39,6 +42,8 @@ def standard_callbacks(
         StepDisplay(options.progress, options.log_every, options.description, options.log_every_s)
     )
     callbacks.extend(on_step)
+    if training.eval is not None:
+        callbacks.append(Validation(training.eval, options.heldout))
     if options.run_dir is not None:
         every = options.checkpoint_every or training.checkpoint_interval
         callbacks.append(PeriodicCheckpoint(every))

@@ -3,7 +3,7 @@
 A killed run keeps everything up to its last step; ``factory report`` reads the
 file (``factory.report.run_metrics``) into the same record types that are
 written here (:data:`KINDS`): ``run`` (first), ``step``, ``event``,
-``checkpoint``, ``rollback`` and ``end``; in a stage of a program every line also
+``checkpoint``, ``rollback``, ``eval`` (a held-out set's loss, ``training.eval``) and ``end``; in a stage of a program every line also
 names the stage (``"stage"``). A resumed run appends to the same
 file, after cutting off a torn last line (a process killed mid-write), so the
 file stays one JSON object per line. Rank 0 writes ``metrics.jsonl``; every other rank of a distributed run its
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from factory.layers.model_spec import model_spec
-from factory.runtime.callbacks import Callback, Event, Rollback, TrainerView
+from factory.runtime.callbacks import Callback, Event, HeldoutMetrics, Rollback, TrainerView
 
 if TYPE_CHECKING:
     from factory.runtime.history import RunHistory, StepRecord
@@ -120,6 +120,7 @@ KINDS: dict[str, type] = {
     "event": Event,
     "checkpoint": CheckpointSaved,
     "rollback": Rollback,
+    "eval": HeldoutMetrics,
     "end": RunEnd,
 }
 """Every line's ``kind`` and the record it holds."""
@@ -226,6 +227,10 @@ class MetricsLog(Callback):
 
     def post_step(self, trainer: TrainerView, record: StepRecord, outcome: StepOutcome) -> None:
         self.write(step_metrics(record, outcome))
+
+    def on_evaluation(self, trainer: TrainerView, records: list[HeldoutMetrics]) -> None:
+        for record in records:
+            self.write(record)
 
     def on_checkpoint(self, trainer: TrainerView, path: Path, seconds: float) -> None:
         p = trainer.position

@@ -6,7 +6,7 @@ goes (``factory.runtime.trainer``), and the callbacks read it through the traine
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +65,9 @@ class RunOptions:
     step ``s`` runs at ``learning_rate(schedule_offset + s, schedule_steps, ...)``."""
     schedule_steps: int | None = None
     """Steps the schedule spans (default: the run's own steps)."""
+    heldout: Mapping[str, Path] = field(default_factory=dict)
+    """The held-out sets ``training.eval`` evaluates, category to built folder
+    (``factory.data.shards.heldout``); a run with ``training.eval`` needs at least one."""
     notice: Callable[[str], None] = field(default=lambda line: None)
     """Told, one line each, what the run repaired or skipped on its way (a damaged
     checkpoint passed over, a torn line of metrics.jsonl removed); rank 0 only."""

@@ -51,7 +51,7 @@ import torch
 from factory.compilation import Compiled, compile_for_training
 from factory.graph.loss import mtp_loss_scale
 from factory.runtime.batches import MicroBatch
-from factory.runtime.callbacks import Callback, Rollback, StepStats, Verdict
+from factory.runtime.callbacks import Callback, HeldoutMetrics, Rollback, StepStats, Verdict
 from factory.runtime.checkpoint import (
     CheckpointDamaged,
     Checkpointer,
@@ -310,6 +310,11 @@ class Trainer:
         self.position.consumed = consumed_before
         self.save()
         self.batches.seek(consumed_before)
+
+    def evaluated(self, records: list[HeldoutMetrics]) -> None:
+        """Hand an evaluation's records to every callback (``metrics.jsonl``, the trackers)."""
+        for callback in self.callbacks:
+            callback.on_evaluation(self, records)
 
     # --- checkpoints -------------------------------------------------------------------------
 

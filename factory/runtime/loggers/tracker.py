@@ -16,14 +16,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from factory.runtime.callbacks import Callback, Event, Rollback, TrainerView
+from factory.runtime.callbacks import Callback, Event, HeldoutMetrics, Rollback, TrainerView
 from factory.runtime.metrics import StepMetrics, step_metrics
 
 if TYPE_CHECKING:
     from factory.runtime.history import RunHistory, StepRecord
     from factory.runtime.step import StepOutcome
 
-__all__ = ["STEP_SCALARS", "Tracker", "event_scalar", "step_scalars"]
+__all__ = ["STEP_SCALARS", "Tracker", "event_scalar", "heldout_scalars", "step_scalars"]
 
 STEP_SCALARS = ("loss", "lm_loss", "lr", "grad_norm", "tokens_per_s", "tokens_seen", "seconds")
 """The fields of a ``step`` record shown as scalars of the same name; per-layer MaxVio and
@@ -42,6 +42,15 @@ def event_scalar(event: Event) -> dict[str, float]:
     """``events/<monitor>``: the value that crossed the threshold (1 where the monitor has
     none, such as a non-finite loss), so each monitor's alarms line up with the loss."""
     return {f"events/{event.monitor}": 1.0 if event.value is None else float(event.value)}
+
+
+def heldout_scalars(record: HeldoutMetrics) -> dict[str, float]:
+    """``heldout/<category>/loss``, ``.../perplexity`` and ``.../mtp_<depth>`` of one set
+    (``heldout/loss`` ... for all sets together), beside the training ``loss``."""
+    prefix = "heldout" if record.category is None else f"heldout/{record.category}"
+    values = {f"{prefix}/loss": record.loss, f"{prefix}/perplexity": record.perplexity}
+    values.update({f"{prefix}/mtp_{depth}": v for depth, v in record.mtp_losses.items()})
+    return values
 
 
 class Tracker(Callback):
@@ -92,6 +101,10 @@ class Tracker(Callback):
         self.scalars(event.step, event_scalar(event))
         text = f"{event.monitor} ({event.action}) at step {event.step}: {event.message}"
         self.note(event.step, "events", text)
+
+    def on_evaluation(self, trainer: TrainerView, records: list[HeldoutMetrics]) -> None:
+        for record in records:
+            self.scalars(record.step, heldout_scalars(record))
 
     def on_checkpoint(self, trainer: TrainerView, path: Path, seconds: float) -> None:
         step = trainer.position.step
