@@ -28,6 +28,7 @@ COMMAND_MODULES = {
     "data": "factory.cli.data_cmd",
     "export": "factory.cli.export_cmd",
     "import": "factory.cli.export_cmd",
+    "generate": "factory.cli.generate_cmd",
 }
 """Each command's name and the module that registers it on :data:`app`; the order is --help's."""
 
