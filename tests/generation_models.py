@@ -4,6 +4,8 @@ have wide margins (no argmax ties between decoding paths) and the MTP heads lear
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from blueprint_factory import make
 
@@ -39,7 +41,9 @@ TINY = {
 
 
 def tiny_blueprint(**overrides: object) -> Blueprint:
-    return make(**{**TINY, **overrides})
+    """TINY with ``overrides`` (dotted paths, as ``make`` takes them)."""
+    # A copy: make() places TINY's section dicts in the blueprint and sets dotted keys in them.
+    return make(**copy.deepcopy({**TINY, **overrides}))
 
 
 def toy_sequences(vocab: int, batch: int, length: int, seed: int) -> torch.Tensor:

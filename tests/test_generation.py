@@ -156,6 +156,10 @@ def test_bad_requests_name_their_argument(untrained: factory.Compiled) -> None:
         (untrained.model, {"prompt_ids": [500]}, "prompt", "outside the vocabulary"),
         (dropping, {}, "model", "capacity factor"),
     ]
+    # A layer type whose mixer has no decoding step (here: a stand-in module) is named.
+    stepless = factory.compile(tiny_blueprint(), seed=1).model
+    stepless.backbone.layers[3].mixer = torch.nn.Identity()
+    cases.append((stepless, {}, "model", "backbone.layers.3: its mixer (Identity) has no"))
     for model, change, option, words in cases:
         arguments = {"prompt_ids": [1, 2, 3], "max_new_tokens": 4, **change}
         with pytest.raises(GenerationRefused, match=re.escape(words)) as refused:

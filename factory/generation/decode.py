@@ -110,9 +110,7 @@ def _check(
         raise GenerationRefused(
             "speculative", "the model has no MTP heads to draft with (model.mtp.depth is 0)"
         )
-    problems = model.decoding_problems()
-    if speculative is None:  # the MTP blocks need not decode
-        problems = [p for p in problems if not p.startswith("mtp.")]
+    problems = model.decoding_problems(with_mtp=speculative is not None)
     if problems:
         raise GenerationRefused(
             "model", "the model cannot decode incrementally: " + "; ".join(problems)

@@ -120,10 +120,12 @@ class HybridLM(nn.Module):
             positions=positions,
         )
 
-    def decoding_problems(self) -> list[str]:
+    def decoding_problems(self, with_mtp: bool = True) -> list[str]:
         """Why this model cannot decode incrementally, one line per block that cannot (its
-        path and its mixer's reason); empty where it can."""
-        blocks = [*self.backbone.layers, *(self.mtp.layers if self.mtp is not None else ())]
+        path and its mixer's reason), MTP blocks included ``with_mtp`` (self-speculation);
+        empty where it can."""
+        mtp = self.mtp.layers if self.mtp is not None and with_mtp else ()
+        blocks = [*self.backbone.layers, *mtp]
         problems = []
         for block in blocks:
             problem = decoding_problem(block.mixer)
