@@ -43,7 +43,8 @@ TINY = {
 def tiny_blueprint(**overrides: object) -> Blueprint:
     """TINY with ``overrides`` (dotted paths, as ``make`` takes them)."""
     # A copy: make() places TINY's section dicts in the blueprint and sets dotted keys in them.
-    return make(**copy.deepcopy({**TINY, **overrides}))
+    merged = {**TINY, **overrides}
+    return make(**{k: copy.deepcopy(v) if isinstance(v, dict) else v for k, v in merged.items()})
 
 
 def toy_sequences(vocab: int, batch: int, length: int, seed: int) -> torch.Tensor:

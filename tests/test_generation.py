@@ -84,11 +84,11 @@ def test_greedy_equals_transformers_greedy(trained: factory.Compiled, tmp_path: 
     write_hf_checkpoint(trained.model, trained.blueprint, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     eos = hf.generation_config.eos_token_id
-    for seed in (999, 7):
-        prompt = _prompt(seed=seed)
-        ours = generate(trained.model, prompt, 32, eos_token_id=eos)
-        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)
-        assert theirs[0, len(prompt) : len(prompt) + len(ours.tokens)].tolist() == ours.tokens
+    prompt = _prompt(seed=7)
+    ours = generate(trained.model, prompt, 32, eos_token_id=eos)
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False)
+    assert theirs[0, len(prompt) : len(prompt) + len(ours.tokens)].tolist() == ours.tokens
+    assert len(ours.tokens) > 8  # the comparison is not cut short by the end token
     # The toy language is learnt: what both decode is its continuation.
     assert generate(trained.model, _prompt(), 32).tokens == _prompt(44)[12:]
 
