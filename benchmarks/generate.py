@@ -32,7 +32,7 @@ from factory.loading.recipe import DEFAULT_TOKENIZER
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = "A blueprint describes one model of the Nemotron 3 family: its hybrid"
-BATCH, SEQ = 4, 256
+BATCH = 4
 
 
 def corpus(tokenizer: Tokenizer) -> torch.Tensor:
@@ -42,24 +42,30 @@ def corpus(tokenizer: Tokenizer) -> torch.Tensor:
     return torch.tensor(tokenizer.encode(text).ids)
 
 
-def train(model: torch.nn.Module, stream: torch.Tensor, steps: int) -> float:
-    """``steps`` AdamW steps on random windows of ``stream``; returns the last loss."""
+def train(
+    model: torch.nn.Module, stream: torch.Tensor, steps: int, seq: int, mtp_scale: float
+) -> float:
+    """``steps`` AdamW steps on random ``seq``-token windows of ``stream``, the MTP losses
+    scaled by ``mtp_scale`` (the blueprint's); returns the last loss."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
     generator = torch.Generator().manual_seed(0)
     model.train()
     loss = torch.tensor(0.0)
-    for _ in range(steps):
-        starts = torch.randint(0, len(stream) - SEQ, (BATCH,), generator=generator)
-        ids = torch.stack([stream[s : s + SEQ] for s in starts.tolist()])
+    for step in range(steps):
+        starts = torch.randint(0, len(stream) - seq, (BATCH,), generator=generator)
+        ids = torch.stack([stream[s : s + seq] for s in starts.tolist()])
         out = model(ids)
         loss = F.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
         for depth, logits in enumerate(out.mtp_logits, start=2):
-            loss = loss + 0.3 * F.cross_entropy(
+            loss = loss + mtp_scale * F.cross_entropy(
                 logits[:, :-depth].flatten(0, 1), ids[:, depth:].flatten()
             )
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        loss = loss.detach()
+        if (step + 1) % 20 == 0:
+            print(f"  step {step + 1}: loss {loss.item():.2f}", flush=True)
     model.eval()
     return float(loss)
 
@@ -67,8 +73,9 @@ def train(model: torch.nn.Module, stream: torch.Tensor, steps: int) -> float:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks generate")
     parser.add_argument("--steps", type=int, default=150, help="training steps before decoding")
+    parser.add_argument("--seq-len", type=int, default=128, help="training sequence length")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     import transformers
 
@@ -82,9 +89,12 @@ def main(argv: list[str]) -> None:
           f"{compiled.blueprint.model.mtp_depth} ({compiled.blueprint.model.mtp_pattern}), "
           f"{params / 1e6:.1f}M parameters, fp32")  # fmt: skip
     started = time.perf_counter()
-    loss = train(model, corpus(tokenizer), args.steps)
-    print(f"trained {args.steps} steps on the docs in {time.perf_counter() - started:.0f} s "
-          f"(last loss {loss:.2f}, main + 0.3 x MTP)")  # fmt: skip
+    mtp = compiled.blueprint.model.mtp
+    assert mtp is not None
+    loss = train(model, corpus(tokenizer), args.steps, args.seq_len, mtp.loss_scale)
+    seconds = time.perf_counter() - started
+    print(f"trained {args.steps} steps of {BATCH} x {args.seq_len} tokens on the docs in "
+          f"{seconds:.0f} s (last loss {loss:.2f}, main + {mtp.loss_scale} x MTP)")  # fmt: skip
     with tempfile.TemporaryDirectory() as folder:
         write_hf_checkpoint(model, compiled.blueprint, Path(folder))
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
