@@ -44,6 +44,10 @@ BENCHMARKS = {
         "benchmarks.data_pipeline",
         "data build throughput vs DataTrove and vs the tokenizer alone",
     ),
+    "generate": (
+        "benchmarks.generate",
+        "CPU proxy greedy decoding tokens/s: plain, MTP self-speculative, transformers generate",
+    ),
     "gpu": (
         "benchmarks.gpu",
         "one CUDA device, 7 sections (CUDA tests, kernels, 1B step, MoE, precision, attention, "

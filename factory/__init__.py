@@ -25,6 +25,7 @@ Public API (each resolved on first use)::
     build            the whole factory into one folder (BuildResult, BuildFailed)
     train            train a blueprint or its proxy (TrainResult, TrainRefused)
     export_hf        a Hugging Face checkpoint transformers loads
+    generate_text    text after prompts from an exported model or a run (MTP speculation)
     data             the data factory: data.build, data.load_recipe
     BlueprintError   a blueprint or recipe that failed validation, with its diagnostics
 
@@ -49,6 +50,7 @@ __all__ = [
     "compile",
     "data",
     "export_hf",
+    "generate_text",
     "load_blueprint",
     "plan",
     "train",
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
     from factory.errors import BlueprintError
     from factory.exports.hf import export_hf
     from factory.jobs.build import BuildFailed, BuildResult, build
+    from factory.jobs.generate import generate_text
     from factory.jobs.train import train
     from factory.jobs.train_errors import TrainRefused
     from factory.jobs.train_request import TrainResult
@@ -78,6 +81,7 @@ _LAZY = {
     "compile": "factory.compilation",
     "data": "factory",  # the subpackage itself: ``factory.data.build``
     "export_hf": "factory.exports.hf",
+    "generate_text": "factory.jobs.generate",
     "load_blueprint": "factory.checks.validate",
     "plan": "factory.planner.plan",
     "train": "factory.jobs.train",

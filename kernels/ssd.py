@@ -45,6 +45,7 @@ __all__ = [
     "fast_path_available",
     "ssd_chunked_scan",
     "ssd_chunked_scan_torch",
+    "ssd_decode_steps",
     "ssd_kernel",
     "ssd_sequential_scan",
 ]
@@ -208,6 +209,31 @@ def ssd_sequential_scan(inputs: ScanInputs, return_final_state: bool = False) ->
         y = y + _skip_term(xf, D.to(cdt))
     y = y.to(x.dtype)
     return (y, state) if return_final_state else y
+
+
+def ssd_decode_steps(inputs: ScanInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence over a few positions after ``inputs.initial_state`` (incremental
+    decoding), keeping the state after every one: -> (y [b, l, h, p], states [b, l, h, p, n]
+    fp32). A speculative verification keeps the state of the last position it accepts."""
+    x, D = inputs.x, inputs.D
+    b, length, h, p = x.shape
+    cdt = inputs.compute_dtype()
+    xf, dtf, Af = x.to(cdt), inputs.dt.to(cdt), inputs.A.to(cdt)
+    Bh = inputs.B.to(cdt).repeat_interleave(h // inputs.B.shape[2], dim=2)
+    Ch = inputs.C.to(cdt).repeat_interleave(h // inputs.C.shape[2], dim=2)
+    init = inputs.initial_state
+    state = xf.new_zeros(b, h, p, Bh.shape[3]) if init is None else init.to(cdt)
+    ys, states = [], []
+    for t in range(length):
+        decay = torch.exp(dtf[:, t] * Af)[:, :, None, None]
+        inject = (dtf[:, t, :, None] * xf[:, t])[..., None] * Bh[:, t, :, None, :]
+        state = decay * state + inject
+        states.append(state)
+        ys.append(torch.einsum("bhpn,bhn->bhp", state, Ch[:, t]))
+    y = torch.stack(ys, dim=1)
+    if D is not None:
+        y = y + _skip_term(xf, D.to(cdt))
+    return y.to(x.dtype), torch.stack(states, dim=1)
 
 
 def ssd_chunked_scan_torch(

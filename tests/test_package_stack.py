@@ -50,7 +50,7 @@ STACK: list[tuple[str, set[str]]] = [
             "compilation",
         },
     ),
-    ("train", {"runtime"}),
+    ("train", {"runtime", "generation"}),
     ("exports, report", {"exports", "report"}),
     ("jobs", {"jobs"}),
     ("cli", {"cli", "__main__", "__init__"}),

@@ -30,6 +30,7 @@ COMMAND_MODULES = {
     "export": "factory.cli.export_cmd",
     "import": "factory.cli.export_cmd",
     "average": "factory.cli.average_cmd",
+    "generate": "factory.cli.generate_cmd",
 }
 """Each command's name and the module that registers it on :data:`app`; the order is --help's."""
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from factory.layers.model_spec import LayerSpec
+from factory.nn.decoding import DecodingCache
 from factory.nn.norms import RMSNorm
 from factory.nn.outputs import RoutedOutput
 from factory.schemas.model import ModelConfig
@@ -40,3 +41,9 @@ class Block(nn.Module):
         if isinstance(out, RoutedOutput):
             return x + out.y, out
         return x + out, None
+
+    def decode(self, x: torch.Tensor, cache: DecodingCache) -> torch.Tensor:
+        """The next positions ``x`` [B, T, d] after those in ``cache`` (incremental decoding,
+        ``factory.nn.decoding``): the mixer's ``decode`` in place of its ``forward``."""
+        out = self.mixer.decode(self.norm(x), cache)
+        return x + (out.y if isinstance(out, RoutedOutput) else out)

@@ -16,8 +16,9 @@ from factory.graph.blocks import Block
 from factory.graph.loss import fused_head_problem
 from factory.graph.mtp_head import MultiTokenPrediction
 from factory.layers.model_spec import ModelSpec, model_spec
+from factory.nn.decoding import DecodingCache, decoding_problem
 from factory.nn.norms import RMSNorm
-from factory.nn.outputs import ModelOutput, collect_routing
+from factory.nn.outputs import DecodedStep, ModelOutput, collect_routing
 from factory.nn.sequence_split import SequenceSplit
 from factory.schemas.model import ModelConfig
 
@@ -118,6 +119,37 @@ class HybridLM(nn.Module):
             residual_rms=rms,
             positions=positions,
         )
+
+    def decoding_problems(self, with_mtp: bool = True) -> list[str]:
+        """Why this model cannot decode incrementally, one line per block that cannot (its
+        path and its mixer's reason), MTP blocks included ``with_mtp`` (self-speculation);
+        empty where it can."""
+        mtp = self.mtp.layers if self.mtp is not None and with_mtp else ()
+        blocks = [*self.backbone.layers, *mtp]
+        problems = []
+        for block in blocks:
+            problem = decoding_problem(block.mixer)
+            if problem is not None:
+                problems.append(f"{block.path}: {problem}")
+        return problems
+
+    def init_caches(self, batch: int, capacity: int) -> list[DecodingCache]:
+        """Empty decoding caches of the main stack's blocks, for ``batch`` sequences of up to
+        ``capacity`` positions (``factory.nn.decoding``)."""
+        weight = self.backbone.embeddings.weight
+        return [
+            layer.mixer.init_cache(batch, capacity, weight.device, weight.dtype)
+            for layer in self.backbone.layers
+        ]
+
+    def decode(self, input_ids: torch.Tensor, caches: list[DecodingCache]) -> DecodedStep:
+        """The main stack over the next positions ``input_ids`` [B, T] after those in
+        ``caches``, which they join: the logits and hidden states :meth:`forward` computes
+        there over the whole sequence."""
+        hidden = self.backbone.embeddings(input_ids)
+        for layer, cache in zip(self.backbone.layers, caches, strict=True):
+            hidden = layer.decode(hidden, cache)
+        return DecodedStep(self.lm_head(self.backbone.norm_f(hidden)), hidden)
 
     @torch.no_grad()
     def update_expert_biases(self, tokens_per_expert: dict[str, torch.Tensor]) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 
 from factory.graph.blocks import Block
 from factory.layers.model_spec import LayerSpec, ModelSpec
+from factory.nn.decoding import DecodingCache
 from factory.nn.norms import RMSNorm
 from factory.nn.outputs import collect_routing
 from factory.schemas.model import ModelConfig
@@ -59,12 +60,10 @@ class MultiTokenPrediction(nn.Module):
         fused loss. Routing statistics of the inner MoE layers are added to ``routed``/``aux``.
         ``positions``: the sequence positions of ``hidden``'s rows (context parallelism;
         ``input_ids`` is then the whole sequence)."""
-        size = len(self.layers) // self.blocks
         logits = []
         ids = input_ids
         for depth in range(self.depth):
-            block = 0 if self.blocks == 1 else depth
-            layers = self.layers[block * size : (block + 1) * size]
+            layers = self.depth_layers(depth)
             # Shift the tokens one more step left; the wrapped-around tail is never a label.
             ids = torch.roll(ids, shifts=-1, dims=1)
             rows = ids if positions is None else ids[:, positions]
@@ -76,3 +75,38 @@ class MultiTokenPrediction(nn.Module):
             normed = layers[-1].final_layernorm(hidden)
             logits.append(normed if head is None else head(normed))
         return tuple(logits)
+
+    def depth_layers(self, depth: int) -> list[MTPLayer]:
+        """The blocks that predict at ``depth`` (0-based): its own, or the one repeated block."""
+        size = len(self.layers) // self.blocks
+        block = 0 if self.blocks == 1 else depth
+        return list(self.layers[block * size : (block + 1) * size])  # type: ignore[arg-type]
+
+    def init_caches(
+        self, depth: int, batch: int, capacity: int, device: torch.device, dtype: torch.dtype
+    ) -> list[DecodingCache]:
+        """Empty decoding caches of ``depth``'s blocks: each depth reads its own sequence of
+        hidden states, so a repeated block keeps one cache per depth."""
+        return [
+            layer.mixer.init_cache(batch, capacity, device, dtype)
+            for layer in self.depth_layers(depth)
+        ]
+
+    def decode(
+        self,
+        depth: int,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        embed: nn.Embedding,
+        caches: list[DecodingCache],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``depth`` over the next positions after those in ``caches``: ``hidden`` [B, T, d] is
+        the previous depth's output there (the main stack's at depth 0), ``next_ids`` [B, T]
+        the tokens ``depth + 1`` places later. -> (this depth's output, its final norm's,
+        the head's input)."""
+        layers = self.depth_layers(depth)
+        first = layers[0]
+        hidden = first.eh_proj(torch.cat([first.enorm(embed(next_ids)), first.hnorm(hidden)], -1))
+        for layer, cache in zip(layers, caches, strict=True):
+            hidden = layer.decode(hidden, cache)
+        return hidden, layers[-1].final_layernorm(hidden)

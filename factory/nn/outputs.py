@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["ModelOutput", "RoutedOutput", "collect_routing"]
+__all__ = ["DecodedStep", "ModelOutput", "RoutedOutput", "collect_routing"]
 
 
 class RoutedOutput(NamedTuple):
@@ -56,6 +56,15 @@ class ModelOutput(NamedTuple):
         """[B, S]: the positions this output predicts from (this rank's, under CP)."""
         head = self.logits if self.logits is not None else self.head_inputs[0]
         return head.shape[:2]
+
+
+class DecodedStep(NamedTuple):
+    """What one incremental decoding step of the main stack returns (``HybridLM.decode``)."""
+
+    logits: torch.Tensor
+    """[B, T, V]: the step's position t predicts the token after it."""
+    hidden: torch.Tensor
+    """[B, T, d]: the main stack's output before the final norm (what MTP depth 1 reads)."""
 
 
 def collect_routing(

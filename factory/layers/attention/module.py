@@ -25,6 +25,7 @@ from torch.nn import functional as F
 from factory.kernels.choice import KernelChoice
 from factory.kernels.document_attention import QueryRun, attention_blocks, document_attention
 from factory.kernels.flex_documents import document_mask, flex_document_attention, flex_unavailable
+from factory.nn.decoding import DecodingCache
 from factory.nn.sequence_split import SequenceSplit
 from factory.schemas.model import AttentionConfig, ModelConfig
 
@@ -36,6 +37,7 @@ except ImportError:  # torch 2.11 has none (seen on the H200, 2026-11-28)
 __all__ = [
     "CUDA_DOCUMENT_KERNEL",
     "Attention",
+    "KVCache",
     "apply_rope",
     "attention_kernel",
     "build",
@@ -107,6 +109,70 @@ class Attention(nn.Module):
             k, v = split.gather(k, 2), split.gather(v, 2)
         out = causal_attention(q, k, v, document_ids, runs)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+    def init_cache(
+        self, batch: int, capacity: int, device: torch.device, dtype: torch.dtype
+    ) -> KVCache:
+        """An empty KV cache for ``batch`` sequences of up to ``capacity`` positions."""
+        return KVCache(batch, self.kv_heads, self.head_dim, capacity, device, dtype)
+
+    def decode(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The next T positions ``x`` [B, T, d] after the cached ones: each attends to the cache
+        and to the new positions up to itself; their keys and values join the cache."""
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        past = cache.length
+        if self.rope is not None:
+            positions = torch.arange(past, past + s, device=x.device)
+            q, k = apply_rope(q, *self.rope, positions), apply_rope(k, *self.rope, positions)
+        keys, values = cache.append(k, v)
+        if past == 0:  # the prompt: the same causal SDPA as the full forward
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
+        else:
+            # Query t (position past + t) sees keys 0 .. past + t; one query sees them all.
+            mask = None
+            if s > 1:
+                rows = torch.arange(past, past + s, device=x.device)
+                mask = torch.arange(past + s, device=x.device)[None, :] <= rows[:, None]
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+class KVCache(DecodingCache):
+    """The keys and values of the positions decoded so far, [B, kv_heads, capacity, head_dim]
+    each (grouped-query: the KV heads only), the first ``length`` positions filled."""
+
+    def __init__(
+        self,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
+        self.keys = torch.zeros(batch, kv_heads, capacity, head_dim, device=device, dtype=dtype)
+        self.values = torch.zeros_like(self.keys)
+        self.length = 0
+        self.appended = 0
+        """Positions the last step added (what :meth:`keep` may take back)."""
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add ``k``, ``v`` [B, kv_heads, T, head_dim]; -> every position's keys and values."""
+        start, end = self.length, self.length + k.shape[2]
+        if end > self.keys.shape[2]:
+            raise ValueError(f"the KV cache holds {self.keys.shape[2]} positions, not {end}")
+        self.keys[:, :, start:end] = k
+        self.values[:, :, start:end] = v
+        self.length, self.appended = end, end - start
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def keep(self, count: int) -> None:
+        """Keep the first ``count`` positions of the last step: the rest are overwritten later."""
+        self.length -= self.appended - count
+        self.appended = count
 
 
 def causal_attention(

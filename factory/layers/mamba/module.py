@@ -20,12 +20,19 @@ from torch.nn import functional as F
 from factory.kernels.causal_conv import conv_kernel, triton_conv
 from factory.kernels.choice import KernelChoice
 from factory.kernels.gated_norm import gated_norm_kernel
-from factory.kernels.ssd import ScanInputs, ssd_chunked_scan, ssd_kernel
+from factory.kernels.ssd import ScanInputs, ssd_chunked_scan, ssd_decode_steps, ssd_kernel
+from factory.nn.decoding import DecodingCache
 from factory.nn.norms import GatedGroupRMSNorm
 from factory.nn.sequence_split import SequenceSplit
 from factory.schemas.model import MambaConfig, ModelConfig
 
-__all__ = ["Mamba2Mixer", "build", "kernel_choices"]
+__all__ = ["STEP_STATES", "Mamba2Mixer", "MambaCache", "build", "kernel_choices"]
+
+STEP_STATES = 16
+"""A decoding step over at most this many positions runs the recurrence position by position
+and keeps the SSM state after each (a speculative verification: 1 + the MTP depth); a longer
+one (a prompt) runs the chunked scan, keeps only its final state and recomputes from the
+step's starting state if it must take positions back."""
 
 
 class _CausalDepthwiseConv(torch.autograd.Function):
@@ -124,6 +131,70 @@ def _causal_depthwise_conv(
     return _CausalDepthwiseConv.apply(x, weight, bias, same)
 
 
+class MambaCache(DecodingCache):
+    """A Mamba layer's decoding state: the conv's last K-1 inputs [B, K-1, conv channels] and the
+    SSM state [B, heads, head_dim, state] (fp32).
+
+    SSM states cannot be cut back like a KV cache: to take positions back, a step keeps the
+    state after each of its positions when it is short (:data:`STEP_STATES`), and otherwise
+    its starting state and scan inputs, from which :meth:`keep` recomputes. The conv window
+    is kept whole for the step, so any prefix of it is there."""
+
+    def __init__(self, conv: torch.Tensor, ssm: torch.Tensor, chunk_size: int) -> None:
+        self.conv = conv
+        self.ssm = ssm
+        self.chunk_size = chunk_size
+        self._window: torch.Tensor | None = None
+        """The last step's [B, K-1 + T, C] conv inputs: the old window and its positions'."""
+        self._states: torch.Tensor | None = None
+        """The SSM state after each of the last step's positions [B, T, H, P, N], if kept."""
+        self._start: torch.Tensor | None = None
+        """The SSM state before the last step."""
+        self._inputs: ScanInputs | None = None
+        """The last step's scan inputs, to recompute a prefix from ``_start``."""
+
+    def step(
+        self,
+        window: torch.Tensor,
+        inputs: ScanInputs,
+        states: torch.Tensor | None,
+        final: torch.Tensor,
+    ) -> None:
+        """Record a step: its conv window, its scan inputs, its per-position states (or None)
+        and the state after its last position."""
+        self._window, self._states, self._start, self._inputs = window, states, self.ssm, inputs
+        self.conv = window[:, window.shape[1] - self.conv.shape[1] :]
+        self.ssm = final
+
+    def keep(self, count: int) -> None:
+        """Keep the first ``count`` positions of the last step."""
+        window, inputs, start = self._window, self._inputs, self._start
+        if window is None or inputs is None or start is None:
+            raise RuntimeError("keep() before any decoding step")
+        taps = self.conv.shape[1]
+        appended = window.shape[1] - taps
+        if count == appended:
+            return
+        self.conv = window[:, count : count + taps]
+        if count == 0:
+            self.ssm = start
+        elif self._states is not None:
+            self.ssm = self._states[:, count - 1]
+        else:
+            prefix = _prefix(inputs, count)
+            _, self.ssm = ssd_chunked_scan(prefix, self.chunk_size, return_final_state=True)
+        self._window = window[:, : count + taps]
+        if self._states is not None:
+            self._states = self._states[:, :count]
+        self._inputs = _prefix(inputs, count)
+
+
+def _prefix(inputs: ScanInputs, count: int) -> ScanInputs:
+    """The scan inputs of the first ``count`` positions, from the same starting state."""
+    x, dt, B, C = (t[:, :count] for t in (inputs.x, inputs.dt, inputs.B, inputs.C))
+    return ScanInputs(x, dt, inputs.A, B, C, D=inputs.D, initial_state=inputs.initial_state)
+
+
 class Mamba2Mixer(nn.Module):
     def __init__(self, width: int, cfg: MambaConfig, norm_eps: float) -> None:
         super().__init__()
@@ -160,6 +231,66 @@ class Mamba2Mixer(nn.Module):
         else:
             y = self._mix_head_shard(mixer_input, document_ids, self.sequence_split)
         y = self.norm(y, z)
+        return self.out_proj(y.to(x.dtype))
+
+    def decoding_problem(self) -> str | None:
+        """Why this mixer cannot decode incrementally (None: it can)."""
+        if self.sequence_split is not None:
+            return "context parallelism splits its sequence across ranks"
+        return None
+
+    def init_cache(
+        self, batch: int, capacity: int, device: torch.device, dtype: torch.dtype
+    ) -> MambaCache:
+        """The state before the first position: zeros (the conv's padding, an empty scan).
+        ``capacity`` does not matter: the state's size does not grow."""
+        cfg = self.cfg
+        channels = self.heads * cfg.head_dim + 2 * self.groups * cfg.state_size
+        conv = torch.zeros(batch, cfg.conv_kernel - 1, channels, device=device, dtype=dtype)
+        shape = (batch, self.heads, cfg.head_dim, cfg.state_size)
+        ssm = torch.zeros(shape, device=device, dtype=torch.float32)
+        return MambaCache(conv, ssm, cfg.chunk_size)
+
+    def decode(self, x: torch.Tensor, cache: MambaCache) -> torch.Tensor:
+        """The next T positions ``x`` [B, T, d] after the cached ones, as :meth:`forward` over
+        the whole sequence computes them (one document per row)."""
+        cfg = self.cfg
+        b, s = x.shape[:2]
+        d_inner = self.heads * cfg.head_dim
+        widths = [d_inner, self.groups * cfg.state_size, self.groups * cfg.state_size]
+        projected = self.in_proj(x)
+        z, xbc, dt = projected.split([d_inner, sum(widths), self.heads], dim=-1)
+        window = torch.cat([cache.conv.to(xbc.dtype), xbc], dim=1)
+        # The conv's taps over the window, in the order the full forward adds them.
+        taps = _taps(self.conv1d.weight)
+        bias = self.conv1d.bias
+        k = taps.shape[0]
+        conv = (
+            window[:, :s] * taps[0] if bias is None else torch.addcmul(bias, window[:, :s], taps[0])
+        )
+        for j in range(1, k):
+            conv = torch.addcmul(conv, window[:, j : j + s], taps[j])
+        xs, B, C = F.silu(conv).split(widths, -1)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        upper = cfg.dt_limit_max if cfg.dt_limit_max is not None else float("inf")
+        dt = dt.clamp(min=cfg.dt_limit_min, max=upper)
+        inputs = ScanInputs(
+            xs.reshape(b, s, self.heads, cfg.head_dim),
+            dt,
+            -torch.exp(self.A_log.float()),
+            B.reshape(b, s, self.groups, cfg.state_size),
+            C.reshape(b, s, self.groups, cfg.state_size),
+            D=self.D,
+            initial_state=cache.ssm,
+        )
+        if s <= STEP_STATES:
+            y, states = ssd_decode_steps(inputs)
+            final = states[:, -1]
+        else:
+            y, final = ssd_chunked_scan(inputs, cfg.chunk_size, return_final_state=True)
+            states = None
+        cache.step(window, inputs, states, final.float())
+        y = self.norm(y.reshape(b, s, d_inner), z)
         return self.out_proj(y.to(x.dtype))
 
     def _mix(

@@ -7,6 +7,7 @@ from torch import nn
 
 from factory.kernels.choice import KernelChoice
 from factory.kernels.moe_dispatch import activate
+from factory.nn.decoding import StatelessCache
 from factory.schemas.model import ModelConfig
 
 __all__ = ["MLP", "build", "kernel_choices"]
@@ -24,6 +25,16 @@ class MLP(nn.Module):
         """Token-wise: ``document_ids`` changes nothing."""
         gate = self.gate_proj(x) if self.gate_proj is not None else None
         return self.down_proj(activate(self.up_proj(x), gate, self.activation))
+
+    def init_cache(
+        self, batch: int, capacity: int, device: torch.device, dtype: torch.dtype
+    ) -> StatelessCache:
+        """Token-wise: nothing to keep between decoding steps."""
+        return StatelessCache()
+
+    def decode(self, x: torch.Tensor, cache: StatelessCache) -> torch.Tensor:
+        """The next positions: the same as :meth:`forward`, position by position."""
+        return self(x)
 
 
 def build(model: ModelConfig) -> MLP:

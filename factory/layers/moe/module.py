@@ -26,6 +26,7 @@ from factory.kernels.moe_dispatch import (
 from factory.layers.mlp.module import MLP
 from factory.layers.moe.experts import ExpertPath, choose_path, pair_outputs
 from factory.layers.moe.spec import mlp_bias
+from factory.nn.decoding import StatelessCache
 from factory.nn.outputs import RoutedOutput
 from factory.schemas.model import ModelConfig, MoEConfig, RouterConfig
 
@@ -246,6 +247,25 @@ class MoE(nn.Module):
         """The routing mixer's half of the aux-loss-free step (every mixer that returns a
         :class:`RoutedOutput` has one): the router moves its expert bias by ``load``."""
         self.gate.update_expert_bias(load)
+
+    def decoding_problem(self) -> str | None:
+        """Why this mixer cannot decode incrementally (None: it can)."""
+        if self.cfg.capacity_factor is not None:
+            return (
+                "its capacity factor drops tokens by what else the batch holds, so a position's "
+                "output would depend on how many positions a decoding step carries"
+            )
+        return None
+
+    def init_cache(
+        self, batch: int, capacity: int, device: torch.device, dtype: torch.dtype
+    ) -> StatelessCache:
+        """Token-wise: nothing to keep between decoding steps."""
+        return StatelessCache()
+
+    def decode(self, x: torch.Tensor, cache: StatelessCache) -> RoutedOutput:
+        """The next positions: the same routing and experts as :meth:`forward`."""
+        return self(x)
 
     def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> RoutedOutput:
         """Token-wise routing: ``document_ids`` changes nothing."""
