@@ -24,7 +24,7 @@ import factory
 from factory.jobs.build import STAGES, BuildFailed, build
 from factory.jobs.build_checks import compare_losses, loss_falls
 
-FAST = ("smoke", "distributed", "report")
+FAST = ("smoke", "evaluate", "distributed", "report")
 
 
 def _digests(out: Path) -> dict[str, str]:

@@ -20,8 +20,9 @@ from factory.exports.hf_config import hf_config
 from factory.exports.megatron import launch_sh, overrides_yaml
 from factory.planner.plan import plan
 from factory.precision.policy import flops_share, resolve_policy
-from factory.report.build_folder import STAGES
+from factory.report.build_folder import STAGES, BuildFolder
 from factory.report.build_page import write_build_report
+from factory.report.build_sections_evaluation import evaluation_section
 from factory.report.plan_text import cost_tables
 from factory.schemas.blueprint import Blueprint
 
@@ -106,7 +107,7 @@ def _text(page: str) -> str:
 def test_every_section_is_present_with_numbers_from_the_inputs(full_build: Path) -> None:
     page = _page(full_build)
     for anchor in ("stages", "layers", "memory", "flops", "cost", "model", "precision", "data",
-                   "runs", "exports", "artifacts"):  # fmt: skip
+                   "runs", "evaluation", "exports", "artifacts"):  # fmt: skip
         assert f'<section id="{anchor}">' in page, anchor
     summary = json.loads((full_build / "plan.json").read_text())
     text = _text(page)
@@ -138,6 +139,57 @@ def test_the_smoke_runs_plots_are_inlined(full_build: Path) -> None:
     assert kernels and "<h3>Smoke run: kernels</h3>" in page
     for line in kernels:  # the run's first lines, on the page
         assert html.escape(line.removeprefix("kernels: ")) in page, line
+
+
+def test_the_evaluation_shows_held_out_losses_the_average_samples_and_acceptance(
+    full_build: Path,
+) -> None:
+    """The smoke run evaluated its held-out sets while training (curves in its loss plot); the
+    evaluate stage's kept checkpoints and their average, each per set, samples of the text
+    and the MTP drafts' acceptance are on the page, from ``evaluation.json``."""
+    metrics = [json.loads(line) for line in (full_build / "smoke" / "metrics.jsonl").open()]
+    evaluations = [m for m in metrics if m["kind"] == "eval"]
+    heldout = {c for c in json.loads((full_build / "data/manifest.json").read_text())["heldout"]}
+    assert heldout and {m["category"] for m in evaluations} == heldout | {None}
+    record = json.loads((full_build / "evaluation.json").read_text())
+    assert record["sets"] == sorted(heldout)
+    steps = [c["step"] for c in record["checkpoints"]]
+    assert steps == [2, 3, 4] and record["averaged"]["steps"] == steps
+    assert record["averaged"]["weights"] == [1 / 3] * 3
+    recorded = {m["step"]: m["loss"] for m in evaluations if m["category"] is None}
+    for checkpoint in record["checkpoints"]:  # factory eval's number is training.eval's
+        assert checkpoint["loss"] == pytest.approx(recorded[checkpoint["step"]], rel=1e-9)
+    text = _text(_page(full_build))
+    for losses in (*record["checkpoints"], record["averaged"]):
+        assert f"{losses['loss']:.4f}" in text
+        for name, loss in losses["sets"].items():
+            assert name in text and f"{loss:.4f}" in text
+    assert record["speculative"] is None and len(record["samples"]) == 3  # Nano has no MTP
+    for sample in record["samples"]:
+        assert html.escape(sample["text"]) in _page(full_build)
+    assert not list((full_build / "smoke").rglob("checkpoints"))
+    assert not (full_build / "smoke" / "averaged").exists()
+
+
+def test_the_evaluation_section_shows_the_mtp_acceptance_per_draft_position(
+    tmp_path: Path,
+) -> None:
+    """A model with MTP heads: its samples' drafts accepted per position, summed, and the
+    new tokens per main-model forward (Super's numbers come from ``factory generate``, whose
+    own tests check them)."""
+    losses = {"loss": 5.0, "perplexity": 148.4, "sets": {"code": 5.0}}
+    sample = {"prompt": "a < b", "text": " & c", "forwards": 4, "tokens_per_forward": 2.0,
+              "drafted": [3, 3], "accepted": [2, 1]}  # fmt: skip
+    record = {"stage": None, "sets": ["code"], "speculative": "mtp",
+              "checkpoints": [{"step": 8, **losses}],
+              "averaged": {"steps": [8], "weights": [1.0], **losses},
+              "samples": [sample, {**sample, "accepted": [3, 0]}]}  # fmt: skip
+    (tmp_path / "evaluation.json").write_text(json.dumps(record))
+    page = evaluation_section(BuildFolder(tmp_path))
+    text = _text("<body>" + page)
+    assert "2.00 new tokens per main-model forward" in text
+    assert re.search(r"1\s+5\s+6\s+83.3%", text) and re.search(r"2\s+1\s+6\s+16.7%", text)
+    assert "a &lt; b" in page and "&amp; c" in page
 
 
 def test_the_page_fetches_nothing_and_links_every_artifact(full_build: Path) -> None:

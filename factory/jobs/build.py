@@ -161,6 +161,8 @@ def build(
         raise ValueError(f"unknown stages {sorted(unknown)}; stages are {', '.join(STAGES)}")
     if "smoke" in skipped and "distributed" not in skipped:
         raise ValueError("the distributed check compares with the smoke run: skip both or neither")
+    if "smoke" in skipped:  # the evaluate stage reads nothing else: it goes with it
+        skipped.add("evaluate")
     if steps < 2 or not 1 <= check_steps <= steps:
         raise ValueError(
             f"need steps >= 2 and 1 <= check_steps <= steps, got {steps}, {check_steps}"
@@ -190,7 +192,9 @@ def _stage(
     stage: str, context: BuildContext, earlier: dict[str, Any], skipped: set[str]
 ) -> StageRecord:
     if stage in skipped:
-        return StageRecord(stage, "skipped", 0.0, "skipped (--skip)")
+        implied = stage == "evaluate" and "smoke" in skipped
+        why = "skipped (it evaluates the smoke run, skipped)" if implied else "skipped (--skip)"
+        return StageRecord(stage, "skipped", 0.0, why)
     if _reusable(context.out, stage, earlier, context.program.declared) and stage != "report":
         before = earlier[stage]
         return StageRecord(

@@ -30,6 +30,7 @@ from factory.exports.megatron_refusals import program_refusals
 from factory.io import atomic_write_text, staged_directory
 from factory.jobs.build_checks import compare_losses, loss_falls, run_losses
 from factory.jobs.build_distributed import run_layout_check
+from factory.jobs.build_evaluation import evaluate_smoke, evaluated_folder, with_evaluation
 from factory.jobs.build_program import curations, program_plan, stage_fall, stage_proxies
 from factory.jobs.train import train
 from factory.jobs.train_request import CheckpointPolicy
@@ -49,6 +50,16 @@ __all__ = ["BuildContext", "Outcome", "StageFailed", "run_stage"]
 
 SMOKE_CHECKPOINT_EVERY = 8
 """A smoke run killed midway resumes from its last checkpoint (at most this many steps lost)."""
+
+SMOKE_CHECKPOINTS_KEPT = 3
+"""The evaluate stage averages the smoke run's kept checkpoints: a third of its steps apart."""
+
+
+def _smoke_checkpoints(steps: int) -> CheckpointPolicy:
+    """Every third of the run's (or a program stage's) steps, at most
+    :data:`SMOKE_CHECKPOINT_EVERY` apart, the last :data:`SMOKE_CHECKPOINTS_KEPT` kept."""
+    every = min(SMOKE_CHECKPOINT_EVERY, max(1, steps // SMOKE_CHECKPOINTS_KEPT))
+    return CheckpointPolicy(every=every, keep=SMOKE_CHECKPOINTS_KEPT)
 
 
 @dataclass(frozen=True)
@@ -267,19 +278,18 @@ def _smoke(ctx: BuildContext) -> str | Outcome:
         return _program_smoke(ctx)
     run = ctx.out / "smoke"
     train(
-        ctx.blueprint,
+        with_evaluation(ctx.blueprint, ctx.program, ctx.steps),
         out=run,
         proxy=True,
         steps=ctx.steps,
         workers=ctx.workers,
         progress=ctx.progress,
-        checkpoints=CheckpointPolicy(every=SMOKE_CHECKPOINT_EVERY, keep=1),
+        checkpoints=_smoke_checkpoints(ctx.steps),
     )
     losses = run_losses(run)
     verdict = loss_falls(losses)
     if not verdict.fell:  # its checkpoints stay, to look into
         raise StageFailed(f"the proxy's loss did not fall: {verdict.describe()}")
-    _drop_checkpoints(run)
     return f"proxy, {len(losses)} steps: {verdict.describe()}"
 
 
@@ -297,14 +307,14 @@ def _program_smoke(ctx: BuildContext) -> Outcome:
     ``data/<stage>/``; each stage's loss judged by :func:`stage_fall`."""
     run = ctx.out / "smoke"
     train(
-        ctx.blueprint,
+        with_evaluation(ctx.blueprint, ctx.program, ctx.steps),
         out=run,
         proxy=True,
         steps=ctx.steps,
         data=_curated(ctx),
         workers=ctx.workers,
         progress=ctx.progress,
-        checkpoints=CheckpointPolicy(every=SMOKE_CHECKPOINT_EVERY, keep=1),
+        checkpoints=_smoke_checkpoints(ctx.steps),
     )
     records: dict[str, Any] = {}
     start: float | None = None
@@ -318,11 +328,36 @@ def _program_smoke(ctx: BuildContext) -> Outcome:
             failed.append(f"{name}: {verdict.describe()}")
     if failed:  # its checkpoints stay, to look into
         raise StageFailed("the proxy's loss fails in " + "; ".join(failed), records)
-    for name in ctx.program.names:
+    for name in ctx.program.names[:-1]:  # the last stage's: the evaluate stage's to average
         _drop_checkpoints(run / name)
     _drop_checkpoints(run)
     line = "; ".join(f"{n} {r['first']:.2f} -> {r['last']:.2f}" for n, r in records.items())
     return Outcome(f"proxy, {ctx.steps} steps per stage, every stage passed: {line}", records)
+
+
+def _evaluate(ctx: BuildContext) -> str:
+    """The smoke run's kept checkpoints and their average on the held-out sets, and samples
+    of its model (``factory.jobs.build_evaluation``), in ``evaluation.json``."""
+    run = ctx.out / "smoke"
+    if not (evaluated_folder(run, ctx.program) / "train.json").is_file():
+        raise StageFailed("the evaluate stage evaluates the smoke run: run it first")
+    record = evaluate_smoke(run, ctx.program)
+    atomic_write_text(ctx.out / "evaluation.json", json.dumps(record, indent=2) + "\n")
+    best = min(record["checkpoints"], key=lambda c: c["loss"])
+    averaged = record["averaged"]
+    line = (
+        f"held-out loss {record['checkpoints'][-1]['loss']:.3f} at the last step, best "
+        f"{best['loss']:.3f} at step {best['step']}, {averaged['loss']:.3f} averaged over "
+        f"steps {', '.join(map(str, averaged['steps']))}"
+    )
+    if record["speculative"]:
+        drafted = [sum(x) for x in zip(*(s["drafted"] for s in record["samples"]), strict=True)]
+        accepted = [sum(x) for x in zip(*(s["accepted"] for s in record["samples"]), strict=True)]
+        rates = ", ".join(
+            f"{a / d:.0%}" if d else "-" for a, d in zip(accepted, drafted, strict=True)
+        )
+        line += f"; MTP drafts accepted per position: {rates}"
+    return line
 
 
 def _distributed(ctx: BuildContext) -> str:
@@ -404,6 +439,7 @@ _RUNNERS: dict[str, Any] = {
     "export": _export,
     "data": _data,
     "smoke": _smoke,
+    "evaluate": _evaluate,
     "distributed": _distributed,
     "report": _report,
 }

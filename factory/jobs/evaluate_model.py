@@ -40,7 +40,10 @@ def loaded_model(request: EvalRequest) -> tuple[Compiled, int]:
     compiled.model.load_state_dict(state["model"])
     if compiled.precision is not None:
         compiled.precision.weights_updated()
-    return compiled, int(meta["position"]["update"])
+    # An averaged checkpoint (factory average) stands at no one update: it reports the step
+    # it was asked for, the newest of its sources'.
+    position = meta.get("position") or {"update": request.step}
+    return compiled, int(position["update"])
 
 
 def evaluated_records(request: EvalRequest) -> list[HeldoutMetrics]:

@@ -28,6 +28,7 @@ STAGES = (
     "export",
     "data",
     "smoke",
+    "evaluate",
     "distributed",
     "report",
 )
@@ -41,6 +42,7 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
     "export": ("exports",),
     "data": ("data",),
     "smoke": ("smoke",),
+    "evaluate": ("evaluation.json",),
     "distributed": ("distributed", "distributed.json"),
     "report": ("report.html",),
 }
@@ -122,6 +124,7 @@ class BuildFolder:
     model_check = _json_view("model_check.json")
     manifest = _json_view("data/manifest.json")
     distributed = _json_view("distributed.json")
+    evaluation = _json_view("evaluation.json")
     program_plan = _json_view(PROGRAM_PLAN)
 
     @property

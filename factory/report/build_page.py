@@ -16,6 +16,7 @@ from pathlib import Path
 
 from factory.io import atomic_write_text
 from factory.report.build_folder import BuildFolder
+from factory.report.build_sections_evaluation import evaluation_section
 from factory.report.build_sections_plan import (
     cost_section,
     flops_section,
@@ -49,6 +50,7 @@ SECTIONS: tuple[tuple[str, str, Callable[[BuildFolder], str]], ...] = (
     ("precision", "Precision", precision_section),
     ("data", "Data", data_section),
     ("runs", "Smoke and distributed", run_section),
+    ("evaluation", "Held-out loss and samples", evaluation_section),
     ("exports", "Exports", exports_section),
     ("artifacts", "Artifacts", artifacts_section),
 )
