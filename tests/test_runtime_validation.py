@@ -162,6 +162,7 @@ def _driven(tmp: Path, data: Path, run_dir: Path, **spec: object) -> dict:
     short)."""
     training = {"steps": STEPS, "optimizer": {"lr": 1e-2, "min_lr": 1e-3}}
     training["eval"] = {"interval": 2, "tokens": 256}
+    training["average"] = {"kind": "ema", "decay": 0.75, "start": 1}
     full = {
         "blueprint": tiny_blueprint(training=training).model_dump(mode="json"),
         "data": str(data),
@@ -191,7 +192,15 @@ def _driven(tmp: Path, data: Path, run_dir: Path, **spec: object) -> dict:
     return {"done": done, "losses": losses, "eval": evaluations, "resumed": resumed_evaluations}
 
 
-def test_a_run_with_evaluation_resumes_after_sigkill_bit_for_bit(
+def _newest_average(run_dir: Path) -> dict[str, torch.Tensor]:
+    """``training.average``'s moving average as the run's newest checkpoint holds it."""
+    from factory.runtime.averaging import running_average
+    from factory.runtime.checkpoint import complete_checkpoints
+
+    return running_average(complete_checkpoints(run_dir / "checkpoints")[-1][1])
+
+
+def test_a_run_with_evaluation_and_averaging_resumes_after_sigkill_bit_for_bit(
     tmp_path: Path, data: Path
 ) -> None:
     reference = _driven(tmp_path, data, tmp_path / "reference")
@@ -205,6 +214,10 @@ def test_a_run_with_evaluation_resumes_after_sigkill_bit_for_bit(
     assert resumed["eval"] == reference["eval"]  # every evaluation, bit for bit
     # The resumed run evaluated again at the step it resumed from, with the same numbers.
     assert resumed["resumed"][0][0] == 2
+    want, got = _newest_average(tmp_path / "reference"), _newest_average(tmp_path / "run")
+    assert want.keys() == got.keys() and want
+    for name, tensor in want.items():  # training.average's moving average, bit for bit
+        assert torch.equal(got[name], tensor), name
 
 
 def test_the_grouped_mm_probe_answers_alike_under_no_grad(monkeypatch: pytest.MonkeyPatch) -> None:
