@@ -88,9 +88,10 @@ def generate_cmd(
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")] = False,
 ) -> None:
-    """Generate text after each prompt, greedy or sampled, incrementally (KV cache, Mamba
-    states); --speculative mtp drafts with the MTP heads and reports the acceptance rate per
-    draft position and the tokens per forward."""
+    """Generate text after each prompt, greedy or sampled.
+
+    Incremental decoding (KV cache, Mamba states); --speculative mtp drafts with the MTP
+    heads and reports the acceptance rate per draft position and the tokens per forward."""
     texts = _prompts(prompt, prompts)
     try:
         generations = generate_text(

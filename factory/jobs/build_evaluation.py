@@ -24,11 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from factory.data.loaded_recipe import load_recipe
-from factory.jobs.average import average
 from factory.jobs.eval_request import EvalResult
 from factory.jobs.evaluate import prepare_eval, run_eval
 from factory.jobs.generate import generate_text
-from factory.runtime.checkpoint import complete_checkpoints
 from factory.schemas.blueprint import Blueprint
 from factory.schemas.program import Program
 from factory.schemas.training import EvalConfig
@@ -115,6 +113,9 @@ def evaluated_folder(run: Path, program: Program) -> Path:
 def evaluate_smoke(run: Path, program: Program, average_last: int = 3) -> dict[str, Any]:
     """The record ``evaluation.json`` holds for the smoke run in ``run`` (the module's
     docstring); drops the checkpoints after."""
+    from factory.jobs.average import average  # torch: the build's other stages load none
+    from factory.runtime.checkpoint import complete_checkpoints
+
     folder = evaluated_folder(run, program)
     stage_name = program.stages[-1].name if program.declared else None
     kept = complete_checkpoints(folder / "checkpoints")

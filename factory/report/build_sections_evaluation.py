@@ -9,9 +9,11 @@ from typing import Any
 
 from factory.report.bar_chart import Series, bar_chart_svg
 from factory.report.build_folder import BuildFolder, missing
-from factory.report.html_parts import escape, figure_svg, table
+from factory.report.html_parts import escape, figure_svg, section, table
 
 __all__ = ["evaluation_section"]
+
+_ANCHOR, _TITLE = "evaluation", "Which checkpoint is good: held-out loss and samples"
 
 _LOSS_COLOUR = "#2e7d32"
 """The held-out green of the run page's loss plot."""
@@ -37,16 +39,20 @@ def _loss_table(record: dict[str, Any]) -> str:
 
 
 def _loss_chart(record: dict[str, Any]) -> str:
+    """Each row's held-out loss above the lowest: the differences are hundredths of a nat at
+    a loss of several, which bars from zero would not show."""
     rows = _rows(record)
+    lowest = min(losses["loss"] for _, losses in rows)
     chart = bar_chart_svg(
         [label for label, _ in rows],
-        [Series("held-out loss", _LOSS_COLOUR, [losses["loss"] for _, losses in rows])],
-        lambda value: f"{value:.4f} nats",
+        [Series("above the lowest", _LOSS_COLOUR, [losses["loss"] - lowest for _, losses in rows])],
+        lambda value: f"+{value:.4f} nats",
     )
     return figure_svg(
         chart,
-        "Held-out loss over all sets (token-weighted) of each kept checkpoint of the smoke "
-        "run and of their uniform average (factory average).",
+        f"Held-out loss over all sets (token-weighted) of each kept checkpoint of the smoke "
+        f"run and of their uniform average (factory average), above the lowest, "
+        f"{lowest:.4f} nats; the table gives each set's.",
     )
 
 
@@ -80,7 +86,7 @@ def evaluation_section(folder: BuildFolder) -> str:
     """The evaluate stage's record, or why there is none."""
     record = folder.evaluation
     if not isinstance(record, dict):
-        return missing(folder, "evaluate", "held-out evaluation")
+        return section(_ANCHOR, _TITLE, missing(folder, "evaluate", "held-out evaluation"))
     where = f" (program stage {escape(record['stage'])})" if record.get("stage") else ""
     body = (
         f"<p>The smoke run{where} on its data's held-out sets, which training never sees "
@@ -89,4 +95,4 @@ def evaluation_section(folder: BuildFolder) -> str:
     )
     if record.get("speculative"):
         body += _acceptance(record)
-    return body + _samples(record)
+    return section(_ANCHOR, _TITLE, body + _samples(record))
