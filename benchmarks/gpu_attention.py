@@ -54,10 +54,10 @@ def _methods(ids: torch.Tensor, dry_run: bool) -> dict[str, Callable[..., torch.
         flex_document_attention,
     )
     from factory.layers.attention.module import (
+        VARLEN_IMPORTABLE,
         _masked,
         _varlen_documents,
         causal_attention,
-        varlen_attn,
     )
 
     length = ids.shape[1]
@@ -72,7 +72,7 @@ def _methods(ids: torch.Tensor, dry_run: bool) -> dict[str, Callable[..., torch.
         mask = document_mask(ids, runs, q.shape[2], length, q.device)  # as the model's blocks
         return flex_document_attention(q, k, v, mask)
 
-    varlen = ids.device.type == "cuda" and varlen_attn is not None
+    varlen = ids.device.type == "cuda" and VARLEN_IMPORTABLE
     return {
         "factory": lambda q, k, v: causal_attention(q, k, v, ids),
         "flex": eager_flex,

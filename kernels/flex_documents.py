@@ -175,7 +175,9 @@ def document_mask(
     :func:`_document_mask_outside_the_graph`): the graph takes the mask as an input, built
     once per step for every layer, and new documents recompile nothing."""
     if torch.compiler.is_compiling():
-        return _document_mask_outside_the_graph(document_ids, runs, query_rows, key_length, device)
+        return _document_mask_outside_the_graph()(
+            document_ids, runs, query_rows, key_length, device
+        )
     version = None if document_ids is None else document_ids._version
     key = (version, tuple(runs), query_rows, key_length, str(device))
     same_documents = (
@@ -190,9 +192,13 @@ def document_mask(
     return _LAST.mask
 
 
-_document_mask_outside_the_graph = torch.compiler.disable(document_mask)
-""":func:`document_mask` run eagerly from inside a compiled graph, which then takes the mask as
-an input: torch 2.11's inductor could not lower flex over a mask built inside the graph."""
+@functools.cache
+def _document_mask_outside_the_graph() -> Callable[..., BlockMask]:
+    """:func:`document_mask` run eagerly from inside a compiled graph, which then takes the mask
+    as an input: torch 2.11's inductor could not lower flex over a mask built inside the graph.
+    Made on first use: ``torch.compiler.disable`` imports torch's compiler, which importing
+    this module (building a model) must not."""
+    return torch.compiler.disable(document_mask)
 
 
 @functools.cache

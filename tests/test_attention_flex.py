@@ -243,7 +243,7 @@ def test_cuda_takes_flex_when_it_imports(monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_cuda_without_triton_falls_back_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(flex_documents, "TRITON_IMPORTABLE", False)
-    monkeypatch.setattr(attention, "varlen_attn", object())
+    monkeypatch.setattr(attention, "VARLEN_IMPORTABLE", True)
     eager = attention.attention_kernel("cuda")
     assert eager.kernel == "varlen_attn (flash) over the documents"
     assert "triton is not installed" in eager.fallback
@@ -252,7 +252,7 @@ def test_cuda_without_triton_falls_back_and_says_why(monkeypatch: pytest.MonkeyP
     assert "triton" in compiled.fallback and "compiled block" in compiled.fallback
     runs = attention.attention_kernel("cuda", whole=False)
     assert runs.kernel == "SDPA with a dense mask" and "query runs" in runs.fallback
-    monkeypatch.setattr(attention, "varlen_attn", None)
+    monkeypatch.setattr(attention, "VARLEN_IMPORTABLE", False)
     bare = attention.attention_kernel("cuda")
     assert bare.kernel == "SDPA with a dense mask" and "no varlen_attn" in bare.fallback
 
@@ -261,7 +261,7 @@ def test_varlen_is_the_eager_option_and_flex_serves_the_rest(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(attention, "CUDA_DOCUMENT_KERNEL", "varlen")
-    monkeypatch.setattr(attention, "varlen_attn", object())
+    monkeypatch.setattr(attention, "VARLEN_IMPORTABLE", True)
     assert attention.attention_kernel("cuda").kernel == "varlen_attn (flash) over the documents"
     for other in (
         attention.attention_kernel("cuda", compiling=True),

@@ -309,7 +309,10 @@ def test_device_install_adds_the_kernel_packages_without_their_dependencies(
     monkeypatch.setattr(gpu_install.importlib.metadata, "version", not_installed)
     calls: list[list[str]] = []
     monkeypatch.setattr(gpu_install.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    restarts: list[list[str]] = []  # the command starts again, seeing the editable install
+    monkeypatch.setattr(gpu_install.os, "execv", lambda path, argv: restarts.append(argv))
     gpu_install.install_offline_if_needed()
+    assert restarts == [[sys.executable, *sys.orig_argv[1:]]]
     assert [c[-2:] for c in calls] == [
         ["-r", str(folder / "requirements.txt")],
         ["-r", str(folder / "without-deps.txt")],

@@ -14,7 +14,7 @@ from blueprint_factory import make
 import factory
 from factory.graph.loss import language_model_loss
 from factory.kernels.document_attention import QueryRun
-from factory.layers.attention.module import _masked, _varlen_documents, varlen_attn
+from factory.layers.attention.module import VARLEN_IMPORTABLE, _masked, _varlen_documents
 from factory.nn.packed_documents import document_ids_from_cu_seqlens, same_document
 
 LENGTHS = [[7, 12, 5, 8], [16, 16], [32]]
@@ -92,7 +92,7 @@ def test_loss_takes_no_target_across_a_boundary() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (varlen attention)")
-@pytest.mark.skipif(varlen_attn is None, reason="this torch has no torch.nn.attention.varlen")
+@pytest.mark.skipif(not VARLEN_IMPORTABLE, reason="this torch has no torch.nn.attention.varlen")
 def test_varlen_documents_equal_the_masked_path_on_cuda() -> None:
     # varlen is CUDA_DOCUMENT_KERNEL's option, not the default (FlexAttention's test:
     # tests/test_attention_flex.py), so it is called directly.

@@ -16,6 +16,8 @@ names, for where it measures faster.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from typing import Literal
 
 import torch
@@ -29,10 +31,12 @@ from factory.nn.decoding import DecodingCache
 from factory.nn.sequence_split import SequenceSplit
 from factory.schemas.model import AttentionConfig, ModelConfig
 
-try:  # a submodule: ``torch.nn.attention`` does not import it, so hasattr() never sees it
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch 2.11 has none (seen on the H200, 2026-11-28)
-    varlen_attn = None
+VARLEN_MODULE = "torch.nn.attention.varlen"
+VARLEN_IMPORTABLE = importlib.util.find_spec(VARLEN_MODULE) is not None
+"""Whether this torch has ``varlen_attn``: a submodule ``torch.nn.attention`` does not import,
+so ``hasattr`` never saw it; torch 2.11 has none (seen on the H200, 2026-11-28). It is
+imported where it runs: importing it loads torch's compiler (``torch._dynamo``), which
+building a model must not (``tests/test_graph.py``)."""
 
 __all__ = [
     "CUDA_DOCUMENT_KERNEL",
@@ -214,7 +218,7 @@ def _document_path(device: str, compiling: bool, whole: bool) -> tuple[DocumentP
     reason = flex_unavailable(device) or ""
     if not reason and CUDA_DOCUMENT_KERNEL == "flex":
         return "flex", None
-    varlen = device == "cuda" and varlen_attn is not None
+    varlen = device == "cuda" and VARLEN_IMPORTABLE
     if varlen and whole and not compiling:
         return "varlen", reason or None
     if not reason:
@@ -257,7 +261,9 @@ def _varlen_documents(
     cu = cu.to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())
     packed = [t.transpose(1, 2).reshape(b * s, t.shape[1], d) for t in (q, k, v)]
-    out = varlen_attn(*packed, cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=True)
+    out = importlib.import_module(VARLEN_MODULE).varlen_attn(
+        *packed, cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=True
+    )
     return out.reshape(b, s, h, d).transpose(1, 2)
 
 
