@@ -33,7 +33,8 @@ def test_the_page_renders_every_picture_without_errors(full_build: Path) -> None
         assert image["complete"] and image["natural_width"] > 0, image["alt"]
         assert image["box"]["width"] > 200 and image["box"]["height"] > 100, image["alt"]
     classes = [svg["cls"] for svg in page.svgs]
-    assert classes == ["layer-stack", "memory", "bars", "step", "bars", "bars"]
+    # The last bars: the evaluation's held-out loss per checkpoint.
+    assert classes == ["layer-stack", "memory", "bars", "step", "bars", "bars", "bars"]
     for svg in page.svgs:
         assert svg["shapes"] > 0 and svg["bbox_width"] > 100 and svg["bbox_height"] > 20, svg
     assert page.blank == []

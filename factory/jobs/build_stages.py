@@ -354,7 +354,7 @@ def _evaluate(ctx: BuildContext) -> str:
         drafted = [sum(x) for x in zip(*(s["drafted"] for s in record["samples"]), strict=True)]
         accepted = [sum(x) for x in zip(*(s["accepted"] for s in record["samples"]), strict=True)]
         rates = ", ".join(
-            f"{a / d:.0%}" if d else "-" for a, d in zip(accepted, drafted, strict=True)
+            f"{a / d:.0%}" if d else "none drafted" for a, d in zip(accepted, drafted, strict=True)
         )
         line += f"; MTP drafts accepted per position: {rates}"
     return line

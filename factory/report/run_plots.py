@@ -182,7 +182,16 @@ def _heldout(ax: Any, metrics: RunMetrics) -> None:
     overall = curves.get(None)
     if overall:
         x, y = [r.update for r in overall], [_finite(r.loss) for r in overall]
-        ax.plot(x, y, "-", color="#006d2c", lw=1.6, marker="s", ms=4, label="held-out, all sets")
+        ax.plot(
+            x,
+            y,
+            linestyle="solid",
+            color="#006d2c",
+            lw=1.6,
+            marker="s",
+            ms=4,
+            label="held-out, all sets",
+        )
 
 
 def _line_png(metrics: RunMetrics, attr: str, title: str, log: bool, width: float) -> bytes:
