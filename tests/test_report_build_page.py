@@ -178,12 +178,13 @@ def test_the_evaluation_section_shows_the_mtp_acceptance_per_draft_position(
     new tokens per main-model forward (Super's numbers come from ``factory generate``, whose
     own tests check them)."""
     losses = {"loss": 5.0, "perplexity": 148.4, "sets": {"code": 5.0}}
-    sample = {"prompt": "a < b", "text": " & c", "forwards": 4, "tokens_per_forward": 2.0,
+    sample = {"prompt": "a < b", "text": " & c", "forwards": 4, "new_tokens": 8,
               "drafted": [3, 3], "accepted": [2, 1]}  # fmt: skip
     record = {"stage": None, "sets": ["code"], "speculative": "mtp",
               "checkpoints": [{"step": 8, **losses}],
               "averaged": {"steps": [8], "weights": [1.0], **losses},
-              "samples": [sample, {**sample, "accepted": [3, 0]}]}  # fmt: skip
+              "samples": [sample, {**sample, "accepted": [3, 0]}],
+              "acceptance": {"drafted": [6, 6], "accepted": [5, 1], "tokens_per_forward": 2.0}}  # fmt: skip
     (tmp_path / "evaluation.json").write_text(json.dumps(record))
     page = evaluation_section(BuildFolder(tmp_path))
     text = _text("<body>" + page)

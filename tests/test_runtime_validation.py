@@ -220,19 +220,6 @@ def test_a_run_with_evaluation_and_averaging_resumes_after_sigkill_bit_for_bit(
         assert torch.equal(got[name], tensor), name
 
 
-def test_the_grouped_mm_probe_answers_alike_under_no_grad(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An evaluation can be a process's first forward pass (at a resumed step): the probe of
-    torch._grouped_mm it triggers must not fail for want of autograd and switch the MoE
-    experts of every later training step to another path."""
-    from factory.kernels import moe_dispatch
-
-    monkeypatch.setattr(moe_dispatch, "_GROUPED_MM_WORKS", {})
-    with torch.no_grad():
-        under_no_grad = moe_dispatch.grouped_mm_works(torch.device("cpu"), torch.float32)
-    monkeypatch.setattr(moe_dispatch, "_GROUPED_MM_WORKS", {})
-    assert under_no_grad == moe_dispatch.grouped_mm_works(torch.device("cpu"), torch.float32)
-
-
 def test_the_run_page_shows_the_heldout_loss_beside_the_training_loss(
     runs: dict, tmp_path: Path
 ) -> None:

@@ -97,12 +97,23 @@ def _samples(run: Path, speculative: bool) -> list[dict[str, Any]]:
             "prompt": g.prompt,
             "text": g.text,
             "forwards": g.result.forwards,
-            "tokens_per_forward": g.result.tokens_per_forward,
+            "new_tokens": len(g.result.tokens),
             "drafted": list(g.result.drafted),
             "accepted": list(g.result.accepted),
         }
         for g in generated
     ]
+
+
+def _acceptance(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over all samples: the drafts verified and accepted per draft position, and the new
+    tokens per main-model forward."""
+    forwards = sum(s["forwards"] for s in samples)
+    return {
+        "drafted": [sum(n) for n in zip(*(s["drafted"] for s in samples), strict=True)],
+        "accepted": [sum(n) for n in zip(*(s["accepted"] for s in samples), strict=True)],
+        "tokens_per_forward": sum(s["new_tokens"] for s in samples) / forwards,
+    }
 
 
 def evaluated_folder(run: Path, program: Program) -> Path:
@@ -141,6 +152,7 @@ def evaluate_smoke(run: Path, program: Program, average_last: int = 3) -> dict[s
     mtp = trained is not None and trained.model.mtp_depth > 0
     record["speculative"] = "mtp" if mtp else None
     record["samples"] = _samples(run, mtp)
+    record["acceptance"] = _acceptance(record["samples"]) if mtp else None
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)
     shutil.rmtree(averaged.folder, ignore_errors=True)
     with contextlib.suppress(OSError):  # averaged/ stays where training.average wrote there

@@ -350,12 +350,9 @@ def _evaluate(ctx: BuildContext) -> str:
         f"{best['loss']:.3f} at step {best['step']}, {averaged['loss']:.3f} averaged over "
         f"steps {', '.join(map(str, averaged['steps']))}"
     )
-    if record["speculative"]:
-        drafted = [sum(x) for x in zip(*(s["drafted"] for s in record["samples"]), strict=True)]
-        accepted = [sum(x) for x in zip(*(s["accepted"] for s in record["samples"]), strict=True)]
-        rates = ", ".join(
-            f"{a / d:.0%}" if d else "none drafted" for a, d in zip(accepted, drafted, strict=True)
-        )
+    if (acceptance := record["acceptance"]) is not None:
+        pairs = zip(acceptance["accepted"], acceptance["drafted"], strict=True)
+        rates = ", ".join(f"{a / d:.0%}" if d else "none drafted" for a, d in pairs)
         line += f"; MTP drafts accepted per position: {rates}"
     return line
 

@@ -57,18 +57,16 @@ def _loss_chart(record: dict[str, Any]) -> str:
 
 
 def _acceptance(record: dict[str, Any]) -> str:
-    samples = record["samples"]
-    drafted = [sum(x) for x in zip(*(s["drafted"] for s in samples), strict=True)]
-    accepted = [sum(x) for x in zip(*(s["accepted"] for s in samples), strict=True)]
-    forwards = sum(s["forwards"] for s in samples)
-    new_tokens = sum(s["tokens_per_forward"] * s["forwards"] for s in samples)
+    acceptance = record["acceptance"]
+    pairs = zip(acceptance["accepted"], acceptance["drafted"], strict=True)
     rows = [
         [str(depth), f"{a:,}", f"{d:,}", f"{a / d:.1%}" if d else "—"]
-        for depth, (a, d) in enumerate(zip(accepted, drafted, strict=True), 1)
+        for depth, (a, d) in enumerate(pairs, 1)
     ]
     return (
         "<h3>MTP self-speculation</h3>"
-        f"<p>The MTP heads drafted, the main model verified; {new_tokens / forwards:.2f} new "
+        f"<p>The MTP heads drafted, the main model verified; "
+        f"{acceptance['tokens_per_forward']:.2f} new "
         "tokens per main-model forward over the samples (greedy output is identical to plain "
         "decoding).</p>" + table(["draft position", "accepted", "drafted", "rate"], rows)
     )
@@ -93,6 +91,6 @@ def evaluation_section(folder: BuildFolder) -> str:
         "(the data build sets them aside by document hash). Its loss plot above carries the "
         "held-out curves over the run.</p>" + _loss_chart(record) + _loss_table(record)
     )
-    if record.get("speculative"):
+    if record.get("acceptance"):
         body += _acceptance(record)
     return section(_ANCHOR, _TITLE, body + _samples(record))
